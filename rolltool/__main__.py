@@ -1,0 +1,3 @@
+from rolltool.cli import main
+
+main()

@@ -1,0 +1,257 @@
+r"""Group advantages: each sample's advantage comes only from its own group.
+
+A group is the set of rollouts sharing a ``group_id``; a rollout is counted once however many
+branches (samples) it has, and every branch of a rollout gets the rollout's advantage.
+With r the rollout's reward, n the number of rollouts in its group, mean the group's mean reward
+and std its unbiased (n-1) standard deviation, the estimators match verl 0.9.1:
+
+- ``grpo``:      A = (r - mean) / (std + eps), eps = 1e-6 (``std_eps``). Singleton: mean 0, std 1,
+                 so A = r / (1 + eps).
+- ``dr_grpo``:   A = r - mean (GRPO without the std division). Singleton: A = r.
+- ``rloo``:      A = n / (n - 1) * (r - mean), the leave-one-out baseline. Singleton: A = r.
+- ``opo``:       A = r - b, b = sum(len * r) / sum(len) over the group's rollouts, len = the
+                 rollout's trainable tokens (all branches). Singleton: b = 0.
+- ``reinforce_pp_baseline``: a = r - mean (mean 0 for singletons), then whitened at token level:
+                 with m and v the mean and unbiased variance of a over all trainable tokens (each
+                 sample counted once per trainable token) of the samples using this estimator,
+                 A = (a - m) / sqrt(v + 1e-8).
+
+A uniform group (two or more rollouts, all rewards equal) gets A = 0 from every estimator except
+``reinforce_pp_baseline``, whose whitening shifts it by -m / sqrt(v + 1e-8). A singleton group is
+never uniform. All arithmetic is float64; advantages are returned as float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rolltool.errors import RolltoolError
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdvantageConfig:
+    estimator: str = "grpo"
+    """Estimator for every env without an override (a name in ESTIMATORS)."""
+    env_estimators: Mapping[str, str] = field(default_factory=dict)
+    """Per-env overrides, e.g. {"code": "rloo"}."""
+    std_eps: float = 1e-6
+    """Epsilon added to the group std by `grpo`."""
+
+    def __post_init__(self) -> None:
+        for name in [self.estimator, *self.env_estimators.values()]:
+            if name not in ESTIMATORS:
+                raise RolltoolError(
+                    f"unknown estimator {name!r}",
+                    hint=f"choose from {', '.join(sorted(ESTIMATORS))}",
+                )
+        if not (self.std_eps >= 0 and np.isfinite(self.std_eps)):
+            raise RolltoolError(f"--std-eps must be a finite number >= 0, got {self.std_eps}")
+
+    def to_dict(self) -> dict:
+        return {
+            "estimator": self.estimator,
+            "env_estimators": dict(self.env_estimators),
+            "std_eps": self.std_eps,
+        }
+
+
+@dataclass(frozen=True)
+class GroupStats:
+    """Per-rollout view of the input that the estimators work on (arrays indexed by rollout)."""
+
+    group: np.ndarray  # [R] int64 dense group code of each rollout
+    reward: np.ndarray  # [R] float64
+    trainable: np.ndarray  # [R] int64 trainable tokens summed over the rollout's branches
+    size: np.ndarray  # [G] int64 rollouts per group
+    mean: np.ndarray  # [G] float64 group mean reward
+    std: np.ndarray  # [G] float64 unbiased group std (0 for singletons)
+    uniform: np.ndarray  # [G] bool: two or more rollouts, all rewards equal
+
+
+def group_stats(
+    group: np.ndarray, rollout: np.ndarray, reward: np.ndarray, trainable: np.ndarray
+) -> GroupStats:
+    """Collapse samples to rollouts (first branch's reward) and compute per-group moments.
+
+    `group`, `rollout`: dense codes per sample; rollout codes are unique across groups.
+    """
+    n_rollouts = int(rollout.max()) + 1 if len(rollout) else 0
+    n_groups = int(group.max()) + 1 if len(group) else 0
+    r_group = np.zeros(n_rollouts, dtype=np.int64)
+    r_reward = np.zeros(n_rollouts, dtype=np.float64)
+    # Assign in reverse so the first branch's values win (branches share one reward anyway).
+    r_group[rollout[::-1]] = group[::-1]
+    r_reward[rollout[::-1]] = reward[::-1]
+    r_train = np.bincount(rollout, weights=trainable, minlength=n_rollouts).astype(np.int64)
+    size = np.bincount(r_group, minlength=n_groups).astype(np.int64)
+    mean = np.bincount(r_group, weights=r_reward, minlength=n_groups) / np.maximum(size, 1)
+    sq = np.bincount(r_group, weights=(r_reward - mean[r_group]) ** 2, minlength=n_groups)
+    std = np.sqrt(np.divide(sq, size - 1, out=np.zeros(n_groups), where=size > 1))
+    lo = np.full(n_groups, np.inf)
+    hi = np.full(n_groups, -np.inf)
+    np.minimum.at(lo, r_group, r_reward)
+    np.maximum.at(hi, r_group, r_reward)
+    uniform = (size >= 2) & (lo == hi)
+    return GroupStats(r_group, r_reward, r_train, size, mean, std, uniform)
+
+
+Estimator = Callable[[GroupStats, np.ndarray, float], np.ndarray]
+"""(stats, mask of rollouts to compute, std_eps) -> advantage per rollout (float64; only the
+masked entries are used)."""
+
+
+def _centered(s: GroupStats) -> np.ndarray:
+    single = s.size[s.group] == 1
+    return np.where(single, s.reward, s.reward - s.mean[s.group])
+
+
+def _grpo(s: GroupStats, mask: np.ndarray, eps: float) -> np.ndarray:
+    single = s.size[s.group] == 1
+    std = np.where(single, 1.0, s.std[s.group])
+    return _centered(s) / (std + eps)
+
+
+def _dr_grpo(s: GroupStats, mask: np.ndarray, eps: float) -> np.ndarray:
+    return _centered(s)
+
+
+def _rloo(s: GroupStats, mask: np.ndarray, eps: float) -> np.ndarray:
+    n = s.size[s.group].astype(np.float64)
+    factor = np.divide(n, n - 1, out=np.ones_like(n), where=n > 1)
+    return factor * _centered(s)
+
+
+def _opo(s: GroupStats, mask: np.ndarray, eps: float) -> np.ndarray:
+    n_groups = len(s.size)
+    num = np.bincount(s.group, weights=s.trainable * s.reward, minlength=n_groups)
+    den = np.bincount(s.group, weights=s.trainable, minlength=n_groups)
+    base = np.divide(num, den, out=np.zeros(n_groups), where=den > 0)
+    # verl divides 0/0 = nan for a group with no trainable tokens; we keep the reward (b = 0)
+    # there, which is what the singleton rule gives, and the samples carry no loss anyway.
+    base = np.where(s.size > 1, base, 0.0)
+    return s.reward - base[s.group]
+
+
+def _reinforce_pp_baseline(s: GroupStats, mask: np.ndarray, eps: float) -> np.ndarray:
+    a = _centered(s)
+    w = s.trainable[mask].astype(np.float64)
+    total = w.sum()
+    if total < 2:
+        raise RolltoolError(
+            "reinforce_pp_baseline whitens over trainable tokens and needs at least 2 of them; "
+            f"the samples using it have {int(total)}",
+            hint="use another estimator for this data, or check the loss_mask column",
+        )
+    m = float((w * a[mask]).sum() / total)
+    var = float((w * (a[mask] - m) ** 2).sum() / (total - 1))
+    return (a - m) / np.sqrt(var + 1e-8)
+
+
+ESTIMATORS: dict[str, Estimator] = {
+    "grpo": _grpo,
+    "dr_grpo": _dr_grpo,
+    "rloo": _rloo,
+    "opo": _opo,
+    "reinforce_pp_baseline": _reinforce_pp_baseline,
+}
+
+
+@dataclass(frozen=True)
+class Advantages:
+    """Output columns, one entry per sample (input row)."""
+
+    advantage: np.ndarray  # [n] float32, equal for all branches of a rollout
+    group_size: np.ndarray  # [n] int64 rollouts in the sample's group
+    group_reward_mean: np.ndarray  # [n] float64
+    group_reward_std: np.ndarray  # [n] float64 unbiased; 0 for singleton groups
+    group_uniform: np.ndarray  # [n] bool
+    estimator: np.ndarray  # [n] object, the estimator used for the sample's env
+
+
+def compute_advantages(
+    config: AdvantageConfig,
+    *,
+    group: np.ndarray,
+    rollout: np.ndarray,
+    env: np.ndarray,
+    env_names: list[str],
+    reward: np.ndarray,
+    trainable: np.ndarray,
+) -> Advantages:
+    """Advantages for every sample: see the module docstring for the formulas.
+
+    Whitening estimators (``reinforce_pp_baseline``) whiten over all samples of the envs that use
+    them; call this once per optimizer step to whiten per step instead.
+    """
+    unknown = sorted(set(config.env_estimators) - set(env_names))
+    if unknown:
+        raise RolltoolError(
+            f"--env-estimator names env(s) not in the input: {', '.join(unknown)}",
+            hint=f"envs in the input: {', '.join(env_names)}",
+        )
+    stats = group_stats(group, rollout, reward, trainable)
+    n_rollouts = len(stats.group)
+    r_env = np.zeros(n_rollouts, dtype=np.int64)
+    r_env[rollout] = env
+    names = np.array(
+        [config.env_estimators.get(e, config.estimator) for e in env_names], dtype=object
+    )
+    r_adv = np.zeros(n_rollouts, dtype=np.float64)
+    for name in sorted(set(names.tolist())):
+        mask = np.isin(r_env, np.flatnonzero(names == name))
+        r_adv[mask] = ESTIMATORS[name](stats, mask, config.std_eps)[mask]
+    g = group
+    return Advantages(
+        advantage=r_adv[rollout].astype(np.float32),
+        group_size=stats.size[g],
+        group_reward_mean=stats.mean[g],
+        group_reward_std=stats.std[g],
+        group_uniform=stats.uniform[g],
+        estimator=names[env] if len(env) else np.zeros(0, dtype=object),
+    )
+
+
+def summarize(
+    adv: Advantages,
+    *,
+    group: np.ndarray,
+    rollout: np.ndarray,
+    env: np.ndarray,
+    env_names: list[str],
+    reward: np.ndarray,
+) -> list[dict]:
+    """Per-env rows (then one "all" row): groups, rollouts, samples, uniform groups, reward
+    mean/std over rollouts, advantage mean/std/min/max over samples."""
+    rows = []
+    scopes = [(name, env == i) for i, name in enumerate(env_names)] + [
+        ("all", np.ones(len(env), bool))
+    ]
+    for name, sel in scopes:
+        if name == "all" and len(env_names) == 1:
+            continue
+        groups = np.unique(group[sel])
+        _, first = np.unique(rollout[sel], return_index=True)
+        r = reward[sel][first]
+        a = adv.advantage[sel].astype(np.float64)
+        uniform_groups = len(np.unique(group[sel][adv.group_uniform[sel]]))
+        rows.append(
+            {
+                "env": name,
+                "estimator": str(adv.estimator[sel][0]) if name != "all" and sel.any() else None,
+                "groups": len(groups),
+                "rollouts": len(first),
+                "samples": int(sel.sum()),
+                "uniform_groups": uniform_groups,
+                "uniform_share": uniform_groups / len(groups) if len(groups) else 0.0,
+                "reward_mean": float(r.mean()) if len(r) else None,
+                "reward_std": float(r.std(ddof=1)) if len(r) > 1 else None,
+                "advantage_mean": float(a.mean()) if len(a) else None,
+                "advantage_std": float(a.std(ddof=1)) if len(a) > 1 else None,
+                "advantage_min": float(a.min()) if len(a) else None,
+                "advantage_max": float(a.max()) if len(a) else None,
+            }
+        )
+    return rows

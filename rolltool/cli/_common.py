@@ -1,0 +1,97 @@
+"""Shared pieces of the thin CLI layer: error handling, JSON output, consoles, progress."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
+
+import click
+from rich.console import Console
+
+from rolltool.errors import RolltoolError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# Results go to stdout, everything else (progress, warnings) to stderr.
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+
+
+def handle_errors(fn: F) -> F:
+    """Turn a RolltoolError into `Error: ...` + hint on stderr and exit code 1.
+
+    Set ROLLTOOL_DEBUG=1 to get the traceback instead.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except RolltoolError as e:
+            if os.environ.get("ROLLTOOL_DEBUG"):
+                raise
+            click.echo(f"Error: {e.message}", err=True)
+            if e.hint:
+                click.echo(f"Hint: {e.hint}", err=True)
+            sys.exit(1)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _jsonable(x: Any) -> Any:
+    import numpy as np
+
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, np.ndarray):
+        return _jsonable(x.tolist())
+    if isinstance(x, np.generic):
+        return _jsonable(x.item())
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+def print_json(doc: Any) -> None:
+    """Print exactly one JSON document on stdout (NaN/inf become null)."""
+    sys.stdout.write(json.dumps(_jsonable(doc), indent=2, sort_keys=False) + "\n")
+    sys.stdout.flush()
+
+
+def warn(message: str) -> None:
+    err.print(f"[yellow]Warning:[/yellow] {message}")
+
+
+T = TypeVar("T")
+
+
+def progress(items: Iterable[T], total: int | None, description: str) -> Iterator[T]:
+    """Iterate with a rich progress bar on stderr, only when stderr is a terminal."""
+    if not err.is_terminal:
+        yield from items
+        return
+    from rich.progress import Progress
+
+    with Progress(console=err, transient=True) as bar:
+        task = bar.add_task(description, total=total)
+        for item in items:
+            yield item
+            bar.advance(task)
+
+
+def parse_mapping(pairs: Iterable[str], option: str) -> dict[str, str]:
+    """Parse repeated `KEY=VALUE` options; a malformed one is a usage error (exit 2)."""
+    result: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key or not value:
+            raise click.BadParameter(f"expected KEY=VALUE, got {pair!r}", param_hint=option)
+        result[key] = value
+    return result
