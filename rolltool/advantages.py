@@ -87,14 +87,17 @@ def group_stats(
     r_reward[rollout[::-1]] = reward[::-1]
     r_train = np.bincount(rollout, weights=trainable, minlength=n_rollouts).astype(np.int64)
     size = np.bincount(r_group, minlength=n_groups).astype(np.int64)
-    mean = np.bincount(r_group, weights=r_reward, minlength=n_groups) / np.maximum(size, 1)
-    sq = np.bincount(r_group, weights=(r_reward - mean[r_group]) ** 2, minlength=n_groups)
-    std = np.sqrt(np.divide(sq, size - 1, out=np.zeros(n_groups), where=size > 1))
     lo = np.full(n_groups, np.inf)
     hi = np.full(n_groups, -np.inf)
     np.minimum.at(lo, r_group, r_reward)
     np.maximum.at(hi, r_group, r_reward)
     uniform = (size >= 2) & (lo == hi)
+    mean = np.bincount(r_group, weights=r_reward, minlength=n_groups) / np.maximum(size, 1)
+    # sum/n of equal rewards can be off by an ulp (3 x 0.1); take the reward itself so that a
+    # uniform group gets std 0 and advantage exactly 0.
+    mean = np.where(lo == hi, lo, mean)
+    sq = np.bincount(r_group, weights=(r_reward - mean[r_group]) ** 2, minlength=n_groups)
+    std = np.sqrt(np.divide(sq, size - 1, out=np.zeros(n_groups), where=size > 1))
     return GroupStats(r_group, r_reward, r_train, size, mean, std, uniform)
 
 
@@ -110,8 +113,9 @@ def _centered(s: GroupStats) -> np.ndarray:
 
 def _grpo(s: GroupStats, mask: np.ndarray, eps: float) -> np.ndarray:
     single = s.size[s.group] == 1
-    std = np.where(single, 1.0, s.std[s.group])
-    return _centered(s) / (std + eps)
+    denom = np.where(single, 1.0, s.std[s.group]) + eps
+    # A uniform group has std 0: with std_eps 0 it gets 0, not 0/0 = nan (verl's result).
+    return np.divide(_centered(s), denom, out=np.zeros(len(denom)), where=denom > 0)
 
 
 def _dr_grpo(s: GroupStats, mask: np.ndarray, eps: float) -> np.ndarray:
@@ -126,12 +130,15 @@ def _rloo(s: GroupStats, mask: np.ndarray, eps: float) -> np.ndarray:
 
 def _opo(s: GroupStats, mask: np.ndarray, eps: float) -> np.ndarray:
     n_groups = len(s.size)
-    num = np.bincount(s.group, weights=s.trainable * s.reward, minlength=n_groups)
+    # b = sum(len * r) / sum(len), written as mean + sum(len * (r - mean)) / sum(len) so that a
+    # uniform group gets b = r exactly and advantage 0 (sum/sum can be off by an ulp).
+    dev = s.trainable * (s.reward - s.mean[s.group])
+    num = np.bincount(s.group, weights=dev, minlength=n_groups)
     den = np.bincount(s.group, weights=s.trainable, minlength=n_groups)
-    base = np.divide(num, den, out=np.zeros(n_groups), where=den > 0)
+    base = s.mean + np.divide(num, den, out=np.zeros(n_groups), where=den > 0)
     # verl divides 0/0 = nan for a group with no trainable tokens; we keep the reward (b = 0)
     # there, which is what the singleton rule gives, and the samples carry no loss anyway.
-    base = np.where(s.size > 1, base, 0.0)
+    base = np.where((s.size > 1) & (den > 0), base, 0.0)
     return s.reward - base[s.group]
 
 

@@ -1,0 +1,76 @@
+"""Shared fixtures: a small synthetic dataset, a Parquet writer and a CLI runner.
+
+Fixtures are small on purpose (the whole suite runs on a 2-core machine in under a minute).
+
+- ``synth_table``: a small `rolltool.synth.generate` table (all three envs, 12 groups, samples of
+  at most 4,096 tokens); session-scoped, a pyarrow Table is immutable.
+- ``synth_path``: that table written to ``tmp_path / "synth.parquet"``.
+- ``write_parquet(data, name="data.parquet")``: write a pyarrow Table or a dict of columns under
+  ``tmp_path`` and return the path (sub-folders in ``name`` are created).
+- ``run_cli(*args)``: run the ``rolltool`` click CLI in-process; returns click's Result with
+  ``stdout`` and ``stderr`` apart. An exception other than SystemExit escaping the CLI (what a
+  user would see as a traceback) fails the test at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner, Result
+
+from rolltool.cli import main
+from rolltool.synth import SynthConfig, generate
+
+SYNTH_CONFIG = SynthConfig(groups=12, seed=0, max_len=4096)
+
+
+@pytest.fixture(scope="session")
+def synth_table() -> pa.Table:
+    """A small synthetic dataset with every env and every optional column."""
+    return generate(SYNTH_CONFIG)
+
+
+@pytest.fixture
+def synth_path(tmp_path: Path, synth_table: pa.Table) -> Path:
+    """`synth_table` written as one Parquet file."""
+    path = tmp_path / "synth.parquet"
+    pq.write_table(synth_table, path)
+    return path
+
+
+WriteParquet = Callable[..., Path]
+
+
+@pytest.fixture
+def write_parquet(tmp_path: Path) -> WriteParquet:
+    """Return `write(data, name="data.parquet") -> Path`, writing under tmp_path."""
+
+    def write(data: pa.Table | Mapping[str, Any], name: str = "data.parquet") -> Path:
+        table = data if isinstance(data, pa.Table) else pa.table(dict(data))
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(table, path)
+        return path
+
+    return write
+
+
+RunCli = Callable[..., Result]
+
+
+@pytest.fixture
+def run_cli() -> RunCli:
+    """Return `run(*args) -> Result` running `rolltool ARGS` in-process (Path args allowed)."""
+
+    def run(*args: Any) -> Result:
+        result = CliRunner().invoke(main, [str(a) for a in args])
+        if result.exception is not None and not isinstance(result.exception, SystemExit):
+            raise result.exception  # a traceback for the user: always a bug
+        return result
+
+    return run

@@ -1,0 +1,564 @@
+"""Group advantages: hand-computed cases, a slow reference vs the vectorized code, output columns.
+
+The reference below is written from the verl 0.9.1 formulas in issue 2 with plain Python loops
+over dicts; it never calls rolltool code.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rolltool.advantages import ESTIMATORS, AdvantageConfig, compute_advantages
+from rolltool.errors import RolltoolError
+from rolltool.jobs import run_advantages
+
+EPS = 1e-6
+# A sample: (group_id, rollout_id, env, reward, trainable tokens).
+Row = tuple[Any, Any, str, float, int]
+
+
+def _codes(keys: list[Any]) -> tuple[np.ndarray, list[Any]]:
+    """Dense codes in order of first appearance."""
+    seen: dict[Any, int] = {}
+    codes = [seen.setdefault(k, len(seen)) for k in keys]
+    return np.array(codes, dtype=np.int64), list(seen)
+
+
+def compute(
+    rows: list[Row],
+    estimator: str = "grpo",
+    env_estimators: dict[str, str] | None = None,
+    std_eps: float = EPS,
+) -> Any:
+    group, _ = _codes([r[0] for r in rows])
+    rollout, _ = _codes([(r[0], r[1]) for r in rows])
+    env, env_names = _codes([r[2] for r in rows])
+    config = AdvantageConfig(
+        estimator=estimator, env_estimators=env_estimators or {}, std_eps=std_eps
+    )
+    return compute_advantages(
+        config,
+        group=group,
+        rollout=rollout,
+        env=env.astype(np.int32),
+        env_names=env_names,
+        reward=np.array([r[3] for r in rows], dtype=np.float64),
+        trainable=np.array([r[4] for r in rows], dtype=np.int64),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# The slow, obvious reference.
+
+
+def reference(
+    rows: list[Row], estimator: str, env_estimators: dict[str, str], eps: float
+) -> dict[str, list]:
+    """Per-row advantage and group columns, from the issue's formulas, with loops over dicts.
+
+    Raises ValueError where verl's masked_whiten does (fewer than 2 trainable tokens).
+    """
+    rollouts: dict[tuple, dict] = {}
+    for g, r, env, reward, trainable in rows:
+        ro = rollouts.setdefault((g, r), {"group": g, "env": env, "reward": reward, "len": 0})
+        ro["len"] += trainable  # a rollout's trainable tokens: all its branches
+    groups: dict[Any, list[tuple]] = defaultdict(list)
+    for key, ro in rollouts.items():
+        groups[ro["group"]].append(key)
+
+    stats: dict[Any, dict] = {}
+    adv: dict[tuple, float] = {}
+    for g, keys in groups.items():
+        rs = [rollouts[k]["reward"] for k in keys]
+        n = len(rs)
+        mean = sum(rs) / n
+        std = math.sqrt(sum((x - mean) ** 2 for x in rs) / (n - 1)) if n > 1 else 0.0
+        stats[g] = {
+            "size": n,
+            "mean": mean,
+            "std": std,
+            "uniform": n >= 2 and min(rs) == max(rs),
+        }
+        name = env_estimators.get(rollouts[keys[0]]["env"], estimator)
+        for k in keys:
+            r = rollouts[k]["reward"]
+            if name == "grpo":
+                if n == 1:
+                    adv[k] = (r - 0.0) / (1.0 + eps)
+                else:
+                    # A uniform group with eps 0: verl gives 0/0 = nan, rolltool 0.
+                    adv[k] = (r - mean) / (std + eps) if std + eps > 0 else 0.0
+            elif name == "dr_grpo":
+                adv[k] = r - mean if n > 1 else r
+            elif name == "rloo":
+                adv[k] = n / (n - 1) * (r - mean) if n > 1 else r
+            elif name == "opo":
+                if n == 1:
+                    base = 0.0
+                else:
+                    num = sum(rollouts[j]["len"] * rollouts[j]["reward"] for j in keys)
+                    den = sum(rollouts[j]["len"] for j in keys)
+                    # verl gives 0/0 = nan here; rolltool keeps b = 0 (no token is trained).
+                    base = num / den if den else 0.0
+                adv[k] = r - base
+            elif name == "reinforce_pp_baseline":
+                adv[k] = r - mean if n > 1 else r  # whitened below
+            else:
+                raise AssertionError(name)
+
+    # Token-level whitening over every trainable token of the samples whose env uses it.
+    tokens = []
+    for g, r, env, _, trainable in rows:
+        if env_estimators.get(env, estimator) == "reinforce_pp_baseline":
+            tokens.extend([adv[(g, r)]] * trainable)
+    whitened = {}
+    if any(env_estimators.get(row[2], estimator) == "reinforce_pp_baseline" for row in rows):
+        if len(tokens) < 2:
+            raise ValueError("masked_whiten needs at least 2 tokens")
+        m = math.fsum(tokens) / len(tokens)
+        var = math.fsum((t - m) ** 2 for t in tokens) / (len(tokens) - 1)
+        for g, r, env, _, _ in rows:
+            if env_estimators.get(env, estimator) == "reinforce_pp_baseline":
+                whitened[(g, r)] = (adv[(g, r)] - m) / math.sqrt(var + 1e-8)
+
+    out: dict[str, list] = defaultdict(list)
+    for g, r, *_ in rows:
+        out["advantage"].append(whitened.get((g, r), adv[(g, r)]))
+        for name in ("size", "mean", "std", "uniform"):
+            out[name].append(stats[g][name])
+    return out
+
+
+def assert_matches_reference(
+    rows: list[Row], estimator: str, env_estimators: dict[str, str], eps: float = EPS
+) -> None:
+    try:
+        ref = reference(rows, estimator, env_estimators, eps)
+    except ValueError:
+        with pytest.raises(RolltoolError, match="at least 2"):
+            compute(rows, estimator, env_estimators, eps)
+        return
+    got = compute(rows, estimator, env_estimators, eps)
+    assert got.advantage.dtype == np.float32
+    np.testing.assert_allclose(got.advantage, ref["advantage"], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(got.group_size, ref["size"])
+    np.testing.assert_allclose(got.group_reward_mean, ref["mean"], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(got.group_reward_std, ref["std"], rtol=1e-9, atol=1e-12)
+    np.testing.assert_array_equal(got.group_uniform, ref["uniform"])
+
+
+# --------------------------------------------------------------------------------------------
+# Hand-computed cases. One group of three rollouts, rewards 1, 2, 3: mean 2, unbiased std 1,
+# trainable tokens 1, 1, 2.
+
+THREE = [("g", 0, "e", 1.0, 1), ("g", 1, "e", 2.0, 1), ("g", 2, "e", 3.0, 2)]
+
+
+def test_grpo_by_hand() -> None:
+    got = compute(THREE, "grpo")
+    np.testing.assert_allclose(got.advantage, [-1 / (1 + EPS), 0.0, 1 / (1 + EPS)], rtol=1e-7)
+    assert got.group_size.tolist() == [3, 3, 3]
+    np.testing.assert_allclose(got.group_reward_mean, [2.0] * 3)
+    np.testing.assert_allclose(got.group_reward_std, [1.0] * 3)
+    assert not got.group_uniform.any()
+
+
+def test_grpo_std_eps_zero_keeps_uniform_groups_at_zero() -> None:
+    rows = [("u", 0, "e", 0.3, 1), ("u", 1, "e", 0.3, 1), *THREE]
+    got = compute(rows, "grpo", std_eps=0.0)
+    np.testing.assert_allclose(got.advantage, [0.0, 0.0, -1.0, 0.0, 1.0])
+    assert np.isfinite(got.advantage).all()
+
+
+def test_grpo_std_eps() -> None:
+    got = compute(THREE, "grpo", std_eps=0.5)
+    np.testing.assert_allclose(got.advantage, [-1 / 1.5, 0.0, 1 / 1.5], rtol=1e-7)
+    single = compute([("s", 0, "e", 0.7, 3)], "grpo", std_eps=0.25)
+    np.testing.assert_allclose(single.advantage, [0.7 / 1.25], rtol=1e-7)
+
+
+def test_dr_grpo_by_hand() -> None:
+    np.testing.assert_allclose(compute(THREE, "dr_grpo").advantage, [-1.0, 0.0, 1.0])
+
+
+def test_rloo_by_hand() -> None:
+    # n/(n-1) * (r - mean) = 1.5 * (r - 2): the mean of the *other* rollouts as the baseline.
+    np.testing.assert_allclose(compute(THREE, "rloo").advantage, [-1.5, 0.0, 1.5])
+
+
+def test_opo_by_hand() -> None:
+    # b = (1*1 + 1*2 + 2*3) / (1 + 1 + 2) = 9/4.
+    np.testing.assert_allclose(compute(THREE, "opo").advantage, [-1.25, -0.25, 0.75])
+
+
+def test_reinforce_pp_baseline_by_hand() -> None:
+    # a = r - mean = -1, 0, 1; tokens: -1, 0, 1, 1 -> m = 1/4,
+    # var = ((-1.25)^2 + (-0.25)^2 + 2 * 0.75^2) / 3 = 2.75 / 3.
+    got = compute(THREE, "reinforce_pp_baseline")
+    want = (np.array([-1.0, 0.0, 1.0]) - 0.25) / np.sqrt(2.75 / 3 + 1e-8)
+    np.testing.assert_allclose(got.advantage, want, rtol=1e-6)
+    # Whitened over tokens: the token-weighted advantages have mean 0 and unbiased variance ~1.
+    tokens = np.repeat(got.advantage.astype(np.float64), [1, 1, 2])
+    assert abs(tokens.mean()) < 1e-6
+    assert tokens.var(ddof=1) == pytest.approx(1.0, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("estimator", "want"),
+    [
+        ("grpo", 0.7 / (1 + EPS)),  # mean 0, std 1
+        ("dr_grpo", 0.7),
+        ("rloo", 0.7),
+        ("opo", 0.7),  # baseline 0
+    ],
+)
+def test_singleton_group_gets_its_raw_reward(estimator: str, want: float) -> None:
+    got = compute([("s", 0, "e", 0.7, 5)], estimator)
+    np.testing.assert_allclose(got.advantage, [want], rtol=1e-7)
+    assert got.group_size.tolist() == [1]
+    assert got.group_reward_std.tolist() == [0.0]
+    assert got.group_uniform.tolist() == [False]  # a singleton group is never uniform
+
+
+def test_singleton_groups_under_reinforce_pp_baseline() -> None:
+    # Singletons keep a = r (mean 0), then are whitened with everyone else.
+    rows = [("s1", 0, "e", 1.0, 1), ("s2", 0, "e", 3.0, 1)]
+    got = compute(rows, "reinforce_pp_baseline")
+    # tokens 1, 3: m = 2, var = 2 -> (1 - 2)/sqrt(2), (3 - 2)/sqrt(2)
+    np.testing.assert_allclose(got.advantage, [-1 / math.sqrt(2), 1 / math.sqrt(2)], rtol=1e-6)
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "opo"])
+@pytest.mark.parametrize("reward", [0.0, 1.0, 0.1, 0.7, -2.3])
+def test_uniform_group_has_exactly_zero_advantage(estimator: str, reward: float) -> None:
+    rows = [("u", i, "e", reward, 3 + i) for i in range(3)] + [("x", 0, "e", 5.0, 1)]
+    got = compute(rows, estimator)
+    assert got.group_uniform.tolist() == [True, True, True, False]
+    assert got.advantage[:3].tolist() == [0.0, 0.0, 0.0]
+    assert got.group_reward_std[:3].tolist() == [0.0, 0.0, 0.0]
+    assert got.group_reward_mean[:3].tolist() == [reward] * 3
+
+
+def test_uniform_group_under_reinforce_pp_baseline_is_shifted_by_the_whitening() -> None:
+    rows = [
+        ("u", 0, "e", 1.0, 2),
+        ("u", 1, "e", 1.0, 2),
+        ("g", 0, "e", 0.0, 1),
+        ("g", 1, "e", 1.0, 3),
+    ]
+    got = compute(rows, "reinforce_pp_baseline")
+    # a = 0, 0, -0.5, 0.5; tokens: 0 x4, -0.5, 0.5 x3 -> m = 1/8
+    tokens = np.array([0, 0, 0, 0, -0.5, 0.5, 0.5, 0.5])
+    m, sd = tokens.mean(), np.sqrt(tokens.var(ddof=1) + 1e-8)
+    np.testing.assert_allclose(got.advantage, (np.array([0, 0, -0.5, 0.5]) - m) / sd, rtol=1e-6)
+    assert got.group_uniform.tolist() == [True, True, False, False]
+
+
+def test_branches_count_once_per_rollout() -> None:
+    # Rollout a has 3 branches (trainable 2, 3, 5 = 10), rollout b one (trainable 30).
+    rows = [
+        ("g", "a", "e", 1.0, 2),
+        ("g", "a", "e", 1.0, 3),
+        ("g", "b", "e", 0.0, 30),
+        ("g", "a", "e", 1.0, 5),  # branches need not be adjacent
+    ]
+    grpo = compute(rows, "grpo")
+    # two rollouts: mean 0.5 (not 0.75), std sqrt(0.5)
+    std = math.sqrt(0.5)
+    np.testing.assert_allclose(
+        grpo.advantage, np.array([0.5, 0.5, -0.5, 0.5]) / (std + EPS), rtol=1e-6
+    )
+    assert grpo.group_size.tolist() == [2] * 4
+    np.testing.assert_allclose(grpo.group_reward_mean, [0.5] * 4)
+    np.testing.assert_allclose(grpo.group_reward_std, [std] * 4)
+    # rloo: n = 2 rollouts -> 2 * (r - 0.5)
+    np.testing.assert_allclose(compute(rows, "rloo").advantage, [1.0, 1.0, -1.0, 1.0])
+    # opo: len(a) = 10 over its branches, len(b) = 30 -> b = 10/40
+    np.testing.assert_allclose(compute(rows, "opo").advantage, [0.75, 0.75, -0.25, 0.75])
+    # reinforce_pp_baseline: a = 0.5 on 10 tokens, -0.5 on 30 tokens.
+    tokens = np.array([0.5] * 10 + [-0.5] * 30)
+    m, sd = tokens.mean(), np.sqrt(tokens.var(ddof=1) + 1e-8)
+    np.testing.assert_allclose(
+        compute(rows, "reinforce_pp_baseline").advantage,
+        (np.array([0.5, 0.5, -0.5, 0.5]) - m) / sd,
+        rtol=1e-6,
+    )
+
+
+def test_rollout_ids_restart_in_every_group() -> None:
+    # rollout 0 of group g1 and rollout 0 of group g2 are different rollouts.
+    rows = [("g1", 0, "e", 1.0, 1), ("g1", 1, "e", 0.0, 1), ("g2", 0, "e", 0.0, 1)]
+    got = compute(rows, "dr_grpo")
+    np.testing.assert_allclose(got.advantage, [0.5, -0.5, 0.0])
+    assert got.group_size.tolist() == [2, 2, 1]
+
+
+def test_groups_only_see_their_own_rewards() -> None:
+    rows = [(g, i, "e", float(g * 10 + i), 1) for g in range(3) for i in range(4)]
+    got = compute(rows, "dr_grpo")
+    np.testing.assert_allclose(got.advantage, [-1.5, -0.5, 0.5, 1.5] * 3)
+
+
+def test_mixed_envs_with_overrides() -> None:
+    rows = [
+        ("m", 0, "math", 1.0, 1),
+        ("m", 1, "math", 0.0, 1),
+        ("c", 0, "code", 0.2, 1),
+        ("c", 1, "code", 0.8, 1),
+        ("c", 2, "code", 0.5, 1),
+        ("a", 0, "agent", 1.0, 4),
+        ("a", 1, "agent", 0.0, 2),
+    ]
+    got = compute(rows, "grpo", {"code": "rloo", "agent": "reinforce_pp_baseline"})
+    std = math.sqrt(0.5)
+    np.testing.assert_allclose(got.advantage[:2], [0.5 / (std + EPS), -0.5 / (std + EPS)])
+    np.testing.assert_allclose(got.advantage[2:5], [1.5 * -0.3, 1.5 * 0.3, 0.0], atol=1e-7)
+    # agent is whitened over its own tokens only: 0.5 x4, -0.5 x2
+    tokens = np.array([0.5] * 4 + [-0.5] * 2)
+    m, sd = tokens.mean(), np.sqrt(tokens.var(ddof=1) + 1e-8)
+    np.testing.assert_allclose(got.advantage[5:], (np.array([0.5, -0.5]) - m) / sd, rtol=1e-6)
+    assert got.estimator.tolist() == ["grpo"] * 2 + ["rloo"] * 3 + ["reinforce_pp_baseline"] * 2
+
+
+def test_env_estimator_for_an_env_not_in_the_input_is_an_error() -> None:
+    with pytest.raises(RolltoolError, match="nope"):
+        compute(THREE, "grpo", {"nope": "rloo"})
+
+
+def test_unknown_estimator_and_bad_eps_are_rejected() -> None:
+    with pytest.raises(RolltoolError, match="unknown estimator"):
+        AdvantageConfig(estimator="ppo")
+    with pytest.raises(RolltoolError, match="unknown estimator"):
+        AdvantageConfig(env_estimators={"math": "ppo"})
+    for eps in (-1e-6, float("nan"), float("inf")):
+        with pytest.raises(RolltoolError, match="std-eps"):
+            AdvantageConfig(std_eps=eps)
+
+
+def test_reinforce_pp_baseline_needs_two_trainable_tokens() -> None:
+    with pytest.raises(RolltoolError, match="at least 2"):
+        compute([("g", 0, "e", 1.0, 1), ("g", 1, "e", 0.0, 0)], "reinforce_pp_baseline")
+
+
+def test_every_estimator_has_a_hand_case() -> None:
+    # Guards this file against a new estimator added without tests.
+    assert sorted(ESTIMATORS) == ["dr_grpo", "grpo", "opo", "reinforce_pp_baseline", "rloo"]
+
+
+# --------------------------------------------------------------------------------------------
+# The reference vs the vectorized code on many random datasets.
+
+REWARDS = st.one_of(
+    st.sampled_from([0.0, 1.0, 0.5, -1.0]),  # ties are common in real rewards
+    st.integers(-40, 40).map(lambda k: k / 8),
+    st.floats(-100, 100, allow_nan=False, allow_infinity=False, allow_subnormal=False),
+)
+ENVS = ["math", "code", "agent"]
+
+
+@st.composite
+def datasets(draw: st.DrawFn) -> list[Row]:
+    """Random groups of random sizes, some rollouts with several branches, rows shuffled."""
+    rows: list[Row] = []
+    n_groups = draw(st.integers(1, 6))
+    for g in range(n_groups):
+        env = draw(st.sampled_from(ENVS))
+        for r in range(draw(st.integers(1, 5))):
+            reward = draw(REWARDS)
+            for _ in range(draw(st.integers(1, 3))):  # branches share the rollout's reward
+                rows.append((f"g{g}", r, env, reward, draw(st.integers(0, 6))))
+    return draw(st.permutations(rows))
+
+
+ESTIMATOR_NAMES = st.sampled_from(sorted(ESTIMATORS))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    rows=datasets(),
+    estimator=ESTIMATOR_NAMES,
+    overrides=st.dictionaries(st.sampled_from(ENVS), ESTIMATOR_NAMES, max_size=2),
+    eps=st.sampled_from([1e-6, 0.0, 0.1]),
+)
+def test_vectorized_matches_reference(
+    rows: list[Row], estimator: str, overrides: dict[str, str], eps: float
+) -> None:
+    present = {r[2] for r in rows}
+    overrides = {k: v for k, v in overrides.items() if k in present}
+    assert_matches_reference(rows, estimator, overrides, eps)
+
+
+def _table(rows: list[Row], id_type: str) -> pa.Table:
+    """A rollout-schema table whose samples have the given trainable counts."""
+    ids, masks = [], []
+    for i, (*_, trainable) in enumerate(rows):
+        prompt = 1 + i % 3
+        ids.append(list(range(prompt + trainable)))
+        masks.append([0] * prompt + [1] * trainable)
+    conv = (lambda x: str(x)) if id_type == "str" else (lambda x: int(str(x).lstrip("g")))
+    return pa.table(
+        {
+            "group_id": [conv(r[0]) for r in rows],
+            "rollout_id": [conv(r[1]) for r in rows],
+            "env": [r[2] for r in rows],
+            "reward": [r[3] for r in rows],
+            "input_ids": pa.array(ids, pa.list_(pa.int32())),
+            "loss_mask": pa.array(masks, pa.list_(pa.int8())),
+            "extra": [f"row{i}" for i in range(len(rows))],
+        }
+    )
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(rows=datasets(), estimator=ESTIMATOR_NAMES, id_type=st.sampled_from(["str", "int"]))
+def test_run_advantages_end_to_end_matches_reference(
+    rows: list[Row], estimator: str, id_type: str
+) -> None:
+    """Through Parquet, `scan` and the writer: ids as strings or ints, groups interleaved."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src, dst = Path(tmp) / "in.parquet", Path(tmp) / "out.parquet"
+        table = _table(rows, id_type)
+        pq.write_table(table, src)
+        config = AdvantageConfig(estimator=estimator)
+        try:
+            ref = reference(rows, estimator, {}, EPS)
+        except ValueError:
+            with pytest.raises(RolltoolError):
+                run_advantages([src], dst, config)
+            assert not dst.exists()
+            return
+        run_advantages([src], dst, config)
+        out = pq.read_table(dst)
+    assert out.select(table.column_names).equals(table)  # rows and order carried through
+    np.testing.assert_allclose(out["advantage"].to_numpy(), ref["advantage"], rtol=1e-5, atol=1e-5)
+    assert out["group_size"].to_pylist() == ref["size"]
+    assert out["group_uniform"].to_pylist() == ref["uniform"]
+
+
+# --------------------------------------------------------------------------------------------
+# The columns `rolltool advantages` writes.
+
+
+def test_output_columns(synth_path: Path, synth_table: pa.Table, tmp_path: Path, run_cli) -> None:
+    table = synth_table.append_column(
+        "note", pa.array([f"n{i}" for i in range(synth_table.num_rows)])
+    )
+    src = tmp_path / "with_note.parquet"
+    pq.write_table(table, src)
+    dst = tmp_path / "adv.parquet"
+    result = run_cli("advantages", src, "-o", dst, "--estimator", "grpo", "--json")
+    assert result.exit_code == 0, result.output
+    out = pq.read_table(dst)
+    # Input columns first, untouched and in the same row order; then the new ones.
+    new = ["advantage", "group_size", "group_reward_mean", "group_reward_std", "group_uniform"]
+    assert out.column_names == table.column_names + new
+    assert out.select(table.column_names).equals(table)
+    assert out.schema.field("advantage").type == pa.float32()
+    assert out.schema.field("group_size").type == pa.int64()
+    assert out.schema.field("group_reward_mean").type == pa.float64()
+    assert out.schema.field("group_reward_std").type == pa.float64()
+    assert out.schema.field("group_uniform").type == pa.bool_()
+
+    # The same as the reference, with trainable tokens counted from the loss mask.
+    trainable = [sum(m) for m in table["loss_mask"].to_pylist()]
+    rows = [
+        (g, r, e, w, t)
+        for g, r, e, w, t in zip(
+            table["group_id"].to_pylist(),
+            table["rollout_id"].to_pylist(),
+            table["env"].to_pylist(),
+            table["reward"].to_pylist(),
+            trainable,
+            strict=True,
+        )
+    ]
+    ref = reference(rows, "grpo", {}, EPS)
+    np.testing.assert_allclose(out["advantage"].to_numpy(), ref["advantage"], rtol=1e-5, atol=1e-6)
+    assert out["group_size"].to_pylist() == ref["size"]
+    np.testing.assert_allclose(out["group_reward_mean"].to_numpy(), ref["mean"], rtol=1e-12)
+    np.testing.assert_allclose(out["group_reward_std"].to_numpy(), ref["std"], rtol=1e-9)
+    assert out["group_uniform"].to_pylist() == ref["uniform"]
+
+    # Invariants over the synthetic data: branches of a rollout share their advantage, uniform
+    # groups exist and have zero advantage under grpo, math groups have 16 rollouts.
+    by_rollout: dict[str, set] = defaultdict(set)
+    for rid, a in zip(out["rollout_id"].to_pylist(), out["advantage"].to_pylist(), strict=True):
+        by_rollout[rid].add(a)
+    assert all(len(v) == 1 for v in by_rollout.values())
+    assert len(by_rollout) < out.num_rows  # the fixture really has branches
+    uniform = out["group_uniform"].to_numpy(zero_copy_only=False)
+    assert uniform.any()
+    assert (out["advantage"].to_numpy()[uniform] == 0).all()
+    math_rows = np.array(out["env"].to_pylist()) == "math"
+    assert math_rows.any()
+    assert set(out["group_size"].to_numpy()[math_rows].tolist()) == {16}
+
+    report = json.loads(result.stdout)
+    assert report["samples"] == table.num_rows
+    assert report["groups"] == len(set(table["group_id"].to_pylist()))
+
+
+def test_env_estimator_overrides_through_the_cli(synth_path: Path, tmp_path: Path, run_cli) -> None:
+    dst = tmp_path / "adv.parquet"
+    result = run_cli(
+        "advantages",
+        synth_path,
+        "-o",
+        dst,
+        "--estimator",
+        "grpo",
+        "--env-estimator",
+        "code=rloo",
+        "--env-estimator",
+        "agent=opo",
+        "--std-eps",
+        "0.01",
+        "--json",
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    estimators = {r["env"]: r["estimator"] for r in report["envs"]}
+    assert estimators == {"math": "grpo", "code": "rloo", "agent": "opo", "all": None}
+    assert report["config"] == {
+        "estimator": "grpo",
+        "env_estimators": {"code": "rloo", "agent": "opo"},
+        "std_eps": 0.01,
+    }
+    out = pq.read_table(dst)
+    table = out.drop_columns(["advantage"])
+    trainable = [sum(m) for m in table["loss_mask"].to_pylist()]
+    rows = list(
+        zip(
+            table["group_id"].to_pylist(),
+            table["rollout_id"].to_pylist(),
+            table["env"].to_pylist(),
+            table["reward"].to_pylist(),
+            trainable,
+            strict=True,
+        )
+    )
+    ref = reference(rows, "grpo", {"code": "rloo", "agent": "opo"}, 0.01)
+    np.testing.assert_allclose(out["advantage"].to_numpy(), ref["advantage"], rtol=1e-5, atol=1e-6)
+    # The per-env summary is computed over that env's rows only.
+    env = np.array(out["env"].to_pylist())
+    adv = out["advantage"].to_numpy().astype(np.float64)
+    for r in report["envs"]:
+        sel = env == r["env"] if r["env"] != "all" else np.ones(len(env), bool)
+        assert r["samples"] == int(sel.sum())
+        assert r["advantage_min"] == pytest.approx(adv[sel].min())
+        assert r["advantage_max"] == pytest.approx(adv[sel].max())
+        assert r["advantage_mean"] == pytest.approx(adv[sel].mean(), abs=1e-9)
