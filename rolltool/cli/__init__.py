@@ -19,14 +19,18 @@ def main() -> None:
     \b
     synth       write a realistic synthetic rollout dataset
     advantages  compute group advantages (grpo, dr_grpo, rloo, opo, reinforce_pp_baseline)
+    pack        steps, balanced micro-batches, packed rows, sharded safetensors
+    verify      check a packed directory's hashes and invariants
     """
 
 
 def _register() -> None:
-    from rolltool.cli import advantages, synth
+    from rolltool.cli import advantages, pack, synth
 
     main.add_command(synth.synth)
     main.add_command(advantages.advantages)
+    main.add_command(pack.pack)
+    main.add_command(pack.verify)
 
 
 _register()

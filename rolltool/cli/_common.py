@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
@@ -14,11 +13,14 @@ import click
 from rich.console import Console
 
 from rolltool.errors import RolltoolError
+from rolltool.jsonable import jsonable
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 # Results go to stdout, everything else (progress, warnings) to stderr.
 out = Console(highlight=False)
+if not out.is_terminal:  # piped or captured: do not squeeze tables into 80 columns
+    out = Console(highlight=False, width=160)
 err = Console(stderr=True, highlight=False)
 
 
@@ -43,25 +45,9 @@ def handle_errors(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def _jsonable(x: Any) -> Any:
-    import numpy as np
-
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, np.ndarray):
-        return _jsonable(x.tolist())
-    if isinstance(x, np.generic):
-        return _jsonable(x.item())
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    return x
-
-
 def print_json(doc: Any) -> None:
     """Print exactly one JSON document on stdout (NaN/inf become null)."""
-    sys.stdout.write(json.dumps(_jsonable(doc), indent=2, sort_keys=False) + "\n")
+    sys.stdout.write(json.dumps(jsonable(doc), indent=2, sort_keys=False) + "\n")
     sys.stdout.flush()
 
 

@@ -1,0 +1,552 @@
+"""The pack job: rollouts -> advantages -> steps -> partition -> packed rows -> shards.
+
+Plans from the light columns only (ids, env, reward, lengths, finish times), then reads token
+columns one step at a time, so memory stays bounded by a step. Output goes to a temporary
+directory renamed into place; ``manifest.json`` is written last.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from rolltool import __version__
+from rolltool.advantages import ESTIMATORS, AdvantageConfig, compute_advantages
+from rolltool.errors import RolltoolError
+from rolltool.jsonable import jsonable
+from rolltool.loss import LOSS_AGGS, check_loss_agg, sample_weights, step_denominators
+from rolltool.outputs import atomic_path, check_target
+from rolltool.packing import TOKEN_FIELDS, pack_rows
+from rolltool.partition import plan_step
+from rolltool.schema import Rollouts, scan
+from rolltool.shards import FORMAT, FORMAT_VERSION, file_record, write_shards
+from rolltool.source import invert_mapping, iter_batches, resolve_inputs
+from rolltool.steps import Groups, Step, StepConfig, assemble
+from rolltool.tokens import TokenReader
+from rolltool.workload import WORKLOADS, Workload, make_workload
+
+WHITENING = {"reinforce_pp_baseline"}
+OVERLONG = ("error", "drop")
+ALIGNS = ("lockstep", "total")
+
+# Why a sample was not trained (samples.parquet "status"); "trained" otherwise.
+STATUSES = ("trained", "uniform_dropped", "overlong_dropped", "leftover", "env_unweighted")
+
+USAGE = (
+    "loss = sum over this rank's rows of sum_t loss_weight[t] * token_loss[t]; the weights already "
+    "divide by the step's denominators (over all ranks), so sum gradients over ranks. If your "
+    "framework averages gradients over the dp ranks (DDP/FSDP do), multiply the loss by dp."
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PackConfig:
+    dp: int
+    """Data-parallel ranks."""
+    steps: StepConfig
+    """How optimizer steps are assembled (batch semantics)."""
+    advantages: AdvantageConfig = field(default_factory=AdvantageConfig)
+    """Estimator used when the input has no 'advantage' column."""
+    micro_batch_tokens: int | None = 32_768
+    """Hard token budget per micro-batch (None with micro_batch_size)."""
+    micro_batch_size: int | None = None
+    """Fixed number of samples per micro-batch instead of a token budget."""
+    row_len: int | None = None
+    """Pad every row to this many tokens (static shapes); must be >= micro_batch_tokens."""
+    pad_id: int = 0
+    """Token id written into padding."""
+    balance: str = "flops"
+    """Workload the partition balances: flops, verl, tokens, count or calibrated."""
+    model: str | None = None
+    """Model preset or config.json for the flops workload (default preset when None)."""
+    calibration: str | None = None
+    """Calibration JSON for the calibrated workload (written by rolltool bench)."""
+    align: str = "lockstep"
+    """lockstep: minimize sum_j max_r cost(r, j) (FSDP/ZeRO-3/TP); total: max_r sum_j (DDP)."""
+    equal_count: bool = False
+    """Give every rank the same number of samples."""
+    overlong: str = "error"
+    """A sample longer than the token budget: error, or drop it from training (counted)."""
+    loss_agg: str = "token-mean"
+    """Loss aggregation the per-token weights implement (see rolltool.loss)."""
+    loss_scale_factor: float | None = None
+    """Constant f of seq-mean-token-sum-norm."""
+    shard_mb: float = 256.0
+    """Largest shard file in MB; a (step, rank) above it is split by rows."""
+
+    def __post_init__(self) -> None:
+        if self.dp < 1:
+            raise RolltoolError(f"--dp must be at least 1, got {self.dp}")
+        if (self.micro_batch_tokens is None) == (self.micro_batch_size is None):
+            raise RolltoolError("give exactly one of --micro-batch-tokens and --micro-batch-size")
+        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
+            raise RolltoolError(
+                f"--micro-batch-tokens must be positive, got {self.micro_batch_tokens}"
+            )
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
+            raise RolltoolError(f"--micro-batch-size must be positive, got {self.micro_batch_size}")
+        if self.row_len is not None:
+            if self.row_len < 1:
+                raise RolltoolError(f"--row-len must be positive, got {self.row_len}")
+            if self.micro_batch_tokens is not None and self.row_len < self.micro_batch_tokens:
+                raise RolltoolError(
+                    f"--row-len {self.row_len} is shorter than --micro-batch-tokens {self.micro_batch_tokens}",
+                    hint="a row holds one micro-batch; make the row at least as long as the budget",
+                )
+        if self.balance not in WORKLOADS:
+            raise RolltoolError(
+                f"unknown --balance {self.balance!r}",
+                hint=f"choose from {', '.join(sorted(WORKLOADS))}",
+            )
+        if self.align not in ALIGNS:
+            raise RolltoolError(f"--align must be one of {', '.join(ALIGNS)}")
+        if self.overlong not in OVERLONG:
+            raise RolltoolError(f"--overlong must be one of {', '.join(OVERLONG)}")
+        check_loss_agg(self.loss_agg, self.loss_scale_factor)
+        if self.shard_mb <= 0:
+            raise RolltoolError(f"--shard-mb must be positive, got {self.shard_mb}")
+
+    @property
+    def token_cap(self) -> int | None:
+        """Most tokens one sample may have: the budget, or the row length in count mode."""
+        return self.micro_batch_tokens if self.micro_batch_tokens is not None else self.row_len
+
+    def workload(self) -> Workload:
+        return make_workload(self.balance, model=self.model, calibration=self.calibration)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "dp": self.dp,
+            "steps": self.steps.to_dict(),
+            "advantages": self.advantages.to_dict(),
+            "micro_batch_tokens": self.micro_batch_tokens,
+            "micro_batch_size": self.micro_batch_size,
+            "row_len": self.row_len,
+            "pad_id": self.pad_id,
+            "balance": self.balance,
+            "model": self.model,
+            "calibration": self.calibration,
+            "align": self.align,
+            "equal_count": self.equal_count,
+            "overlong": self.overlong,
+            "loss_agg": self.loss_agg,
+            "loss_scale_factor": self.loss_scale_factor,
+            "shard_mb": self.shard_mb,
+        }
+
+
+def _input_advantages(ro: Rollouts, rename: Mapping[str, str]) -> np.ndarray | None:
+    """The input's own 'advantage' column (float32 per sample), or None if it has none."""
+    if "advantage" not in ro.columns:
+        return None
+    parts = []
+    for f in ro.files:
+        got = 0
+        for batch in iter_batches(f, rename, ["advantage"]):
+            col = batch.column("advantage") if "advantage" in batch.schema.names else None
+            if col is None or (
+                not pa.types.is_floating(col.type) and not pa.types.is_integer(col.type)
+            ):
+                raise RolltoolError(
+                    f"{f.path}: column 'advantage' must be a float column present in every file"
+                )
+            parts.append(
+                np.asarray(
+                    pc.cast(col, pa.float64()).to_numpy(zero_copy_only=False), dtype=np.float64
+                )
+            )
+            got += batch.num_rows
+        if got != f.rows:
+            raise RolltoolError(
+                f"{f.path}: column 'advantage' is missing", hint="give it in every file or in none"
+            )
+    adv = np.concatenate(parts) if parts else np.zeros(0)
+    bad = np.flatnonzero(~np.isfinite(adv))
+    if len(bad):
+        raise RolltoolError(
+            f"{ro.label(int(bad[0]))}: column 'advantage' is not finite ({len(bad)} samples)"
+        )
+    return adv.astype(np.float32)
+
+
+def _groups(ro: Rollouts, trained: np.ndarray, uniform: np.ndarray) -> Groups:
+    G = ro.num_groups
+    w = trained.astype(np.int64)
+    r_has = np.zeros(int(ro.rollout.max()) + 1 if len(ro.rollout) else 0, dtype=np.int64)
+    np.maximum.at(r_has, ro.rollout, w)
+    r_group = np.zeros(len(r_has), dtype=np.int64)
+    r_group[ro.rollout] = ro.group
+    env = np.zeros(G, dtype=np.int32)
+    env[ro.group] = ro.env
+    completed = None
+    if ro.finished_at is not None:
+        completed = np.full(G, -np.inf)
+        np.maximum.at(completed, ro.group, ro.finished_at)
+    return Groups(
+        env=env,
+        rollouts=np.bincount(r_group, weights=r_has, minlength=G).astype(np.int64),
+        samples=np.bincount(ro.group, weights=w, minlength=G).astype(np.int64),
+        tokens=np.bincount(ro.group, weights=ro.length * w, minlength=G).astype(np.int64),
+        uniform=uniform,
+        completed_at=completed,
+    )
+
+
+def _moments(x: np.ndarray) -> tuple[float | None, float | None]:
+    if not len(x):
+        return None, None
+    return float(x.mean()), float(x.std(ddof=1)) if len(x) > 1 else 0.0
+
+
+def step_metadata(
+    ro: Rollouts,
+    step: Step,
+    members: np.ndarray,
+    overlong: np.ndarray,
+    adv: np.ndarray,
+    weight: np.ndarray,
+    uniform: np.ndarray,
+    group_env: np.ndarray,
+) -> dict[str, Any]:
+    """Counts that explain a step's cost and gradient scale, overall and per env.
+
+    `members`: sample indices trained in the step; `overlong`: its dropped over-long samples;
+    `adv`/`weight`: per member, advantage and per-trainable-token loss weight; `uniform` and
+    `group_env`: per group code.
+    """
+
+    def counts(sel: np.ndarray, env: int | None) -> dict[str, Any]:
+        m = members[sel]
+        groups_here = step.groups if env is None else step.groups[group_env[step.groups] == env]
+        dropped = step.dropped if env is None else step.dropped[group_env[step.dropped] == env]
+        ov = overlong if env is None else overlong[ro.env[overlong] == env]
+        _, first = np.unique(ro.rollout[m], return_index=True)
+        a_mean, a_std = _moments(adv[sel].astype(np.float64))
+        r_mean, _ = _moments(ro.reward[m][first])
+        return {
+            "groups": len(groups_here),
+            "rollouts": len(first),
+            "samples": len(m),
+            "sampled_tokens": int(ro.length[m].sum()),
+            "trainable_tokens": int(ro.trainable[m].sum()),
+            "uniform_groups_kept": int(uniform[groups_here].sum()),
+            "uniform_groups_dropped": len(dropped),
+            "overlong_dropped": len(ov),
+            "reward_mean": r_mean,
+            "advantage_mean": a_mean,
+            "advantage_std": a_std,
+            "loss_weight_sum": float((weight[sel] * ro.trainable[m]).sum()),
+        }
+
+    meta = {
+        "step": step.index,
+        "status": step.status,
+        "nominal": step.nominal,
+        "actual": step.actual,
+    }
+    meta.update(counts(np.ones(len(members), dtype=bool), None))
+    env_ids = sorted(
+        set(ro.env[members].tolist())
+        | set(group_env[step.dropped].tolist())
+        | set(ro.env[overlong].tolist())
+    )
+    meta["envs"] = {ro.env_names[e]: counts(ro.env[members] == e, e) for e in env_ids}
+    return meta
+
+
+def run_pack(
+    inputs: Sequence[str],
+    output: str | Path,
+    config: PackConfig,
+    *,
+    columns: Mapping[str, str] | None = None,
+    force: bool = False,
+    command: Sequence[str] | None = None,
+    progress: Any = None,
+) -> dict[str, Any]:
+    """Pack rollout Parquet `inputs` into `output` (a directory); returns the report.
+
+    `progress(iterable, total, description)` may wrap the step loop (the CLI passes a progress
+    bar on stderr).
+    """
+    check_target(Path(output), force)
+    workload = config.workload()
+    rename = invert_mapping(columns or {})
+    files = resolve_inputs(inputs)
+    ro = scan(files, rename)
+    n = ro.num_samples
+    warnings = list(ro.warnings)
+
+    # Advantages over the whole input (group-local, so steps cannot change them) unless given.
+    given = _input_advantages(ro, rename)
+    adv_source = "input column 'advantage'" if given is not None else config.advantages.estimator
+    computed = compute_advantages(
+        config.advantages,
+        group=ro.group,
+        rollout=ro.rollout,
+        env=ro.env,
+        env_names=ro.env_names,
+        reward=ro.reward,
+        trainable=ro.trainable,
+    )
+    uniform_sample = computed.group_uniform
+    uniform = np.zeros(ro.num_groups, dtype=bool)
+    uniform[ro.group] = uniform_sample
+    whiten_envs = np.array(
+        [
+            config.advantages.env_estimators.get(e, config.advantages.estimator) in WHITENING
+            for e in ro.env_names
+        ]
+    )
+    per_step_whitening = given is None and bool(whiten_envs.any())
+    advantage = given if given is not None else computed.advantage
+
+    # Over-long samples.
+    cap = config.token_cap
+    too_long = ro.length > cap if cap is not None else np.zeros(n, dtype=bool)
+    if too_long.any() and config.overlong == "error":
+        i = int(np.flatnonzero(too_long)[0])
+        raise RolltoolError(
+            f"{ro.label(i)} has {int(ro.length[i]):,} tokens, over the {cap:,}-token budget "
+            f"({int(too_long.sum())} sample(s) are)",
+            hint="raise --micro-batch-tokens, or pass --overlong drop to leave such samples out",
+        )
+    trained_ok = ~too_long
+
+    groups = _groups(ro, trained_ok, uniform)
+    assembly = assemble(groups, ro.env_names, config.steps)
+    if not assembly.steps:
+        raise RolltoolError(
+            f"the input does not fill a single step of {config.steps.batch_size} {config.steps.batch_unit}",
+            hint="lower --batch-size, or pass --keep-last to keep a partial step",
+        )
+    status = np.full(n, "leftover", dtype=object)
+    step_of = np.full(n, -1, dtype=np.int64)
+    rank_of = np.full(n, -1, dtype=np.int64)
+    mb_of = np.full(n, -1, dtype=np.int64)
+    weight_of = np.zeros(n, dtype=np.float64)
+    in_group = _by_group(ro)
+    for g in assembly.unweighted:
+        status[in_group[g]] = "env_unweighted"
+
+    reader = TokenReader(files, rename, token_format=ro.token_format, has_logprobs=ro.has_logprobs)
+    max_bytes = int(config.shard_mb * 1e6)
+    steps_meta: list[dict[str, Any]] = []
+    file_records: dict[str, dict] = {}
+    wrap = progress or (lambda it, total, desc: it)
+
+    with atomic_path(output, force=force, directory=True) as root:
+        root.mkdir(parents=True, exist_ok=True)
+        for step in wrap(assembly.steps, len(assembly.steps), "packing steps"):
+            all_members = (
+                np.concatenate([in_group[g] for g in step.groups])
+                if len(step.groups)
+                else np.zeros(0, np.int64)
+            )
+            for g in step.dropped:
+                status[in_group[g]] = "uniform_dropped"
+                step_of[in_group[g]] = step.index
+            members = all_members[trained_ok[all_members]]
+            dropped_long = all_members[~trained_ok[all_members]]
+            for g in step.skipped:
+                dropped_long = np.concatenate([dropped_long, in_group[g]])
+            status[dropped_long] = "overlong_dropped"
+            step_of[dropped_long] = step.index
+
+            step_adv = advantage[members]
+            if per_step_whitening:
+                # Whitening estimators whiten over the step's samples, not the whole input.
+                sub = compute_advantages(
+                    config.advantages,
+                    group=_dense(ro.group[members]),
+                    rollout=_dense(ro.rollout[members]),
+                    env=ro.env[members],
+                    env_names=ro.env_names,
+                    reward=ro.reward[members],
+                    trainable=ro.trainable[members],
+                )
+                step_adv = np.where(whiten_envs[ro.env[members]], sub.advantage, step_adv).astype(
+                    np.float32
+                )
+                advantage[members] = step_adv
+            weights = sample_weights(
+                config.loss_agg, ro.trainable[members], config.loss_scale_factor
+            )
+            plan = plan_step(
+                ro.length[members],
+                dp=config.dp,
+                max_tokens=config.micro_batch_tokens,
+                micro_batch_size=config.micro_batch_size,
+                workload=workload,
+                equal_count=config.equal_count,
+                align=config.align,
+            )
+            _check_plan(plan, len(members), ro.length[members], config)
+            tokens = reader.fetch(members)
+            ranks = []
+            for r, mbs in enumerate(plan.micro_batches):
+                rows = pack_rows(
+                    tokens,
+                    mbs,
+                    sample_index=members,
+                    advantage=step_adv,
+                    weight=weights,
+                    row_len=config.row_len,
+                    pad_id=config.pad_id,
+                )
+                recs = write_shards(root, step.index, r, rows, max_bytes)
+                for rec in recs:
+                    file_records[rec["path"]] = {"bytes": rec["bytes"], "sha256": rec["sha256"]}
+                ranks.append(
+                    {
+                        "micro_batches": len(mbs),
+                        "samples": int(sum(len(m) for m in mbs)),
+                        "tokens": int(np.diff(rows.row_offsets).sum()),
+                        "real_tokens": int(sum(int(ro.length[members[m]].sum()) for m in mbs)),
+                        "files": [
+                            {"path": x["path"], "first_row": x["first_row"], "rows": x["rows"]}
+                            for x in recs
+                        ],
+                    }
+                )
+                for j, m in enumerate(mbs):
+                    rank_of[members[m]] = r
+                    mb_of[members[m]] = j
+            status[members] = "trained"
+            step_of[members] = step.index
+            weight_of[members] = weights
+            meta = step_metadata(
+                ro, step, members, dropped_long, step_adv, weights, uniform, groups.env
+            )
+            meta["denominators"] = step_denominators(
+                config.loss_agg, ro.trainable[members], config.loss_scale_factor
+            )
+            meta["plan"] = _plan_summary(plan)
+            meta["ranks"] = ranks
+            steps_meta.append(meta)
+
+        samples = _samples_table(ro, status, step_of, rank_of, mb_of, advantage, weight_of)
+        pq.write_table(samples, root / "samples.parquet", compression="zstd")
+        (root / "samples.parquet").chmod(0o644)
+        file_records["samples.parquet"] = file_record(root / "samples.parquet")
+        counts = {s: int((status == s).sum()) for s in STATUSES}
+        if counts["leftover"]:
+            warnings.append(
+                f"{counts['leftover']} sample(s) left over: not enough to fill another step"
+            )
+        if counts["env_unweighted"]:
+            warnings.append(
+                f"{counts['env_unweighted']} sample(s) of envs without --env-weight were not used"
+            )
+        manifest = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "rolltool_version": __version__,
+            "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "command": list(command) if command is not None else list(sys.argv),
+            "config": config.to_dict(),
+            "workload": workload.to_dict(),
+            "advantages": {
+                "source": adv_source,
+                "whitening": "per step" if per_step_whitening else None,
+                "estimators": {
+                    e: config.advantages.env_estimators.get(e, config.advantages.estimator)
+                    for e in ro.env_names
+                },
+            },
+            "loss": {
+                "agg": config.loss_agg,
+                "scale_factor": config.loss_scale_factor,
+                "usage": USAGE,
+            },
+            "inputs": [{"path": f.path, "rows": f.rows} for f in files],
+            "dp": config.dp,
+            "num_steps": len(steps_meta),
+            "token_fields": {k: np.dtype(v).name for k, v in TOKEN_FIELDS.items()},
+            "samples": {"total": n, **counts},
+            "leftover_groups": len(assembly.leftover),
+            "partial_step_dropped": None
+            if assembly.partial_dropped is None
+            else {
+                "groups": len(assembly.partial_dropped.groups),
+                "actual": assembly.partial_dropped.actual,
+            },
+            "warnings": warnings,
+            "steps": steps_meta,
+            "files": file_records,
+        }
+        (root / "manifest.json").write_text(json.dumps(jsonable(manifest), indent=1))
+        (root / "manifest.json").chmod(0o644)
+    return manifest
+
+
+def _dense(codes: np.ndarray) -> np.ndarray:
+    return np.unique(codes, return_inverse=True)[1].astype(np.int64)
+
+
+def _by_group(ro: Rollouts) -> list[np.ndarray]:
+    """Sample indices of each group, in input order."""
+    order = np.argsort(ro.group, kind="stable")
+    bounds = np.searchsorted(ro.group[order], np.arange(ro.num_groups + 1))
+    return [order[bounds[g] : bounds[g + 1]] for g in range(ro.num_groups)]
+
+
+def _check_plan(plan: Any, n: int, lengths: np.ndarray, config: PackConfig) -> None:
+    """The plan's guarantees, checked before anything is written (a failure is a bug)."""
+    counts = {len(mbs) for mbs in plan.micro_batches}
+    assert len(plan.micro_batches) == config.dp and len(counts) == 1, "unequal micro-batch counts"
+    flat = np.concatenate([m for mbs in plan.micro_batches for m in mbs] or [np.zeros(0, np.int64)])
+    assert len(flat) == n and np.array_equal(np.sort(flat), np.arange(n)), (
+        "plan lost or repeated samples"
+    )
+    if config.micro_batch_tokens is not None:
+        worst = max((int(lengths[m].sum()) for mbs in plan.micro_batches for m in mbs), default=0)
+        assert worst <= config.micro_batch_tokens, f"micro-batch of {worst} tokens over the budget"
+
+
+def _plan_summary(plan: Any) -> dict[str, Any]:
+    if hasattr(plan, "to_dict"):
+        return plan.to_dict()
+    return dict(getattr(plan, "report", {}))
+
+
+def _samples_table(
+    ro: Rollouts,
+    status: np.ndarray,
+    step: np.ndarray,
+    rank: np.ndarray,
+    mb: np.ndarray,
+    advantage: np.ndarray,
+    weight: np.ndarray,
+) -> pa.Table:
+    n = ro.num_samples
+    return pa.table(
+        {
+            "sample_index": pa.array(np.arange(n, dtype=np.int64)),
+            "sample_id": ro.sample_id,
+            "group_id": ro.group_ids.take(pa.array(ro.group)),
+            "rollout": pa.array(ro.rollout),
+            "env": pa.array([ro.env_names[e] for e in ro.env], pa.string()),
+            "length": pa.array(ro.length),
+            "trainable_tokens": pa.array(ro.trainable),
+            "advantage": pa.array(advantage.astype(np.float32)),
+            "token_loss_weight": pa.array(weight.astype(np.float32)),
+            "step": pa.array(step),
+            "rank": pa.array(rank),
+            "micro_batch": pa.array(mb),
+            "status": pa.array(status.tolist(), pa.string()),
+        }
+    )
+
+
+__all__ = ["ALIGNS", "ESTIMATORS", "LOSS_AGGS", "OVERLONG", "PackConfig", "run_pack"]

@@ -1,0 +1,155 @@
+"""Packing: the physical layout of one rank's micro-batches as dense rows.
+
+Each micro-batch becomes one row: its samples concatenated, ``position_ids`` restarting at 0 for
+each sample, explicit segment boundaries, and per-token ``loss_mask``, ``advantages`` (the
+sample's advantage on each of its tokens), behaviour ``logprobs`` and ``loss_weight``. With a fixed
+``row_len`` the row is padded to that length; the padding is a segment of its own (sample index
+-1, loss weight 0). An empty micro-batch becomes an all-padding row (``row_len`` tokens, or one
+token without a fixed length) so that every rank runs the same number of micro-batches.
+
+Worked example: samples of 3 and 2 tokens in a row of length 8 give
+``cu_seqlens = [0, 3, 5, 8]``, ``position_ids = [0 1 2 0 1 0 1 2]``,
+``sample_index = [i, j, -1]``.
+
+Rows of one (step, rank) are stored flat (`PackedRows`): token arrays concatenated over rows,
+``row_offsets`` into them, segment lengths ``seq_lens`` with ``row_segments`` offsets into those.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+PAD_SAMPLE = -1
+
+# name -> dtype of the per-token arrays of a row; the reader's contract (with cu_seqlens and
+# sample_index per segment).
+TOKEN_FIELDS = {
+    "input_ids": np.int32,
+    "position_ids": np.int32,
+    "loss_mask": np.uint8,
+    "advantages": np.float32,
+    "logprobs": np.float32,
+    "loss_weight": np.float32,
+}
+
+
+@dataclass(frozen=True)
+class SampleTokens:
+    """Token columns of n samples, ragged arrays as offsets + flat values."""
+
+    offsets: np.ndarray  # [n+1] int64, sample k's tokens are [offsets[k], offsets[k+1])
+    input_ids: np.ndarray  # [N] int32
+    loss_mask: np.ndarray  # [N] uint8, 1 = trained on
+    logprobs: np.ndarray  # [N] float32, behaviour log-probabilities (0 where absent)
+
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """R rows, flat. Row r holds tokens [row_offsets[r], row_offsets[r+1]) and segments
+    [row_segments[r], row_segments[r+1]) of seq_lens / sample_index."""
+
+    input_ids: np.ndarray  # [T] int32
+    position_ids: np.ndarray  # [T] int32
+    loss_mask: np.ndarray  # [T] uint8
+    advantages: np.ndarray  # [T] float32
+    logprobs: np.ndarray  # [T] float32
+    loss_weight: np.ndarray  # [T] float32
+    row_offsets: np.ndarray  # [R+1] int64
+    seq_lens: np.ndarray  # [S] int32, segment lengths (padding included)
+    row_segments: np.ndarray  # [R+1] int64
+    sample_index: np.ndarray  # [S] int64, -1 for padding
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def pack_rows(
+    tokens: SampleTokens,
+    rows: Sequence[np.ndarray],
+    *,
+    sample_index: np.ndarray,
+    advantage: np.ndarray,
+    weight: np.ndarray,
+    row_len: int | None = None,
+    pad_id: int = 0,
+) -> PackedRows:
+    """Lay out `rows` (each an array of positions k into `tokens`) as packed rows.
+
+    `sample_index`, `advantage` (float32) and `weight` (per trainable token, float) are indexed
+    by k like `tokens`. Raises AssertionError if a row does not fit `row_len`: the plan must have
+    guaranteed it.
+    """
+    lengths = tokens.lengths()
+    seg_len: list[np.ndarray] = []
+    seg_src: list[np.ndarray] = []  # position k of each segment, -1 for padding
+    for members in rows:
+        members = np.asarray(members, dtype=np.int64)
+        lens = lengths[members]
+        used = int(lens.sum())
+        if row_len is not None:
+            assert used <= row_len, f"row of {used} tokens exceeds row_len {row_len}"
+            pad = row_len - used
+        else:
+            pad = 0 if len(members) else 1
+        if pad:
+            lens = np.append(lens, pad)
+            members = np.append(members, PAD_SAMPLE)
+        seg_len.append(lens)
+        seg_src.append(members)
+    row_segments = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum([len(s) for s in seg_len], out=row_segments[1:])
+    lens = np.concatenate(seg_len) if seg_len else np.zeros(0, np.int64)
+    src = np.concatenate(seg_src) if seg_src else np.zeros(0, np.int64)
+    row_offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum([int(s.sum()) for s in seg_len], out=row_offsets[1:])
+
+    total = int(lens.sum())
+    seg_start = np.zeros(len(lens), dtype=np.int64)
+    np.cumsum(lens[:-1], out=seg_start[1:])
+    seg_of_token = np.repeat(np.arange(len(lens)), lens)
+    within = np.arange(total, dtype=np.int64) - seg_start[seg_of_token]
+    src_tok = src[seg_of_token]
+    real = src_tok >= 0
+    gather = np.where(real, tokens.offsets[np.maximum(src_tok, 0)] + within, 0)
+
+    input_ids = np.where(real, tokens.input_ids[gather], pad_id).astype(np.int32)
+    loss_mask = np.where(real, tokens.loss_mask[gather], 0).astype(np.uint8)
+    logprobs = np.where(real, tokens.logprobs[gather], 0).astype(np.float32)
+    safe = np.maximum(src_tok, 0)
+    advantages = np.where(real, advantage[safe], 0).astype(np.float32)
+    loss_weight = (np.where(real, weight[safe], 0) * loss_mask).astype(np.float32)
+    seg_index = np.where(src >= 0, sample_index[np.maximum(src, 0)], PAD_SAMPLE).astype(np.int64)
+    return PackedRows(
+        input_ids=input_ids,
+        position_ids=within.astype(np.int32),
+        loss_mask=loss_mask,
+        advantages=advantages,
+        logprobs=logprobs,
+        loss_weight=loss_weight,
+        row_offsets=row_offsets,
+        seq_lens=lens.astype(np.int32),
+        row_segments=row_segments,
+        sample_index=seg_index,
+    )
+
+
+def unpack_row(rows: dict[str, np.ndarray], r: int) -> dict[str, np.ndarray]:
+    """Row r of flat `PackedRows` arrays as the reader's dict (views where possible).
+
+    Keys: the TOKEN_FIELDS arrays sliced to the row, ``cu_seqlens`` (int32, first 0, last = row
+    length) and ``sample_index`` (int64, one per segment, -1 for padding).
+    """
+    a, b = int(rows["row_offsets"][r]), int(rows["row_offsets"][r + 1])
+    s0, s1 = int(rows["row_segments"][r]), int(rows["row_segments"][r + 1])
+    out = {k: rows[k][a:b] for k in TOKEN_FIELDS}
+    cu = np.zeros(s1 - s0 + 1, dtype=np.int32)
+    np.cumsum(rows["seq_lens"][s0:s1], out=cu[1:])
+    out["cu_seqlens"] = cu
+    out["sample_index"] = rows["sample_index"][s0:s1]
+    return out

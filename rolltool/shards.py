@@ -1,0 +1,116 @@
+"""Sharded safetensors files: writing a (step, rank)'s rows and reading them back memory-mapped.
+
+Layout of a packed directory (names zero-padded so they sort)::
+
+    packed/
+      manifest.json                      written last: the commit mark (see rolltool.pack)
+      samples.parquet                    where every input sample went, or why it did not train
+      rank-0003/step-000012-00.safetensors
+                                         rank 3's rows of step 12 (part 00), flat PackedRows
+
+A rank reads only ``rank-<r>/``. A (step, rank) whose rows exceed the shard size limit is split
+into several parts by whole rows. Files are plain safetensors (no pickle), mode 0644.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save_file
+
+from rolltool.errors import RolltoolError
+from rolltool.packing import PackedRows
+
+FORMAT = "rolltool-packed"
+FORMAT_VERSION = 1
+
+_DTYPES = {"I32": np.int32, "I64": np.int64, "U8": np.uint8, "F32": np.float32, "F64": np.float64}
+
+
+def shard_name(step: int, rank: int, part: int) -> str:
+    return f"rank-{rank:04d}/step-{step:06d}-{part:02d}.safetensors"
+
+
+def row_bytes(rows: PackedRows) -> np.ndarray:
+    """Bytes each row takes in a shard (tokens x 21 bytes + segments x 12 bytes)."""
+    tokens = np.diff(rows.row_offsets)
+    segments = np.diff(rows.row_segments)
+    return tokens * 21 + segments * 12 + 16
+
+
+def split_rows(rows: PackedRows, max_bytes: int) -> list[tuple[int, int]]:
+    """Consecutive row ranges [a, b) whose bytes stay within max_bytes (a single row may not)."""
+    sizes = row_bytes(rows)
+    parts: list[tuple[int, int]] = []
+    start, acc = 0, 0
+    for r, size in enumerate(sizes):
+        if r > start and acc + size > max_bytes:
+            parts.append((start, r))
+            start, acc = r, 0
+        acc += int(size)
+    parts.append((start, len(sizes)))
+    return parts
+
+
+def _slice(rows: PackedRows, a: int, b: int) -> dict[str, np.ndarray]:
+    t0, t1 = int(rows.row_offsets[a]), int(rows.row_offsets[b])
+    s0, s1 = int(rows.row_segments[a]), int(rows.row_segments[b])
+    out = {
+        k: np.ascontiguousarray(getattr(rows, k)[t0:t1])
+        for k in ("input_ids", "position_ids", "loss_mask", "advantages", "logprobs", "loss_weight")
+    }
+    out["row_offsets"] = rows.row_offsets[a : b + 1] - t0
+    out["row_segments"] = rows.row_segments[a : b + 1] - s0
+    out["seq_lens"] = np.ascontiguousarray(rows.seq_lens[s0:s1])
+    out["sample_index"] = np.ascontiguousarray(rows.sample_index[s0:s1])
+    return out
+
+
+def write_shards(root: Path, step: int, rank: int, rows: PackedRows, max_bytes: int) -> list[dict]:
+    """Write one (step, rank)'s rows; returns per-file records (path, first row, rows, bytes, sha256)."""
+    records = []
+    for part, (a, b) in enumerate(split_rows(rows, max_bytes)):
+        name = shard_name(step, rank, part)
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file(
+            _slice(rows, a, b),
+            str(path),
+            metadata={"step": str(step), "rank": str(rank), "first_row": str(a)},
+        )
+        os.chmod(path, 0o644)
+        records.append({"path": name, "first_row": a, "rows": b - a, **file_record(path)})
+    return records
+
+
+def file_record(path: Path) -> dict:
+    """Size and sha256 of a file."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return {"bytes": path.stat().st_size, "sha256": h.hexdigest()}
+
+
+def read_shard(path: Path) -> dict[str, np.ndarray]:
+    """Memory-map a shard's tensors as read-only NumPy arrays (no copy)."""
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+        mm = np.memmap(path, dtype=np.uint8, mode="r")
+    except (OSError, ValueError) as e:
+        raise RolltoolError(f"{path}: not a readable safetensors shard ({e})") from None
+    base = 8 + n
+    out: dict[str, np.ndarray] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        a, b = info["data_offsets"]
+        dtype = _DTYPES[info["dtype"]]
+        out[name] = mm[base + a : base + b].view(dtype).reshape(info["shape"])
+    return out
