@@ -1,0 +1,384 @@
+"""One optimizer step's layout: sample -> (data-parallel rank, micro-batch).
+
+``plan_step(lengths, dp=..., max_tokens=...)`` returns a ``StepPlan`` whose
+``micro_batches[r][j]`` holds the sample indices of rank r's j-th micro-batch. Guarantees:
+
+* every sample appears exactly once;
+* every rank has the same number of micro-batches (``num_micro_batches``); a rank with nothing
+  left for a slot gets an empty micro-batch, marked in ``empty`` (the writer pads it with a
+  zero-loss-weight row so the collectives line up);
+* token mode: no micro-batch holds more than ``max_tokens`` tokens, checked when the plan is built;
+  a longer sample is an error naming it, never truncated;
+* fixed mode: every micro-batch holds ``micro_batch_size`` samples, except those of the last slot
+  when ``dp · micro_batch_size`` does not divide the step (listed in ``short``).
+
+How (token mode, ``align="lockstep"``): with FSDP/ZeRO-3 or tensor parallelism the ranks meet at
+every micro-batch, so a step costs Σ_j max_r cost(r, j). The planner picks M, the micro-batch
+count per rank, from the token lower bound ceil(tokens / (dp · max_tokens)) upwards; packs all
+samples into dp·M bins, each to the cheapest bin with room (``pack_balanced``); sorts the bins by
+cost and deals them into M slots of dp bins (so each slot's bins cost about the same); and
+finally permutes each slot's bins over the ranks to even out rank totals (which does not change
+the lockstep cost). If balanced packing cannot fit the cap with M up to FFD's count + 1, it uses
+the first-fit-decreasing bins. ``align="total"`` (plain DDP) or ``equal_count=True`` split the
+samples over ranks first (``balance``), then pack each rank and align its bins by cost.
+
+Example: 8 samples of 7 tokens, dp = 2, max_tokens = 8 -> 4 micro-batches per rank, one sample
+each (7 tokens), where "KK into ceil(56 / 8 / 2) = 4 parts" would put 14 tokens in some.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from rolltool.errors import RolltoolError
+from rolltool.partition.balance import balance_labels, descending_order
+from rolltool.partition.binpack import ffd, pack_balanced
+from rolltool.workload import Workload, make_workload
+
+__all__ = ["ALIGNS", "StepPlan", "plan_step"]
+
+ALIGNS = ("lockstep", "total")
+"""``lockstep``: minimize Σ_j max_r cost(r, j); ``total``: minimize max_r Σ_j cost(r, j)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepPlan:
+    """The layout of one optimizer step over ``dp`` ranks and ``num_micro_batches`` slots."""
+
+    micro_batches: list[list[np.ndarray]]
+    """``[dp][M]`` int64 arrays of sample indices (ascending) of rank r's micro-batch j."""
+    costs: np.ndarray
+    """``[dp, M]`` float64: workload cost of each micro-batch."""
+    tokens: np.ndarray
+    """``[dp, M]`` int64: tokens in each micro-batch."""
+    empty: np.ndarray
+    """``[dp, M]`` bool: the micro-batch holds no sample (pad it with a zero-weight row)."""
+    num_micro_batches: int
+    """M, the same on every rank (0 only for an empty step)."""
+    ffd_micro_batches: int | None
+    """Token mode: micro-batches per rank that first-fit decreasing needs; ``None`` in fixed mode."""
+    min_micro_batches: int | None
+    """Token mode: the lower bound ceil(tokens / (dp · max_tokens)); ``None`` in fixed mode."""
+    max_tokens: int | None
+    """The token cap per micro-batch (token mode), else ``None``."""
+    micro_batch_size: int | None
+    """Samples per micro-batch (fixed mode), else ``None``."""
+    short: list[tuple[int, int]] = field(default_factory=list)
+    """Fixed mode: the (rank, slot) micro-batches holding fewer than ``micro_batch_size``."""
+    align: str = "lockstep"
+    """``lockstep`` or ``total`` (see ``ALIGNS``)."""
+    equal_count: bool = False
+    """Every rank was given the same number of samples."""
+    workload: Workload | None = None
+    """The cost model behind ``costs``."""
+
+    @property
+    def dp(self) -> int:
+        """Number of data-parallel ranks."""
+        return len(self.micro_batches)
+
+    @property
+    def report(self) -> dict[str, Any]:
+        """Per-step numbers: counts, token fill, rank imbalance and lockstep overhead.
+
+        ``imbalance_*`` = max over ranks of the rank total / mean rank total;
+        ``lockstep_overhead_*`` = Σ_j max_r x(r, j) / (Σ x / dp); both 1.0 when perfect, in
+        tokens and in the workload's cost. ``token_fill`` = tokens / (dp · M · max_tokens).
+        """
+        dp, m = self.costs.shape if self.costs.ndim == 2 else (self.dp, 0)
+        rep: dict[str, Any] = {
+            "dp": dp,
+            "micro_batches_per_rank": self.num_micro_batches,
+            "ffd_micro_batches": self.ffd_micro_batches,
+            "min_micro_batches": self.min_micro_batches,
+            "samples": int(sum(len(mb) for row in self.micro_batches for mb in row)),
+            "samples_per_rank": [int(sum(len(mb) for mb in row)) for row in self.micro_batches],
+            "tokens": int(self.tokens.sum()),
+            "empty_micro_batches": int(self.empty.sum()),
+            "short_micro_batches": len(self.short),
+            "token_fill": None,
+        }
+        if self.max_tokens and m:
+            rep["token_fill"] = float(self.tokens.sum()) / (dp * m * self.max_tokens)
+        for name, x in (("tokens", self.tokens.astype(np.float64)), ("cost", self.costs)):
+            total = float(x.sum())
+            if m == 0 or total <= 0:
+                rep[f"imbalance_{name}"] = rep[f"lockstep_overhead_{name}"] = 1.0
+                continue
+            rep[f"imbalance_{name}"] = float(x.sum(axis=1).max()) / (total / dp)
+            rep[f"lockstep_overhead_{name}"] = float(x.max(axis=0).sum()) / (total / dp)
+        return rep
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able summary for the manifest (settings and report, no index arrays)."""
+        return {
+            "align": self.align,
+            "equal_count": self.equal_count,
+            "max_tokens": self.max_tokens,
+            "micro_batch_size": self.micro_batch_size,
+            "workload": self.workload.to_dict() if self.workload else None,
+            "short": [list(rc) for rc in self.short],
+            **self.report,
+        }
+
+
+def plan_step(
+    lengths: np.ndarray,
+    *,
+    dp: int,
+    max_tokens: int | None = None,
+    micro_batch_size: int | None = None,
+    workload: Workload | None = None,
+    equal_count: bool = False,
+    align: str = "lockstep",
+) -> StepPlan:
+    """Lay out one optimizer step: which rank and micro-batch each sample goes to.
+
+    ``lengths``: ``[n]`` tokens per sample. Give exactly one of ``max_tokens`` (token mode: a
+    hard cap per micro-batch) or ``micro_batch_size`` (fixed mode: samples per micro-batch).
+    ``workload`` prices a sample (default: ``flops`` of the ``dense-7b`` preset). ``equal_count``
+    gives every rank the same number of samples (n must be a multiple of dp). Deterministic.
+    """
+    length = _check_lengths(lengths)
+    if isinstance(dp, bool) or not isinstance(dp, int | np.integer) or dp < 1:
+        raise RolltoolError(f"dp (data-parallel ranks) must be an integer >= 1, got {dp!r}")
+    dp = int(dp)
+    if align not in ALIGNS:
+        raise RolltoolError(f"unknown align {align!r}", hint=f"choose one of {', '.join(ALIGNS)}")
+    if (max_tokens is None) == (micro_batch_size is None):
+        raise RolltoolError(
+            "give exactly one of max_tokens (token budget mode) and micro_batch_size (fixed mode)"
+        )
+    n = len(length)
+    if equal_count and n % dp:
+        raise RolltoolError(
+            f"equal_count needs a step size divisible by dp: {n} samples over {dp} ranks",
+            hint="drop or add samples so that the step divides, or turn equal_count off",
+        )
+    wl = workload if workload is not None else make_workload("flops")
+    cost = wl.cost(length)
+    if micro_batch_size is not None:
+        if (
+            isinstance(micro_batch_size, bool)
+            or int(micro_batch_size) != micro_batch_size
+            or micro_batch_size < 1
+        ):
+            raise RolltoolError(
+                f"micro_batch_size must be an integer >= 1, got {micro_batch_size!r}"
+            )
+        grid, short = _fixed_grid(cost, dp, int(micro_batch_size))
+        return _build(grid, length, cost, max_tokens=None, micro_batch_size=int(micro_batch_size),
+                      ffd_m=None, min_m=None, short=short, align=align, equal_count=equal_count,
+                      workload=wl)  # fmt: skip
+    assert max_tokens is not None
+    if isinstance(max_tokens, bool) or int(max_tokens) != max_tokens or max_tokens < 1:
+        raise RolltoolError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+    cap = int(max_tokens)
+    over = np.flatnonzero(length > cap)
+    if len(over):
+        i = int(over[0])
+        more = f" (and {len(over) - 1} more)" if len(over) > 1 else ""
+        raise RolltoolError(
+            f"sample {i} has {int(length[i])} tokens, more than max_tokens={cap}{more}",
+            hint="raise max_tokens or drop over-long samples before planning (and count them)",
+        )
+    if align == "lockstep" and not equal_count:
+        grid, ffd_m, min_m = _lockstep_grid(cost, length, dp, cap)
+    else:
+        grid, ffd_m, min_m = _rank_first_grid(cost, length, dp, cap, equal_count)
+    return _build(grid, length, cost, max_tokens=cap, micro_batch_size=None,
+                  ffd_m=ffd_m, min_m=min_m, short=[], align=align, equal_count=equal_count,
+                  workload=wl)  # fmt: skip
+
+
+def _check_lengths(lengths: np.ndarray) -> np.ndarray:
+    arr = np.asarray(lengths)
+    if arr.ndim != 1:
+        raise RolltoolError(f"lengths must be one-dimensional, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        if not np.all(np.isfinite(arr)) or not np.all(arr == np.round(arr)):
+            raise RolltoolError("lengths must be whole numbers of tokens")
+    length = arr.astype(np.int64)
+    bad = np.flatnonzero(length < 0)
+    if len(bad):
+        raise RolltoolError(f"sample {int(bad[0])} has a negative length {int(length[bad[0]])}")
+    return length
+
+
+# A grid is [dp][M] lists of sample-index arrays: grid[r][j] is rank r's micro-batch j.
+Grid = list[list[np.ndarray]]
+
+
+def _bins_to_slots(
+    labels: np.ndarray, order: np.ndarray, cost: np.ndarray, dp: int, m: int
+) -> Grid:
+    """Bins (labels over ``order``) -> ``[dp][m]`` grid: slots of dp similar-cost bins.
+
+    Bins are sorted by cost, dealt into m slots of dp, and each slot's bins go to the ranks so
+    that rank totals stay even (heaviest bin of the slot to the lightest rank so far).
+    """
+    nb = dp * m
+    bin_cost = np.bincount(labels, weights=cost[order], minlength=nb)
+    by_cost = np.argsort(-bin_cost, kind="stable").reshape(m, dp)  # slot j: bins by_cost[j]
+    members = _members(labels, order, nb)
+    rank_of = _deal_ranks(bin_cost[by_cost])
+    grid: Grid = [[np.empty(0, dtype=np.int64)] * m for _ in range(dp)]
+    for j in range(m):
+        for s in range(dp):
+            grid[int(rank_of[j, s])][j] = members[int(by_cost[j, s])]
+    return grid
+
+
+def _members(labels: np.ndarray, order: np.ndarray, nb: int) -> list[np.ndarray]:
+    """Sample indices of each bin, ascending: ``labels[i]`` is the bin of sample ``order[i]``."""
+    by_bin = np.lexsort((order, labels))
+    bounds = np.cumsum(np.bincount(labels, minlength=nb))[:-1]
+    return np.split(order[by_bin], bounds)
+
+
+def _deal_ranks(slot_costs: np.ndarray) -> np.ndarray:
+    """``[m, dp]`` bin costs per slot (each row heaviest first) -> ``[m, dp]`` rank of each bin.
+
+    Slots with the widest spread go first; within a slot the heaviest bin goes to the rank with
+    the lightest total so far. Permuting bins within a slot leaves the lockstep cost unchanged.
+    """
+    m, dp = slot_costs.shape
+    totals = np.zeros(dp)
+    rank_of = np.empty((m, dp), dtype=np.int64)
+    spread = slot_costs[:, 0] - slot_costs[:, -1] if m else np.empty(0)
+    for j in np.argsort(-spread, kind="stable").tolist():
+        ranks = np.argsort(totals, kind="stable")
+        rank_of[j] = ranks
+        totals[ranks] += slot_costs[j]
+    return rank_of
+
+
+def _lockstep_grid(
+    cost: np.ndarray, length: np.ndarray, dp: int, cap: int
+) -> tuple[Grid, int, int]:
+    n = len(cost)
+    if n == 0:
+        return [[] for _ in range(dp)], 0, 0
+    order = descending_order(length)  # longest first, hence costliest first
+    cs, ts = cost[order], length[order]
+    min_m = max(1, -(-int(length.sum()) // (dp * cap)))
+    ffd_labels, ffd_bins = ffd(ts, cap)
+    ffd_m = max(1, -(-ffd_bins // dp))
+    for m in range(min_m, ffd_m + 2):
+        labels = pack_balanced(cs, ts, cap, dp * m)
+        if labels is not None:
+            return _bins_to_slots(labels, order, cost, dp, m), ffd_m, min_m
+    # fall back on the FFD bins, with empty bins up to a multiple of dp
+    return _bins_to_slots(ffd_labels, order, cost, dp, ffd_m), ffd_m, min_m
+
+
+def _rank_first_grid(
+    cost: np.ndarray, length: np.ndarray, dp: int, cap: int, equal_count: bool
+) -> tuple[Grid, int, int]:
+    """Split samples over ranks (``balance``), then pack each rank into the same M bins."""
+    n = len(cost)
+    if n == 0:
+        return [[] for _ in range(dp)], 0, 0
+    rank = balance_labels(cost, dp, equal_count=equal_count)
+    idx = [np.flatnonzero(rank == r) for r in range(dp)]
+    orders = [ix[descending_order(length[ix])] for ix in idx]
+    per_rank_tokens = [int(length[ix].sum()) for ix in idx]
+    min_m = max(1, max(-(-t // cap) for t in per_rank_tokens))
+    ffds = [ffd(length[o], cap) for o in orders]
+    ffd_m = max(1, max(b for _, b in ffds))
+    for m in range(min_m, ffd_m + 2):
+        packed = [pack_balanced(cost[o], length[o], cap, m) for o in orders]
+        if all(p is not None for p in packed):
+            break
+    else:
+        m = ffd_m
+        packed = [lab for lab, _ in ffds]
+    grid: Grid = []
+    for o, labels in zip(orders, packed, strict=True):
+        assert labels is not None
+        members = _members(labels, o, m)
+        bin_cost = np.bincount(labels, weights=cost[o], minlength=m)
+        grid.append([members[int(b)] for b in np.argsort(-bin_cost, kind="stable")])
+    return grid, ffd_m, min_m
+
+
+def _fixed_grid(cost: np.ndarray, dp: int, size: int) -> tuple[Grid, list[tuple[int, int]]]:
+    """Fixed mode: slots of dp·size samples by cost, each split into dp bins of ``size``.
+
+    Samples sorted by cost fill slot 0 first; within a slot, ``size`` rounds give each bin one
+    sample, the costliest of the round to the cheapest bin. The last slot may be partial.
+    """
+    n = len(cost)
+    if n == 0:
+        return [[] for _ in range(dp)], []
+    per_slot = dp * size
+    m = -(-n // per_slot)
+    order = descending_order(cost)
+    padded = np.full(m * per_slot, -1, dtype=np.int64)
+    padded[:n] = order
+    blocks = padded.reshape(m, size, dp)  # [slot, round, position in round]
+    pc = np.where(blocks >= 0, cost[np.maximum(blocks, 0)], 0.0)
+    loads = np.zeros((m, dp))
+    bins = np.empty((m, size, dp), dtype=np.int64)  # bin of each position
+    rows = np.arange(m)[:, None]
+    for q in range(size):
+        lightest = np.argsort(loads, axis=1, kind="stable")
+        bins[:, q, :] = lightest
+        loads[rows, lightest] += pc[:, q, :]
+    labels = (np.arange(m)[:, None, None] * dp + bins)[blocks >= 0]
+    sample = blocks[blocks >= 0]
+    grid_bins = _bins_to_slots(labels, sample, cost, dp, m)
+    short = [(r, j) for r in range(dp) for j in range(m) if len(grid_bins[r][j]) < size]
+    return grid_bins, short
+
+
+def _build(
+    grid: Grid,
+    length: np.ndarray,
+    cost: np.ndarray,
+    *,
+    max_tokens: int | None,
+    micro_batch_size: int | None,
+    ffd_m: int | None,
+    min_m: int | None,
+    short: list[tuple[int, int]],
+    align: str,
+    equal_count: bool,
+    workload: Workload,
+) -> StepPlan:
+    """Assemble the StepPlan and check its invariants (they are promises, not hopes)."""
+    dp = len(grid)
+    m = len(grid[0]) if dp else 0
+    costs = np.zeros((dp, m))
+    tokens = np.zeros((dp, m), dtype=np.int64)
+    seen = np.zeros(len(length), dtype=np.int64)
+    for r, row in enumerate(grid):
+        if len(row) != m:
+            raise AssertionError(f"bug: rank {r} has {len(row)} micro-batches, rank 0 has {m}")
+        for j, mb in enumerate(row):
+            tokens[r, j] = int(length[mb].sum())
+            costs[r, j] = float(cost[mb].sum())
+            seen[mb] += 1
+    if len(length) and not (seen == 1).all():
+        raise AssertionError("bug: a sample is missing from the plan or appears twice")
+    if max_tokens is not None and m and int(tokens.max()) > max_tokens:
+        raise AssertionError(f"bug: a micro-batch holds {int(tokens.max())} > {max_tokens} tokens")
+    empty = np.array([[len(mb) == 0 for mb in row] for row in grid], dtype=bool).reshape(dp, m)
+    return StepPlan(
+        micro_batches=grid,
+        costs=costs,
+        tokens=tokens,
+        empty=empty,
+        num_micro_batches=m,
+        ffd_micro_batches=ffd_m,
+        min_micro_batches=min_m,
+        max_tokens=max_tokens,
+        micro_batch_size=micro_batch_size,
+        short=short,
+        align=align,
+        equal_count=equal_count,
+        workload=workload,
+    )

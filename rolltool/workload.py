@@ -1,0 +1,330 @@
+"""Cost model: how expensive is a sample of L tokens to train on?
+
+Every workload is the same quadratic in the sequence length, only the coefficients differ::
+
+    cost(L) = c + a·L + b·L²          (float64, one value per sample)
+
+=============  ===================================  =================================================
+kind           coefficients                         meaning
+=============  ===================================  =================================================
+``flops``      a = 6·N, b = 6·layers·heads·head_dim  forward+backward training FLOPs of a decoder-only
+                                                     transformer with causal attention (the default)
+``verl``       a = 24576, b = 1                     the peer's proxy (12h² L + 2h L² over 2h, h=4096)
+``tokens``     a = 1                                tokens
+``count``      c = 1                                samples
+``calibrated`` a, b (and c) from a JSON file        measured seconds, written by ``rolltool bench``
+=============  ===================================  =================================================
+
+N counts the parameters that take part in a matmul per token: the transformer blocks plus the
+output projection (the embedding lookup is not a matmul). The attention term is the causal half
+of ``12·layers·L²·heads·head_dim`` (QKᵀ and AV, forward and backward); with ``heads·head_dim ==
+hidden`` it is the ``6·layers·hidden·L²`` of the usual formula.
+
+Example, the ``dense-7b`` preset at L = 4,096 tokens::
+
+    >>> w = make_workload("flops", model="dense-7b")
+    >>> round(float(w.cost(np.array([4096]))[0]) / 1e12, 1)    # TFLOPs
+    183.9
+
+Calibration file (JSON object; extra keys such as ``"device"`` or ``"r2"`` are kept as notes):
+``{"a": <seconds per token>, "b": <seconds per token²>, "c": <seconds per sample, optional>}``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rolltool.errors import RolltoolError
+
+__all__ = [
+    "MODEL_PRESETS",
+    "WORKLOADS",
+    "ModelShape",
+    "Workload",
+    "load_model_config",
+    "make_workload",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """The shape of a dense decoder-only transformer (what its FLOPs depend on)."""
+
+    hidden_size: int
+    """Width of the residual stream (``hidden_size`` in a Hugging Face config)."""
+    num_layers: int
+    """Number of transformer blocks (``num_hidden_layers``)."""
+    num_heads: int
+    """Query heads per block (``num_attention_heads``)."""
+    num_kv_heads: int
+    """Key/value heads per block (``num_key_value_heads``; fewer than ``num_heads`` with GQA)."""
+    intermediate_size: int
+    """Width of the gated MLP (``intermediate_size``); the MLP has three such matrices."""
+    vocab_size: int
+    """Vocabulary size (``vocab_size``); sets the size of the output projection."""
+    head_dim: int = 0
+    """Width of one attention head; 0 means ``hidden_size // num_heads``."""
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads"):
+            if getattr(self, name) < 1:
+                raise RolltoolError(
+                    f"model shape: {name} must be at least 1, got {getattr(self, name)}"
+                )
+        for name in ("intermediate_size", "vocab_size", "head_dim"):
+            if getattr(self, name) < 0:
+                raise RolltoolError(f"model shape: {name} must not be negative")
+        if self.num_heads % self.num_kv_heads:
+            raise RolltoolError(
+                f"model shape: num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads})"
+            )
+
+    @property
+    def attention_width(self) -> int:
+        """``num_heads · head_dim``: the width of the attention scores' contraction."""
+        return self.num_heads * (self.head_dim or self.hidden_size // self.num_heads)
+
+    @property
+    def matmul_params(self) -> int:
+        """Parameters used in a matmul once per token: blocks plus the output projection."""
+        h, d = self.hidden_size, self.head_dim or self.hidden_size // self.num_heads
+        attn = h * self.num_heads * d * 2 + h * self.num_kv_heads * d * 2  # q, o, then k, v
+        mlp = 3 * h * self.intermediate_size
+        return self.num_layers * (attn + mlp) + h * self.vocab_size
+
+
+MODEL_PRESETS: dict[str, ModelShape] = {
+    "dense-0.5b": ModelShape(
+        hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2,
+        intermediate_size=4864, vocab_size=151_936,
+    ),
+    "dense-1.5b": ModelShape(
+        hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2,
+        intermediate_size=8960, vocab_size=151_936,
+    ),
+    "dense-7b": ModelShape(
+        hidden_size=3584, num_layers=28, num_heads=28, num_kv_heads=4,
+        intermediate_size=18_944, vocab_size=152_064,
+    ),
+    "dense-8b": ModelShape(
+        hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+        intermediate_size=14_336, vocab_size=128_256,
+    ),
+    "dense-32b": ModelShape(
+        hidden_size=5120, num_layers=64, num_heads=40, num_kv_heads=8,
+        intermediate_size=27_648, vocab_size=152_064,
+    ),
+    "dense-70b": ModelShape(
+        hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8,
+        intermediate_size=28_672, vocab_size=128_256,
+    ),
+}  # fmt: skip
+"""Built-in shapes, named by size; ``flops`` uses ``DEFAULT_PRESET`` when given no model."""
+
+DEFAULT_PRESET = "dense-7b"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """A cost model ``cost(L) = c + a·L + b·L²`` and where its coefficients came from."""
+
+    kind: str
+    """Name in ``WORKLOADS`` (``flops``, ``verl``, ``tokens``, ``count``, ``calibrated``)."""
+    a: float = 0.0
+    """Cost per token (FLOPs, seconds, or 1 for ``tokens``)."""
+    b: float = 0.0
+    """Cost per token² (the attention term)."""
+    c: float = 0.0
+    """Cost per sample, whatever its length (1 for ``count``)."""
+    source: str | None = None
+    """Preset name, model config path or calibration file path, for the manifest."""
+    model: ModelShape | None = None
+    """The model shape behind ``flops``; ``None`` for the other kinds."""
+    notes: Mapping[str, Any] = field(default_factory=dict)
+    """Extra keys of a calibration file (device, fit quality...), kept for the record."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in WORKLOADS:
+            raise RolltoolError(
+                f"unknown workload {self.kind!r}",
+                hint=f"choose one of {', '.join(sorted(WORKLOADS))}",
+            )
+        for name in ("a", "b", "c"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+                raise RolltoolError(
+                    f"workload {self.kind}: coefficient {name} must be a finite number >= 0, got {value!r}"
+                )
+        if self.a == 0 and self.b == 0 and self.c == 0:
+            raise RolltoolError(f"workload {self.kind}: all coefficients are zero")
+
+    def cost(self, lengths: np.ndarray) -> np.ndarray:
+        """Cost of each sample: ``[n]`` lengths (any integer or float dtype) -> ``[n]`` float64."""
+        length = np.asarray(lengths, dtype=np.float64)
+        return self.c + length * (self.a + self.b * length)
+
+    def describe(self) -> str:
+        """One line for people, e.g. ``flops(dense-7b): 4.56e+10·L + 6.02e+05·L²``."""
+        terms = [f"{v:.3g}{s}" for v, s in ((self.c, ""), (self.a, "·L"), (self.b, "·L²")) if v]
+        src = f"({self.source})" if self.source else ""
+        return f"{self.kind}{src}: {' + '.join(terms)}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able record for the manifest; ``Workload.from_dict`` reverses it."""
+        return {
+            "kind": self.kind,
+            "a": self.a,
+            "b": self.b,
+            "c": self.c,
+            "source": self.source,
+            "model": asdict(self.model) if self.model else None,
+            "notes": dict(self.notes),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Workload:
+        """Rebuild a workload recorded by ``to_dict`` (coefficients are taken as recorded)."""
+        model = d.get("model")
+        return cls(
+            kind=str(d["kind"]),
+            a=float(d.get("a", 0.0)),
+            b=float(d.get("b", 0.0)),
+            c=float(d.get("c", 0.0)),
+            source=d.get("source"),
+            model=ModelShape(**model) if model else None,
+            notes=dict(d.get("notes") or {}),
+        )
+
+
+def load_model_config(path: str | Path) -> ModelShape:
+    """Read a model shape from a JSON config; the keys of a Hugging Face ``config.json`` work.
+
+    Accepted keys (first name is ours, second the Hugging Face one): ``hidden_size``,
+    ``num_layers``/``num_hidden_layers``, ``num_heads``/``num_attention_heads``,
+    ``num_kv_heads``/``num_key_value_heads`` (default: heads), ``intermediate_size``,
+    ``vocab_size``, ``head_dim`` (optional). A multimodal config's ``text_config`` is used when the
+    top level has no ``hidden_size``.
+    """
+    p = Path(path)
+    try:
+        raw = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise RolltoolError(f"model config {p} does not exist") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise RolltoolError(f"cannot read model config {p}: {e}") from None
+    if not isinstance(raw, dict):
+        raise RolltoolError(f"model config {p} is not a JSON object")
+    if "hidden_size" not in raw and isinstance(raw.get("text_config"), dict):
+        raw = raw["text_config"]
+
+    def pick(*names: str, default: int | None = None) -> int:
+        for name in names:
+            if raw.get(name) is not None:
+                return int(raw[name])
+        if default is None:
+            raise RolltoolError(
+                f"model config {p} has no {names[-1]!r}",
+                hint="a Hugging Face config.json of a dense decoder-only model has all needed keys",
+            )
+        return default
+
+    heads = pick("num_heads", "num_attention_heads")
+    return ModelShape(
+        hidden_size=pick("hidden_size"),
+        num_layers=pick("num_layers", "num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=pick("num_kv_heads", "num_key_value_heads", default=heads),
+        intermediate_size=pick("intermediate_size"),
+        vocab_size=pick("vocab_size"),
+        head_dim=pick("head_dim", default=0),
+    )
+
+
+def _flops(model: str | None = None, calibration: str | Path | None = None) -> Workload:
+    if calibration is not None:
+        raise RolltoolError("a calibration file goes with the 'calibrated' workload, not 'flops'")
+    name = model or DEFAULT_PRESET
+    if name in MODEL_PRESETS:
+        shape = MODEL_PRESETS[name]
+    elif name.endswith(".json") or Path(name).is_file():
+        shape = load_model_config(name)
+    else:
+        raise RolltoolError(
+            f"unknown model {name!r}",
+            hint=f"give a preset ({', '.join(MODEL_PRESETS)}) or the path of a config.json",
+        )
+    return Workload(
+        kind="flops",
+        a=6.0 * shape.matmul_params,
+        b=6.0 * shape.num_layers * shape.attention_width,
+        source=name,
+        model=shape,
+    )
+
+
+def _fixed(kind: str, a: float = 0.0, b: float = 0.0, c: float = 0.0) -> Callable[..., Workload]:
+    def make(model: str | None = None, calibration: str | Path | None = None) -> Workload:
+        if model is not None or calibration is not None:
+            raise RolltoolError(f"the {kind!r} workload takes no model or calibration file")
+        return Workload(kind=kind, a=a, b=b, c=c)
+
+    return make
+
+
+def _calibrated(model: str | None = None, calibration: str | Path | None = None) -> Workload:
+    if calibration is None:
+        raise RolltoolError(
+            "the 'calibrated' workload needs a calibration file",
+            hint='write one with `rolltool bench`; it holds {"a": ..., "b": ...}',
+        )
+    p = Path(calibration)
+    try:
+        raw = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise RolltoolError(f"calibration file {p} does not exist") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise RolltoolError(f"cannot read calibration file {p}: {e}") from None
+    if not isinstance(raw, dict) or "a" not in raw or "b" not in raw:
+        raise RolltoolError(
+            f"calibration file {p} must be a JSON object with keys 'a' and 'b'",
+            hint='e.g. {"a": 1.2e-7, "b": 3.4e-12} (seconds per token and per token²)',
+        )
+    try:
+        a, b, c = float(raw["a"]), float(raw["b"]), float(raw.get("c", 0.0))
+    except (TypeError, ValueError):
+        raise RolltoolError(f"calibration file {p}: 'a', 'b' and 'c' must be numbers") from None
+    notes = {key: v for key, v in raw.items() if key not in ("a", "b", "c")}
+    return Workload(kind="calibrated", a=a, b=b, c=c, source=str(p), model=None, notes=notes)
+
+
+WORKLOADS: dict[str, Callable[..., Workload]] = {
+    "flops": _flops,
+    "verl": _fixed("verl", a=24_576.0, b=1.0),
+    "tokens": _fixed("tokens", a=1.0),
+    "count": _fixed("count", c=1.0),
+    "calibrated": _calibrated,
+}
+"""Workload constructors by name, each ``(model=None, calibration=None) -> Workload``."""
+
+
+def make_workload(
+    kind: str = "flops", *, model: str | None = None, calibration: str | Path | None = None
+) -> Workload:
+    """Build a workload from CLI-style arguments.
+
+    ``model`` is a preset name (``dense-7b``...) or a config.json path and only goes with
+    ``flops``; ``calibration`` is a JSON file path and only goes with ``calibrated``.
+    """
+    if kind not in WORKLOADS:
+        raise RolltoolError(
+            f"unknown workload {kind!r}", hint=f"choose one of {', '.join(sorted(WORKLOADS))}"
+        )
+    return WORKLOADS[kind](model=model, calibration=calibration)
