@@ -32,6 +32,7 @@ ID_COLUMNS = ("group_id", "rollout_id", "sample_id")
 TOKEN_COLUMNS = ("input_ids", "loss_mask", "logprobs", "prompt_ids", "response_ids")
 LIGHT_COLUMNS = ("group_id", "rollout_id", "sample_id", "env", "reward", "finished_at")
 SCAN_COLUMNS = LIGHT_COLUMNS + TOKEN_COLUMNS
+FORMAT_COLUMNS = {"input_ids": ("input_ids", "loss_mask"), "prompt_response": TOKEN_COLUMNS[3:]}
 DEFAULT_ENV = "default"
 MAX_LISTED = 8  # problems listed per kind; the rest are counted
 
@@ -161,8 +162,15 @@ class _FileScan:
     finished: list[np.ndarray] = field(default_factory=list)
 
 
-def _check_columns(file: InputFile, schema: pa.Schema, problems: _Problems) -> str | None:
-    """Column-level checks; returns the token format or None when the file can't be scanned."""
+def _check_columns(
+    file: InputFile, schema: pa.Schema, problems: _Problems
+) -> tuple[str | None, set[str]]:
+    """Column-level checks: (token format, mistyped columns).
+
+    The format is None when a required column is missing or mistyped and the file can't be
+    scanned; a mistyped optional column is only left out of the scan, so that the file's
+    row-level problems are still reported.
+    """
     names = set(schema.names)
     ok = True
     for col in ("group_id", "reward"):
@@ -182,14 +190,16 @@ def _check_columns(file: InputFile, schema: pa.Schema, problems: _Problems) -> s
             f"(or 'prompt_ids' and 'response_ids'); found {have or 'none of them'}",
         )
         ok = False
+    mistyped = set()
     for name, (check, desc) in COLUMN_TYPES.items():
         if name in names and not check(schema.field(name).type):
             problems.add(
                 "mistyped column",
                 f"{file.path}: column '{name}' has type {schema.field(name).type}, expected {desc}",
             )
-            ok = False
-    return fmt if ok else None
+            mistyped.add(name)
+    required = {"group_id", "reward", *FORMAT_COLUMNS.get(fmt or "", ())}
+    return (fmt if ok and not (mistyped & required) else None), mistyped
 
 
 def _scan_batch(
@@ -199,9 +209,10 @@ def _scan_batch(
     first_row: int,
     acc: _FileScan,
     problems: _Problems,
+    skip: set[str],
 ) -> None:
     n = batch.num_rows
-    cols = dict(zip(batch.schema.names, batch.columns, strict=True))
+    cols = {k: v for k, v in zip(batch.schema.names, batch.columns, strict=True) if k not in skip}
     if "sample_id" in cols:
         sid = cols["sample_id"]
     else:
@@ -209,8 +220,13 @@ def _scan_batch(
     acc.ids["sample_id"].append(sid)
 
     def name(i: int | np.integer) -> str:
+        if not sid[i].is_valid:
+            return f"{file.path}: row {first_row + int(i)} of the ordered input"
         return f"{file.path}: sample {sid[i].as_py()!r}"
 
+    if "sample_id" in cols:
+        for i in np.flatnonzero(sid.is_null().to_numpy(zero_copy_only=False)):
+            problems.add("null sample_id", f"{name(i)}: column 'sample_id' is null")
     for col in ("group_id", "rollout_id", "env"):
         if col in cols:
             arr = cols[col]
@@ -328,12 +344,14 @@ def scan(
     has_logprobs = True
     table_iter = iter(tables) if tables is not None else None
     first_row = 0
+    column_problems = False
     for k, file in enumerate(files):
         schema = file_schema(file, rename)
         for n in schema.names:
             if n not in columns:
                 columns.append(n)
-        fmt = _check_columns(file, schema, problems)
+        fmt, mistyped = _check_columns(file, schema, problems)
+        column_problems |= fmt is None or bool(mistyped)
         table = next(table_iter) if table_iter is not None else None
         if fmt is None:
             first_row += file.rows
@@ -348,7 +366,7 @@ def scan(
         )
         row = first_row
         for batch in batches:
-            _scan_batch(batch, fmt, file, row, acc, problems)
+            _scan_batch(batch, fmt, file, row, acc, problems, mistyped)
             row += batch.num_rows
         scans.append(acc)
         file_index.append(np.full(row - first_row, k, dtype=np.int32))
@@ -359,7 +377,9 @@ def scan(
             "some files have 'input_ids'/'loss_mask' and others only 'prompt_ids'/'response_ids'; "
             "use one token format for the whole input",
         )
-    problems.raise_if_any()  # column-level problems stop here: rows can't be interpreted
+        column_problems = True
+    if column_problems:  # with them, rows can't be compared across the input: stop here
+        problems.raise_if_any()
 
     def cat(name: str) -> list[np.ndarray]:
         return [a for s in scans for a in getattr(s, name)]
@@ -404,7 +424,7 @@ def scan(
     def where(i: int | np.integer) -> str:
         return f"{files[int(fidx[i])].path}: sample {sample_id[i].as_py()!r}"
 
-    dup = df.filter(pl.col("sample_id").is_duplicated())
+    dup = df.filter(pl.col("sample_id").is_duplicated() & pl.col("sample_id").is_not_null())
     for first_i in dup.group_by("sample_id", maintain_order=True).agg(pl.col("row"))["row"]:
         rows = list(first_i)
         problems.add(
@@ -430,8 +450,10 @@ def scan(
                 f"{where(rec['row'])}: column 'reward': branches of one rollout have different "
                 f"rewards ({rec['lo']} vs {rec['hi']})",
             )
-    envs = df.group_by("_g").agg(
-        pl.col("_e").n_unique().alias("k"), pl.col("row").first(), pl.col("env").unique()
+    envs = df.group_by("_g").agg(  # null envs are reported above
+        pl.col("env").drop_nulls().n_unique().alias("k"),
+        pl.col("row").first(),
+        pl.col("env").drop_nulls().unique(),
     )
     for grec in envs.filter(pl.col("k") > 1).sort("row").iter_rows(named=True):
         problems.add(
