@@ -13,8 +13,8 @@ give data-parallel ranks equal work. Methods, by name in ``METHODS``:
   without them; beyond that KK costs tens of milliseconds and ``auto`` relies on refinement.
 
 ``equal_count=True`` gives every part the same number of items; when k does not divide n, part
-sizes are ``n // k`` or ``n // k + 1`` (the algorithms run on the input padded with zero-weight
-items to a multiple of k, which are dropped afterwards).
+sizes are ``n // k`` or ``n // k + 1`` (KK pads the last block with zero-weight items, one per
+part; LPT lets only ``n % k`` parts take the extra item; refinement swaps, which keep sizes).
 
 Example::
 
@@ -44,10 +44,13 @@ REFINE_WORK = 8192
 
 
 def _lpt(ws: np.ndarray, k: int, equal_count: bool) -> np.ndarray:
-    return lpt_sorted(ws, k, capacity=len(ws) // k if equal_count else None)
+    return lpt_sorted(ws, k, equal_count)
 
 
 def _kk(ws: np.ndarray, k: int, equal_count: bool) -> np.ndarray:
+    n = len(ws)
+    if equal_count and n % k:  # zero-weight padding: one per slot of the last block
+        return kk_sorted(np.concatenate([ws, np.zeros(k - n % k)]), k, equal_count)[:n]
     return kk_sorted(ws, k, equal_count)
 
 
@@ -105,10 +108,7 @@ def balance_labels(
     if k == 1:
         return np.zeros(n, dtype=np.int64)
     order = descending_order(w)
-    ws = w[order]
-    if equal_count and n % k:
-        ws = np.concatenate([ws, np.zeros(k - n % k)])
-    labels_sorted = METHODS[method](ws, k, equal_count)[:n]
+    labels_sorted = METHODS[method](w[order], k, equal_count)
     labels = np.empty(n, dtype=np.int64)
     labels[order] = labels_sorted
     return labels

@@ -24,13 +24,14 @@ ROUNDS_MIN_K = 24
 """Below this many parts the heap is faster than NumPy rounds."""
 
 
-def lpt_sorted(ws: np.ndarray, k: int, capacity: int | None = None) -> np.ndarray:
+def lpt_sorted(ws: np.ndarray, k: int, equal_count: bool = False) -> np.ndarray:
     """LPT over weights already sorted heaviest first: ``[n]`` float64 -> ``[n]`` int64 part.
 
-    ``capacity`` caps the number of items per part (``n <= k·capacity`` is the caller's job).
+    With ``equal_count`` a part has room while it holds fewer than ``n // k`` items, or fewer than
+    ``n // k + 1`` while fewer than ``n % k`` parts hold that many: sizes end up n//k or n//k + 1.
     """
     n = len(ws)
-    limit = capacity if capacity is not None else n
+    cap = Capacity(n // k, n % k) if equal_count else Capacity(n + 1, 0)
     labels = np.empty(n, dtype=np.int64)
     loads = np.zeros(k, dtype=np.float64)
     counts = np.zeros(k, dtype=np.int64)
@@ -38,7 +39,7 @@ def lpt_sorted(ws: np.ndarray, k: int, capacity: int | None = None) -> np.ndarra
     i = 0
     if k >= ROUNDS_MIN_K:
         min_round = max(4, k // 8)
-        unlimited = capacity is None or n <= capacity  # no part can fill up
+        rounds = 0  # a round feeds a part at most once: no part is full before round n // k
         while i < n:
             if len(alive) == k:
                 parts = np.argsort(loads, kind="stable")
@@ -48,6 +49,11 @@ def lpt_sorted(ws: np.ndarray, k: int, capacity: int | None = None) -> np.ndarra
                 order = np.argsort(la, kind="stable")
                 parts, lo = alive[order], la[order]
             b = min(len(parts), n - i)
+            crowded = equal_count and rounds >= cap.base
+            if crowded:
+                # parts already holding n // k items may take only the extras that are left
+                at_base = np.cumsum(counts[parts[:b]] == cap.base)
+                b = min(b, int(np.searchsorted(at_base, cap.extras, side="right")))
             block = ws[i : i + b]
             t = b
             if b > 1:
@@ -60,15 +66,28 @@ def lpt_sorted(ws: np.ndarray, k: int, capacity: int | None = None) -> np.ndarra
             labels[i : i + t] = fed
             loads[fed] += block[:t]
             i += t
-            if not unlimited:
-                counts[fed] += 1
-                if counts[fed].max() >= limit:
-                    alive = alive[counts[alive] < limit]
+            if crowded:
+                cap.extras -= int((counts[fed] == cap.base).sum())
+            counts[fed] += 1
+            rounds += 1
+            if crowded or rounds >= cap.base:
+                alive = alive[cap.has_room(counts[alive])]
             if t < min_round:
                 break
     if i < n:
-        _lpt_heap(ws, labels, loads, counts, alive, i, capacity)
+        _lpt_heap(ws, labels, loads, counts, alive, i, cap)
     return labels
+
+
+class Capacity:
+    """Room rule for equal counts: ``base`` items per part, ``extras`` parts may hold one more."""
+
+    def __init__(self, base: int, extras: int) -> None:
+        self.base = base
+        self.extras = extras
+
+    def has_room(self, count: np.ndarray) -> np.ndarray:
+        return (count < self.base) | ((count == self.base) & (self.extras > 0))
 
 
 def _lpt_heap(
@@ -78,26 +97,26 @@ def _lpt_heap(
     counts: np.ndarray,
     alive: np.ndarray,
     start: int,
-    capacity: int | None,
+    cap: Capacity,
 ) -> None:
     """Finish LPT from item ``start`` with a heap of (load, part); fills ``labels`` in place."""
     heap = [(float(loads[p]), int(p)) for p in alive]
     heapq.heapify(heap)
     out: list[int] = []
     put, replace, pop = out.append, heapq.heapreplace, heapq.heappop
-    if capacity is None:
-        for x in ws[start:].tolist():
+    count = counts.tolist()
+    base, extras = cap.base, cap.extras
+    for x in ws[start:].tolist():
+        load, p = heap[0]
+        while count[p] >= base and not (count[p] == base and extras > 0):
+            pop(heap)  # full (lazily: the extras ran out after it was pushed)
             load, p = heap[0]
-            put(p)
+        put(p)
+        if count[p] == base:
+            extras -= 1
+        count[p] += 1
+        if count[p] > base or (count[p] == base and extras == 0):
+            pop(heap)
+        else:
             replace(heap, (load + x, p))
-    else:
-        left = {int(p): capacity - int(counts[p]) for p in alive}
-        for x in ws[start:].tolist():
-            load, p = heap[0]
-            put(p)
-            left[p] -= 1
-            if left[p]:
-                replace(heap, (load + x, p))
-            else:
-                pop(heap)
     labels[start:] = out

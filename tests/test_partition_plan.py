@@ -1,0 +1,210 @@
+"""plan_step(): the promises of a step layout, over random steps, plus the known bad cases."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rolltool.errors import RolltoolError
+from rolltool.partition import StepPlan, plan_step
+from rolltool.workload import make_workload
+
+
+def check_plan(plan: StepPlan, lengths: np.ndarray, dp: int) -> None:
+    """Every promise a StepPlan makes, checked from the index arrays alone."""
+    n, m = len(lengths), plan.num_micro_batches
+    assert len(plan.micro_batches) == dp
+    assert all(len(row) == m for row in plan.micro_batches), "same micro-batch count on every rank"
+    assert plan.costs.shape == plan.tokens.shape == plan.empty.shape == (dp, m)
+    seen = np.zeros(n, dtype=np.int64)
+    wl = plan.workload
+    assert wl is not None
+    for r, row in enumerate(plan.micro_batches):
+        for j, mb in enumerate(row):
+            assert mb.dtype == np.int64 and np.all(np.diff(mb) > 0)
+            seen[mb] += 1
+            assert plan.tokens[r, j] == lengths[mb].sum()
+            assert plan.empty[r, j] == (len(mb) == 0)
+            assert np.isclose(plan.costs[r, j], wl.cost(lengths[mb]).sum(), rtol=1e-9)
+            if plan.max_tokens is not None:
+                assert plan.tokens[r, j] <= plan.max_tokens, "the token cap is hard"
+    assert np.all(seen == 1), "every sample exactly once"
+    if plan.equal_count:
+        per_rank = {sum(len(mb) for mb in row) for row in plan.micro_batches}
+        assert len(per_rank) <= 1
+    if plan.max_tokens is not None and n:
+        assert plan.min_micro_batches is not None and plan.ffd_micro_batches is not None
+        assert plan.min_micro_batches <= m <= plan.ffd_micro_batches + 1
+        assert plan.min_micro_batches >= -(-int(lengths.sum()) // (dp * plan.max_tokens))
+    json.dumps(plan.to_dict())  # the manifest record is plain JSON
+
+
+@st.composite
+def steps(draw: st.DrawFn) -> tuple[np.ndarray, int, int]:
+    cap = draw(st.sampled_from([1, 8, 64, 1000, 4096]))
+    dp = draw(st.integers(1, 9))
+    n = draw(st.integers(0, 200))
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    shape = draw(st.sampled_from(["uniform", "short", "near cap", "heavy tail"]))
+    if shape == "uniform":
+        lengths = rng.integers(0, cap + 1, n)
+    elif shape == "short":
+        lengths = rng.integers(1, max(2, cap // 10), n)
+    elif shape == "near cap":
+        lengths = rng.integers(max(1, cap // 2), cap + 1, n)
+    else:
+        lengths = np.minimum((rng.pareto(1.1, n) + 1) * max(1, cap // 30), cap).astype(np.int64)
+    return lengths.astype(np.int64), dp, cap
+
+
+def test_token_mode_promises() -> None:
+    runs = []
+
+    @settings(max_examples=120, deadline=None)
+    @given(
+        step=steps(),
+        align=st.sampled_from(["lockstep", "total"]),
+        equal_count=st.booleans(),
+        kind=st.sampled_from(["flops", "tokens", "count", "verl"]),
+    )
+    def prop(step: tuple[np.ndarray, int, int], align: str, equal_count: bool, kind: str) -> None:
+        lengths, dp, cap = step
+        if equal_count and len(lengths) % dp:
+            lengths = lengths[: len(lengths) - len(lengths) % dp]
+        plan = plan_step(
+            lengths, dp=dp, max_tokens=cap, workload=make_workload(kind),
+            align=align, equal_count=equal_count,
+        )  # fmt: skip
+        check_plan(plan, lengths, dp)
+        runs.append(len(lengths))
+
+    prop()
+    assert len(runs) >= 100 and max(runs) >= 100
+
+
+def test_fixed_mode_promises() -> None:
+    runs = []
+
+    @settings(max_examples=80, deadline=None)
+    @given(
+        n=st.integers(0, 150),
+        dp=st.integers(1, 8),
+        size=st.integers(1, 9),
+        seed=st.integers(0, 2**32 - 1),
+        equal_count=st.booleans(),
+    )
+    def prop(n: int, dp: int, size: int, seed: int, equal_count: bool) -> None:
+        if equal_count:
+            n -= n % dp
+        lengths = np.random.default_rng(seed).integers(1, 5000, n)
+        plan = plan_step(lengths, dp=dp, micro_batch_size=size, equal_count=equal_count)
+        check_plan(plan, lengths, dp)
+        m = plan.num_micro_batches
+        assert m == -(-n // (dp * size))
+        short = set(plan.short)
+        for r, row in enumerate(plan.micro_batches):
+            for j, mb in enumerate(row):
+                assert len(mb) <= size
+                assert (len(mb) < size) == ((r, j) in short)
+                if j < m - 1:
+                    assert len(mb) == size, "only the last slot may be short"
+        if n % (dp * size) == 0:
+            assert not short
+        runs.append(n)
+
+    prop()
+    assert len(runs) >= 60
+
+
+def test_regression_peer_kk_into_ceil_parts() -> None:
+    # 8 samples of 7 tokens, cap 8: "KK into ceil(56/8) = 7 parts" puts 14 tokens in one
+    lengths = np.full(8, 7)
+    for dp in (1, 2, 4, 8):
+        for align in ("lockstep", "total"):
+            plan = plan_step(lengths, dp=dp, max_tokens=8, align=align)
+            check_plan(plan, lengths, dp)
+            assert plan.tokens.max() == 7
+            assert plan.num_micro_batches == 8 // dp
+
+
+def test_over_long_sample_is_named() -> None:
+    with pytest.raises(
+        RolltoolError, match=r"sample 2 has 9000 tokens, more than max_tokens=8192"
+    ) as e:
+        plan_step(np.array([10, 20, 9000, 5, 10_000]), dp=2, max_tokens=8192)
+    assert "1 more" in e.value.message and e.value.hint and "drop" in e.value.hint
+
+
+def test_degenerate_steps() -> None:
+    empty = plan_step(np.array([], dtype=np.int64), dp=4, max_tokens=100)
+    assert empty.num_micro_batches == 0 and len(empty.micro_batches) == 4
+    assert empty.report["samples"] == 0
+    few = plan_step(np.array([50, 60]), dp=4, max_tokens=100)  # fewer samples than ranks
+    check_plan(few, np.array([50, 60]), 4)
+    assert few.num_micro_batches == 1 and few.empty.sum() == 2
+    same = np.full(64, 100)
+    plan = plan_step(same, dp=8, max_tokens=400, equal_count=True)
+    check_plan(plan, same, 8)
+    assert plan.num_micro_batches == 2 and plan.report["lockstep_overhead_tokens"] == 1.0
+    huge = np.array([4096] + [10] * 30)  # one sample fills a micro-batch by itself
+    plan = plan_step(huge, dp=2, max_tokens=4096)
+    check_plan(plan, huge, 2)
+
+
+def test_deterministic() -> None:
+    lengths = np.random.default_rng(3).integers(1, 3000, 500)
+    for kw in (
+        {"max_tokens": 4096},
+        {"max_tokens": 4096, "align": "total"},
+        {"micro_batch_size": 4},
+    ):
+        a = plan_step(lengths, dp=4, **kw)  # type: ignore[arg-type]
+        b = plan_step(lengths.copy(), dp=4, **kw)  # type: ignore[arg-type]
+        for ra, rb in zip(a.micro_batches, b.micro_batches, strict=True):
+            assert all(np.array_equal(x, y) for x, y in zip(ra, rb, strict=True))
+
+
+def test_lockstep_quality_on_rl_like_lengths() -> None:
+    # the issue's setting (dp 8, 1,024 samples per rank, 32k cap, 7B flops), on a stand-in mix
+    rng = np.random.default_rng(0)
+    n = 8 * 1024
+    kind = rng.integers(0, 3, n)
+    lengths = np.where(
+        kind == 0,
+        rng.integers(200, 2001, n),
+        np.where(
+            kind == 1,
+            rng.integers(1000, 8001, n),
+            np.minimum((rng.pareto(1.2, n) + 1) * 800, 32768),
+        ),
+    ).astype(np.int64)
+    plan = plan_step(lengths, dp=8, max_tokens=32768)
+    check_plan(plan, lengths, 8)
+    rep = plan.report
+    assert rep["lockstep_overhead_cost"] <= 1.005
+    assert plan.num_micro_batches <= -(-int(lengths.sum()) // (8 * 32768)) + 1
+
+
+def test_argument_mistakes() -> None:
+    lengths = np.array([1, 2, 3, 4])
+    with pytest.raises(RolltoolError, match="exactly one"):
+        plan_step(lengths, dp=2)
+    with pytest.raises(RolltoolError, match="exactly one"):
+        plan_step(lengths, dp=2, max_tokens=10, micro_batch_size=2)
+    with pytest.raises(RolltoolError, match="divisible by dp"):
+        plan_step(lengths[:3], dp=2, max_tokens=10, equal_count=True)
+    with pytest.raises(RolltoolError, match="dp"):
+        plan_step(lengths, dp=0, max_tokens=10)
+    with pytest.raises(RolltoolError, match="negative"):
+        plan_step(np.array([3, -1]), dp=1, max_tokens=10)
+    with pytest.raises(RolltoolError, match="align"):
+        plan_step(lengths, dp=1, max_tokens=10, align="ranks")
+    with pytest.raises(RolltoolError, match="max_tokens"):
+        plan_step(lengths, dp=1, max_tokens=0)
+    with pytest.raises(RolltoolError, match="micro_batch_size"):
+        plan_step(lengths, dp=1, micro_batch_size=0)

@@ -1,0 +1,150 @@
+"""The cost model: formulas, presets, config.json loading, calibration files, manifest round trip."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rolltool.errors import RolltoolError
+from rolltool.workload import MODEL_PRESETS, WORKLOADS, ModelShape, Workload, make_workload
+
+# Hugging Face config.json of the 7B shape, as it ships (plus keys we must ignore)
+HF_7B = {
+    "architectures": ["SomeForCausalLM"],
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_attention_heads": 28,
+    "num_hidden_layers": 28,
+    "num_key_value_heads": 4,
+    "vocab_size": 152064,
+    "rope_theta": 1000000.0,
+    "torch_dtype": "bfloat16",
+}
+
+
+def test_flops_formula_by_hand() -> None:
+    shape = MODEL_PRESETS["dense-7b"]
+    h, layers, heads, kv, inter, vocab = 3584, 28, 28, 4, 18944, 152064
+    d = h // heads
+    params = layers * (2 * h * heads * d + 2 * h * kv * d + 3 * h * inter) + h * vocab
+    assert shape.matmul_params == params
+    w = make_workload("flops", model="dense-7b")
+    lengths = np.array([1, 100, 4096, 32768])
+    expected = 6.0 * params * lengths + 6.0 * layers * h * lengths.astype(float) ** 2
+    np.testing.assert_allclose(w.cost(lengths), expected, rtol=1e-12)
+    assert w.cost(lengths).dtype == np.float64
+
+
+def test_default_is_flops_of_the_7b_preset() -> None:
+    assert make_workload() == make_workload("flops", model="dense-7b")
+
+
+def test_simple_kinds() -> None:
+    lengths = np.array([0, 1, 10, 4096])
+    np.testing.assert_array_equal(
+        make_workload("verl").cost(lengths), 24576.0 * lengths + lengths**2
+    )
+    np.testing.assert_array_equal(make_workload("tokens").cost(lengths), lengths.astype(float))
+    np.testing.assert_array_equal(make_workload("count").cost(lengths), np.ones(4))
+
+
+def test_presets_are_named_after_shape_and_grow() -> None:
+    assert set(MODEL_PRESETS) >= {"dense-0.5b", "dense-7b", "dense-32b"}
+    for name, shape in MODEL_PRESETS.items():
+        billions = float(name.removeprefix("dense-").removesuffix("b"))
+        assert 0.8 * billions < shape.matmul_params / 1e9 < 1.25 * billions, name
+
+
+def test_hf_config_gives_the_preset(tmp_path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(HF_7B))
+    w = make_workload("flops", model=str(path))
+    assert w.model == MODEL_PRESETS["dense-7b"]
+    assert (w.a, w.b) == (make_workload().a, make_workload().b)
+    assert w.source == str(path)
+
+
+def test_hf_config_text_config_and_head_dim(tmp_path) -> None:
+    inner = {**HF_7B, "head_dim": 256}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "vlm", "text_config": inner}))
+    w = make_workload("flops", model=str(path))
+    assert w.model is not None and w.model.attention_width == 28 * 256
+    assert w.b == 6.0 * 28 * 28 * 256
+
+
+def test_bad_model_config(tmp_path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"hidden_size": 64}))
+    with pytest.raises(RolltoolError, match="has no 'num_attention_heads'"):
+        make_workload("flops", model=str(path))
+    with pytest.raises(RolltoolError, match="does not exist"):
+        make_workload("flops", model=str(tmp_path / "missing.json"))
+    with pytest.raises(RolltoolError, match="unknown model"):
+        make_workload("flops", model="dense-9000b")
+    with pytest.raises(RolltoolError, match="multiple"):
+        ModelShape(
+            hidden_size=64,
+            num_layers=2,
+            num_heads=3,
+            num_kv_heads=2,
+            intermediate_size=1,
+            vocab_size=1,
+        )
+
+
+def test_calibrated(tmp_path) -> None:
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps({"a": 2e-7, "b": 3e-12, "device": "H200", "r2": 0.999}))
+    w = make_workload("calibrated", calibration=path)
+    np.testing.assert_allclose(w.cost(np.array([1000])), [2e-7 * 1000 + 3e-12 * 1e6])
+    assert w.notes == {"device": "H200", "r2": 0.999}
+    path.write_text(json.dumps({"a": 1.0}))
+    with pytest.raises(RolltoolError, match="'a' and 'b'"):
+        make_workload("calibrated", calibration=path)
+    path.write_text("{not json")
+    with pytest.raises(RolltoolError, match="cannot read"):
+        make_workload("calibrated", calibration=path)
+    with pytest.raises(RolltoolError, match="needs a calibration file"):
+        make_workload("calibrated")
+
+
+def test_argument_mistakes() -> None:
+    with pytest.raises(RolltoolError, match="unknown workload") as e:
+        make_workload("walltime")
+    assert e.value.hint and "flops" in e.value.hint
+    with pytest.raises(RolltoolError, match="takes no model"):
+        make_workload("tokens", model="dense-7b")
+    with pytest.raises(RolltoolError, match="calibration file goes with"):
+        make_workload("flops", calibration="x.json")
+    with pytest.raises(RolltoolError, match="coefficient a"):
+        Workload(kind="tokens", a=-1.0)
+
+
+def test_round_trip_through_the_manifest(tmp_path) -> None:
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps({"a": 1.5, "b": 0.25, "c": 3.0}))
+    made = [make_workload(kind) for kind in ("flops", "verl", "tokens", "count")]
+    made.append(make_workload("calibrated", calibration=path))
+    made.append(make_workload("flops", model="dense-32b"))
+    assert {w.kind for w in made} == set(WORKLOADS)
+    for w in made:
+        back = Workload.from_dict(json.loads(json.dumps(w.to_dict())))
+        assert back == w
+        assert w.kind in w.describe()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    kind=st.sampled_from(sorted(set(WORKLOADS) - {"calibrated"})),
+    lengths=st.lists(st.integers(0, 1 << 20), min_size=1, max_size=50),
+)
+def test_cost_never_falls_as_length_grows(kind: str, lengths: list[int]) -> None:
+    # the planner relies on this: longest first is also costliest first
+    arr = np.sort(np.array(lengths))
+    cost = make_workload(kind).cost(arr)
+    assert np.all(np.diff(cost) >= 0) and np.all(cost >= 0)
