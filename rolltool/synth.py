@@ -86,7 +86,9 @@ def _single_turn(
     g = len(groups)
     n = g * group_size
     hi = min(total[1], max_len)
-    prompt_len = rng.integers(prompt[0], prompt[1] + 1, size=g).repeat(group_size)
+    # A prompt leaves room for at least 16 response tokens, so no sample exceeds max_len.
+    prompt_len = np.minimum(rng.integers(prompt[0], prompt[1] + 1, size=g), hi - 16)
+    prompt_len = prompt_len.repeat(group_size)
     resp = rng.lognormal(np.log(response_median), response_sigma, size=n).astype(np.int64)
     resp = np.clip(resp, np.maximum(total[0] - prompt_len, 16), np.maximum(hi - prompt_len, 16))
     reward = rewards(rng, g, group_size).reshape(-1)

@@ -1,0 +1,303 @@
+"""`rolltool synth`: deterministic, valid, and shaped like real multi-environment RL traffic."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+
+from rolltool.errors import RolltoolError
+from rolltool.schema import scan
+from rolltool.source import resolve_inputs
+from rolltool.synth import VOCAB_SIZE, SynthConfig, generate, synth_lengths
+
+# Large enough for the shares below to mean something, small enough to build in ~0.1 s.
+BIG = SynthConfig(groups=120, seed=1)
+
+
+@pytest.fixture(scope="module")
+def big() -> pa.Table:
+    return generate(BIG)
+
+
+def _lengths(table: pa.Table) -> np.ndarray:
+    return pc.list_value_length(table["input_ids"]).to_numpy()
+
+
+def _masks(table: pa.Table) -> list[np.ndarray]:
+    return [np.asarray(m, dtype=np.int8) for m in table["loss_mask"].to_pylist()]
+
+
+def _env(table: pa.Table, env: str) -> pa.Table:
+    return table.filter(pc.equal(table["env"], env))
+
+
+def _rollouts_per_group(table: pa.Table) -> dict[str, set[str]]:
+    groups: dict[str, set[str]] = defaultdict(set)
+    for g, r in zip(table["group_id"].to_pylist(), table["rollout_id"].to_pylist(), strict=True):
+        groups[g].add(r)
+    return groups
+
+
+def _group_rewards(table: pa.Table) -> dict[str, dict[str, float]]:
+    """group -> rollout -> reward (one entry per rollout, not per branch)."""
+    out: dict[str, dict[str, float]] = defaultdict(dict)
+    for g, r, w in zip(
+        table["group_id"].to_pylist(),
+        table["rollout_id"].to_pylist(),
+        table["reward"].to_pylist(),
+        strict=True,
+    ):
+        out[g][r] = w
+    return out
+
+
+def _transitions(mask: np.ndarray) -> int:
+    """Number of 0 -> 1 steps in a loss mask (a mask starting with 1 counts one)."""
+    return int(np.sum(np.diff(np.concatenate([[0], mask])) == 1))
+
+
+def _uniform_share(table: pa.Table) -> float:
+    groups = _group_rewards(table)
+    return float(np.mean([len(set(r.values())) == 1 for r in groups.values()]))
+
+
+# ------------------------------------------------------------------------------------------
+# Determinism and validity.
+
+
+def test_same_seed_same_table() -> None:
+    config = SynthConfig(groups=10, seed=7, max_len=4096)
+    assert generate(config).equals(generate(config))
+
+
+def test_different_seed_different_table() -> None:
+    a = generate(SynthConfig(groups=10, seed=7, max_len=4096))
+    b = generate(SynthConfig(groups=10, seed=8, max_len=4096))
+    assert not a.equals(b)
+    assert a["reward"].to_pylist() != b["reward"].to_pylist()
+
+
+def test_schema_is_valid_and_complete(synth_path: Path, synth_table: pa.Table) -> None:
+    assert set(synth_table.column_names) == {
+        "group_id",
+        "rollout_id",
+        "sample_id",
+        "env",
+        "reward",
+        "input_ids",
+        "loss_mask",
+        "logprobs",
+        "finished_at",
+    }
+    assert all(c.null_count == 0 for c in synth_table.columns)
+    r = scan(resolve_inputs([synth_path]))  # raises on any problem
+    assert r.warnings == []
+    assert r.has_logprobs and r.finished_at is not None
+    assert (r.trainable > 0).all()
+    assert len(set(synth_table["sample_id"].to_pylist())) == synth_table.num_rows
+    assert r.env_names and set(r.env_names) == {"math", "code", "agent"}
+
+
+def test_token_values(big: pa.Table) -> None:
+    ids = pc.list_flatten(big["input_ids"]).to_numpy()
+    assert ids.min() >= 0 and ids.max() < VOCAB_SIZE
+    logp = pc.list_flatten(big["logprobs"]).to_numpy()
+    mask = pc.list_flatten(big["loss_mask"]).to_numpy(zero_copy_only=False)
+    assert np.isfinite(logp).all() and (logp <= 0).all()
+    assert (logp[~mask] == 0).all()  # no behaviour log-prob where the policy did not sample
+    assert (logp[mask] < 0).any()
+
+
+# ------------------------------------------------------------------------------------------
+# The shapes the issue asks for.
+
+
+def test_math_env(big: pa.Table) -> None:
+    math = _env(big, "math")
+    assert math.num_rows > 0
+    groups = _rollouts_per_group(math)
+    assert {len(r) for r in groups.values()} == {16}
+    assert math.num_rows == 16 * len(groups)  # single-turn: one branch per rollout
+    lengths = _lengths(math)
+    assert lengths.min() >= 200 and lengths.max() <= 2_000
+    assert set(math["reward"].to_pylist()) == {0.0, 1.0}
+    # a good share of uniform groups, all-0 and all-1 both present, but not everything
+    rewards = _group_rewards(math)
+    kinds = {frozenset(r.values()) for r in rewards.values()}
+    assert frozenset({0.0}) in kinds and frozenset({1.0}) in kinds
+    assert 0.2 <= _uniform_share(math) <= 0.7
+    for mask in _masks(math):  # prompt masked, response trained
+        assert mask[0] == 0 and mask[-1] == 1 and _transitions(mask) == 1
+
+
+def test_code_env(big: pa.Table) -> None:
+    code = _env(big, "code")
+    assert code.num_rows > 0
+    groups = _rollouts_per_group(code)
+    assert {len(r) for r in groups.values()} == {8}
+    assert code.num_rows == 8 * len(groups)
+    lengths = _lengths(code)
+    assert lengths.min() >= 1_000 and lengths.max() <= 8_000
+    rewards = np.array(code["reward"].to_pylist())
+    assert ((rewards >= 0) & (rewards <= 1)).all()
+    fractional = (rewards > 0) & (rewards < 1)
+    assert fractional.mean() > 0.3
+    assert len(np.unique(rewards)) >= 5
+    for mask in _masks(code):
+        assert mask[0] == 0 and mask[-1] == 1 and _transitions(mask) == 1
+
+
+def test_agent_env(big: pa.Table) -> None:
+    agent = _env(big, "agent")
+    assert agent.num_rows > 0
+    groups = _rollouts_per_group(agent)
+    assert {len(r) for r in groups.values()} == {8}
+    # multi-turn: tool output masked between trained assistant turns
+    transitions = np.array([_transitions(m) for m in _masks(agent)])
+    assert (transitions >= 2).all()
+    assert transitions.max() >= 6
+    lengths = _lengths(agent)
+    assert lengths.max() <= BIG.max_len
+    assert lengths.max() > 4 * np.median(lengths)  # a heavy tail
+    assert set(agent["reward"].to_pylist()) <= {0.0, 1.0}
+
+
+def test_agent_branches(big: pa.Table) -> None:
+    agent = _env(big, "agent")
+    per_rollout: dict[str, list[tuple[float, object]]] = defaultdict(list)
+    for r, w, t in zip(
+        agent["rollout_id"].to_pylist(),
+        agent["reward"].to_pylist(),
+        agent["finished_at"].to_pylist(),
+        strict=True,
+    ):
+        per_rollout[r].append((w, t))
+    counts = np.array([len(v) for v in per_rollout.values()])
+    assert counts.min() == 1 and counts.max() <= 4
+    assert set(counts.tolist()) >= {1, 2, 3}
+    assert 0.05 < (counts > 1).mean() < 0.6  # "some rollouts"
+    for branches in per_rollout.values():
+        assert len(set(branches)) == 1  # same reward, finished together
+
+
+def test_env_shares_follow_group_count(big: pa.Table) -> None:
+    groups = {g.split("/")[0] for g in big["group_id"].to_pylist()}
+    assert groups == {"math", "code", "agent"}
+    per_env = {e: len(_rollouts_per_group(_env(big, e))) for e in groups}
+    assert sum(per_env.values()) == BIG.groups
+    assert per_env["math"] > per_env["code"] > per_env["agent"]
+
+
+def test_groups_complete_out_of_order(big: pa.Table) -> None:
+    fin = pc.cast(pc.cast(big["finished_at"], pa.timestamp("us")), pa.int64()).to_numpy()
+    group_ids = big["group_id"].to_pylist()
+    launch = np.array([int(g.split("/")[1]) for g in group_ids])  # groups launch in number order
+    done: dict[int, int] = {}
+    for g, t in zip(launch, fin, strict=True):
+        done[g] = max(done.get(g, 0), int(t))
+    order = [g for g, _ in sorted(done.items(), key=lambda kv: kv[1])]
+    assert order != sorted(order)
+    # finished_at grows with the tokens generated: strongly correlated within a group
+    trainable = np.array([m.sum() for m in _masks(big)])
+    corrs = []
+    for g in np.unique(launch):
+        sel = launch == g
+        if np.ptp(trainable[sel]) > 0 and np.ptp(fin[sel]) > 0:
+            corrs.append(np.corrcoef(trainable[sel], fin[sel])[0, 1])
+    assert np.mean(corrs) > 0.5
+
+
+@pytest.mark.parametrize("max_len", [256, 1_000, 3_000])
+def test_lengths_never_exceed_max_len(max_len: int) -> None:
+    table = generate(SynthConfig(groups=30, seed=3, max_len=max_len))
+    lengths = _lengths(table)
+    assert lengths.max() <= max_len
+    assert lengths.min() > 0
+    assert all(m.sum() > 0 for m in _masks(table))  # still something to train on
+
+
+def test_synth_lengths_matches_generate() -> None:
+    lengths = synth_lengths(200, seed=2, max_len=8_192)
+    assert lengths.dtype == np.int64 and len(lengths) == 200
+    assert lengths.min() > 0 and lengths.max() <= 8_192
+
+
+def test_config_validation() -> None:
+    with pytest.raises(RolltoolError, match="groups"):
+        SynthConfig(groups=0)
+    with pytest.raises(RolltoolError, match="max-len"):
+        SynthConfig(max_len=100)
+    with pytest.raises(RolltoolError, match="unknown environment"):
+        SynthConfig(envs=("math", "chess"))
+    with pytest.raises(RolltoolError):
+        SynthConfig(envs=())
+
+
+# ------------------------------------------------------------------------------------------
+# Through the CLI.
+
+
+def test_cli_writes_the_generated_table(run_cli, tmp_path: Path) -> None:
+    out = tmp_path / "s.parquet"
+    result = run_cli("synth", "-o", out, "--groups", 6, "--seed", 4, "--max-len", 2048, "--json")
+    assert result.exit_code == 0, result.output
+    assert pq.read_table(out).equals(generate(SynthConfig(groups=6, seed=4, max_len=2048)))
+    report = json.loads(result.stdout)
+    assert report["rows"] == pq.read_metadata(out).num_rows
+    assert report["config"] == {
+        "groups": 6,
+        "seed": 4,
+        "envs": ["math", "code", "agent"],
+        "max_len": 2048,
+    }
+    assert sum(report["samples_per_env"].values()) == report["rows"]
+    assert report["bytes"] == out.stat().st_size
+
+
+def test_cli_envs_subset(run_cli, tmp_path: Path) -> None:
+    out = tmp_path / "s.parquet"
+    result = run_cli("synth", "-o", out, "--groups", 5, "--envs", "math, code", "--max-len", 4096)
+    assert result.exit_code == 0, result.output
+    table = pq.read_table(out)
+    assert set(table["env"].to_pylist()) <= {"math", "code"}
+    assert "math" in table["env"].to_pylist()
+    only = tmp_path / "agent.parquet"
+    assert run_cli("synth", "-o", only, "--groups", 2, "--envs", "agent").exit_code == 0
+    assert set(pq.read_table(only)["env"].to_pylist()) == {"agent"}
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--envs", "math,chess"], "chess"),
+        (["--envs", ","], "environment"),
+        (["--groups", "0"], "--groups"),
+        (["--max-len", "10"], "--max-len"),
+    ],
+)
+def test_cli_bad_options(run_cli, tmp_path: Path, args: list[str], needle: str) -> None:
+    out = tmp_path / "s.parquet"
+    result = run_cli("synth", "-o", out, *args)
+    assert result.exit_code == 1
+    assert "Traceback" not in result.output
+    assert result.stderr.startswith("Error: ") and needle in result.stderr
+    assert not out.exists()
+
+
+def test_cli_existing_output(run_cli, tmp_path: Path) -> None:
+    out = tmp_path / "s.parquet"
+    out.write_bytes(b"keep me")
+    result = run_cli("synth", "-o", out, "--groups", 2)
+    assert result.exit_code == 1 and "--force" in result.stderr
+    assert out.read_bytes() == b"keep me"
+    result = run_cli("synth", "-o", out, "--groups", 2, "--max-len", 2048, "--force")
+    assert result.exit_code == 0, result.output
+    assert pq.read_metadata(out).num_rows > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.parquet"]
