@@ -72,11 +72,11 @@ def advantages(
     report = run_advantages(
         inputs, output, config, columns=parse_mapping(column, "--column"), force=force
     )
+    for w in report["warnings"]:  # to stderr, with --json too (the report also lists them)
+        warn(w)
     if as_json:
         print_json(report)
         return
-    for w in report["warnings"]:
-        warn(w)
     table = Table(title=f"advantages -> {output}", title_justify="left")
     for name in (
         "env",
