@@ -562,3 +562,15 @@ def test_env_estimator_overrides_through_the_cli(synth_path: Path, tmp_path: Pat
         assert r["advantage_min"] == pytest.approx(adv[sel].min())
         assert r["advantage_max"] == pytest.approx(adv[sel].max())
         assert r["advantage_mean"] == pytest.approx(adv[sel].mean(), abs=1e-9)
+
+
+def test_rerun_on_its_own_output_replaces_the_columns(synth_path: Path, run_cli) -> None:
+    first = run_cli("advantages", synth_path, "-o", synth_path, "--force", "--estimator", "opo")
+    assert first.exit_code == 0, first.output
+    once = pq.read_table(synth_path)
+    again = run_cli("advantages", synth_path, "-o", synth_path, "--force", "--estimator", "opo")
+    assert again.exit_code == 0, again.output
+    assert "replaced" in again.stderr
+    twice = pq.read_table(synth_path)
+    assert twice.column_names == once.column_names  # no duplicated columns
+    assert twice.equals(once)

@@ -622,3 +622,21 @@ def test_messy_input_never_escapes_as_a_bug(tables: list[pa.Table], estimator: s
             assert not dst.exists()
         else:
             assert pq.read_table(dst).num_rows == sum(t.num_rows for t in tables)
+
+
+def test_output_that_is_a_directory_is_a_usage_error(write_parquet, run_cli, out: Path) -> None:
+    path = write_parquet(rollouts())
+    result = advantages(run_cli, [path], out.parent, "--force")
+    assert result.exit_code == 2
+    assert "Traceback" not in result.output
+    assert out.parent.is_dir()
+
+
+def test_empty_input_file(write_parquet, run_cli, out: Path) -> None:
+    empty = pa.table(rollouts()).slice(0, 0)
+    path = write_parquet(empty)
+    result = advantages(run_cli, [path], out, "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["samples"] == 0
+    table = pq.read_table(out)
+    assert table.num_rows == 0 and "advantage" in table.column_names
