@@ -88,6 +88,14 @@ def file_schema(file: InputFile, rename: Mapping[str, str]) -> pa.Schema:
     except (pa.ArrowException, OSError) as e:
         raise RolltoolError(f"{file.path}: not a readable Parquet file ({e})") from None
     names = [rename.get(n, n) for n in schema.names]
+    clashes = sorted({n for n in names if names.count(n) > 1})
+    if clashes:
+        pairs = [f"--column {new}={old}" for old, new in rename.items() if new in clashes]
+        raise RolltoolError(
+            f"{file.path}: column {', '.join(repr(c) for c in clashes)} appears twice"
+            + (f" after {', '.join(pairs)}" if pairs else ""),
+            hint=("drop the --column option, or " if pairs else "") + "rename one of the columns",
+        )
     fields = [pa.field(new, f.type, f.nullable) for new, f in zip(names, schema, strict=True)]
     for key in file.partitions:
         if key not in names:

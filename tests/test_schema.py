@@ -640,3 +640,24 @@ def test_empty_input_file(write_parquet, run_cli, out: Path) -> None:
     assert json.loads(result.stdout)["samples"] == 0
     table = pq.read_table(out)
     assert table.num_rows == 0 and "advantage" in table.column_names
+
+
+def test_column_mapping_onto_an_existing_column(write_parquet, run_cli, out: Path) -> None:
+    cols = rollouts()
+    cols["score"] = [0.5, 0.5, 0.5, 0.5]
+    path = write_parquet(cols)
+    assert_rejected(
+        advantages(run_cli, [path], out, "--column", "reward=score"),
+        out,
+        str(path),
+        "'reward' appears twice",
+        "--column reward=score",
+    )
+
+
+def test_a_file_with_a_duplicated_column_name(run_cli, out: Path, tmp_path: Path) -> None:
+    table = pa.table(rollouts())
+    table = table.append_column("env", pa.array(["code"] * 4))
+    path = tmp_path / "dup.parquet"
+    pq.write_table(table, path)
+    assert_rejected(advantages(run_cli, [path], out), out, str(path), "'env' appears twice")
