@@ -33,7 +33,10 @@ def atomic_path(path: str | os.PathLike[str], *, force: bool, directory: bool) -
     """
     target = Path(path)
     check_target(target, force)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    except OSError as e:
+        raise RolltoolError(f"{target}: cannot write here ({e.strerror})") from None
     work = tmp if directory else tmp / target.name
     try:
         yield work

@@ -661,3 +661,13 @@ def test_a_file_with_a_duplicated_column_name(run_cli, out: Path, tmp_path: Path
     path = tmp_path / "dup.parquet"
     pq.write_table(table, path)
     assert_rejected(advantages(run_cli, [path], out), out, str(path), "'env' appears twice")
+
+
+def test_output_under_a_file(write_parquet, run_cli, tmp_path: Path) -> None:
+    path = write_parquet(rollouts())
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    result = advantages(run_cli, [path], blocker / "out.parquet")
+    assert result.exit_code == 1
+    assert "Traceback" not in result.output
+    assert result.stderr.startswith("Error: ") and "cannot write" in result.stderr

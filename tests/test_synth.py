@@ -301,3 +301,13 @@ def test_cli_existing_output(run_cli, tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert pq.read_metadata(out).num_rows > 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.parquet"]
+
+
+def test_cli_unwritable_output(run_cli, tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    result = run_cli("synth", "-o", blocker / "s.parquet", "--groups", 2)
+    assert result.exit_code == 1
+    assert "Traceback" not in result.output
+    assert result.stderr.startswith("Error: ")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
