@@ -49,6 +49,8 @@ class SynthConfig:
     def __post_init__(self) -> None:
         if self.groups < 1:
             raise RolltoolError(f"--groups must be at least 1, got {self.groups}")
+        if self.seed < 0:
+            raise RolltoolError(f"--seed must be 0 or more, got {self.seed}")
         if self.max_len < 256:
             raise RolltoolError(f"--max-len must be at least 256 tokens, got {self.max_len}")
         unknown = [e for e in self.envs if e not in ENVS]

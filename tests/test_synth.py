@@ -280,6 +280,7 @@ def test_cli_envs_subset(run_cli, tmp_path: Path) -> None:
         (["--envs", ","], "environment"),
         (["--groups", "0"], "--groups"),
         (["--max-len", "10"], "--max-len"),
+        (["--seed", "-1"], "--seed"),
     ],
 )
 def test_cli_bad_options(run_cli, tmp_path: Path, args: list[str], needle: str) -> None:
