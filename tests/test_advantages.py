@@ -562,6 +562,28 @@ def test_env_estimator_overrides_through_the_cli(synth_path: Path, tmp_path: Pat
         assert r["advantage_min"] == pytest.approx(adv[sel].min())
         assert r["advantage_max"] == pytest.approx(adv[sel].max())
         assert r["advantage_mean"] == pytest.approx(adv[sel].mean(), abs=1e-9)
+        groups = {g for g, keep in zip(out["group_id"].to_pylist(), sel, strict=True) if keep}
+        assert r["groups"] == len(groups)
+        per_rollout = {
+            ro: w
+            for ro, w, keep in zip(
+                out["rollout_id"].to_pylist(), out["reward"].to_pylist(), sel, strict=True
+            )
+            if keep
+        }
+        assert r["rollouts"] == len(per_rollout)
+        rewards = np.array(list(per_rollout.values()))
+        assert r["reward_mean"] == pytest.approx(rewards.mean())
+        assert r["reward_std"] == pytest.approx(rewards.std(ddof=1))
+        uniform = {
+            g
+            for g, u, keep in zip(
+                out["group_id"].to_pylist(), out["group_uniform"].to_pylist(), sel, strict=True
+            )
+            if keep and u
+        }
+        assert r["uniform_groups"] == len(uniform)
+        assert r["uniform_share"] == pytest.approx(len(uniform) / len(groups))
 
 
 def test_rerun_on_its_own_output_replaces_the_columns(synth_path: Path, run_cli) -> None:
