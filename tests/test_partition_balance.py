@@ -50,17 +50,23 @@ def reference_kk(weights: list[float], k: int, equal_count: bool) -> list[set[in
 
 
 def reference_lpt(weights: list[float], k: int, equal_count: bool) -> list[int]:
-    """Each item, heaviest first, to the lightest part (lowest index on ties) with room."""
-    ws, idx = _sorted_padded(weights, k, equal_count)
-    cap = len(ws) // k if equal_count else len(ws)
+    """Each item, heaviest first, to the lightest part (lowest index on ties) with room.
+
+    With equal counts a part has room below n // k items, or at n // k while fewer than n % k
+    parts have taken an extra item.
+    """
+    n = len(weights)
+    base, extras = (n // k, n % k) if equal_count else (n + 1, 0)
     loads, counts = [0.0] * k, [0] * k
-    label = [0] * len(weights)
-    for x, i in zip(ws, idx, strict=True):
-        p = min((p for p in range(k) if counts[p] < cap), key=lambda p: (loads[p], p))
-        loads[p] += x
+    label = [0] * n
+    for i in sorted(range(n), key=lambda i: -weights[i]):
+        room = [p for p in range(k) if counts[p] < base or (counts[p] == base and extras > 0)]
+        p = min(room, key=lambda p: (loads[p], p))
+        if counts[p] == base:
+            extras -= 1
+        loads[p] += weights[i]
         counts[p] += 1
-        if i >= 0:
-            label[i] = p
+        label[i] = p
     return label
 
 

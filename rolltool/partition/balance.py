@@ -39,8 +39,9 @@ __all__ = ["METHODS", "balance", "balance_labels", "lower_bound", "part_loads"]
 KK_AUTO_MERGES = 1024
 """``auto`` runs KK when KK needs at most this many merges (about 10 µs each)."""
 
-REFINE_WORK = 8192
-"""``auto`` refines for at most ``max(2k, REFINE_WORK / (n/k))`` steps (each costs ~n/k)."""
+REFINE_STEPS, REFINE_WORK = 64, 1 << 14
+"""``auto`` refines for at most ``2k + REFINE_STEPS`` swaps or moves, and stops once they have
+looked at ``REFINE_WORK`` items in all (a step looks at the items of 3 parts, rarely of all)."""
 
 
 def _lpt(ws: np.ndarray, k: int, equal_count: bool) -> np.ndarray:
@@ -65,8 +66,14 @@ def _auto(ws: np.ndarray, k: int, equal_count: bool) -> np.ndarray:
         other = _kk(ws, k, equal_count)
         if _max_load(ws, other, k) < _max_load(ws, best, k):
             best = other
-    steps = max(2 * k, REFINE_WORK * k // len(ws))
-    better = refine(ws, best, k, allow_moves=not equal_count, max_steps=steps)
+    better = refine(
+        ws,
+        best,
+        k,
+        allow_moves=not equal_count,
+        max_steps=2 * k + REFINE_STEPS,
+        max_work=REFINE_WORK,
+    )
     return better if _max_load(ws, better, k) <= _max_load(ws, best, k) else best
 
 

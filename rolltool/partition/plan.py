@@ -18,8 +18,9 @@ count per rank, from the token lower bound ceil(tokens / (dp · max_tokens)) upw
 samples into dp·M bins, each to the cheapest bin with room (``pack_balanced``); sorts the bins by
 cost and deals them into M slots of dp bins (so each slot's bins cost about the same); and
 finally permutes each slot's bins over the ranks to even out rank totals (which does not change
-the lockstep cost). If balanced packing cannot fit the cap with M up to FFD's count + 1, it uses
-the first-fit-decreasing bins. ``align="total"`` (plain DDP) or ``equal_count=True`` split the
+the lockstep cost). If balanced packing cannot fit the cap with M up to FFD's count, the plan
+uses the first-fit-decreasing bins, or balanced packing with FFD's count + 1 when that steps
+faster in lockstep by ``WIDER_GAIN`` (0.1%) or more. ``align="total"`` (plain DDP) or ``equal_count=True`` split the
 samples over ranks first (``balance``), then pack each rank and align its bins by cost.
 
 Example: 8 samples of 7 tokens, dp = 2, max_tokens = 8 -> 4 micro-batches per rank, one sample
@@ -42,6 +43,10 @@ __all__ = ["ALIGNS", "StepPlan", "plan_step"]
 
 ALIGNS = ("lockstep", "total")
 """``lockstep``: minimize Σ_j max_r cost(r, j); ``total``: minimize max_r Σ_j cost(r, j)."""
+
+
+WIDER_GAIN = 1e-3
+"""One micro-batch more than FFD needs must cut the lockstep cost by this much (of the ideal)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -267,12 +272,26 @@ def _lockstep_grid(
     min_m = max(1, -(-int(length.sum()) // (dp * cap)))
     ffd_labels, ffd_bins = ffd(ts, cap)
     ffd_m = max(1, -(-ffd_bins // dp))
-    for m in range(min_m, ffd_m + 2):
+    for m in range(min_m, ffd_m + 1):
         labels = pack_balanced(cs, ts, cap, dp * m)
         if labels is not None:
             return _bins_to_slots(labels, order, cost, dp, m), ffd_m, min_m
-    # fall back on the FFD bins, with empty bins up to a multiple of dp
-    return _bins_to_slots(ffd_labels, order, cost, dp, ffd_m), ffd_m, min_m
+    # balanced packing needs more room than FFD: FFD's bins (empty ones up to a multiple of dp),
+    # or balanced packing with one more micro-batch if that steps faster by WIDER_GAIN or more
+    grid = _bins_to_slots(ffd_labels, order, cost, dp, ffd_m)
+    labels = pack_balanced(cs, ts, cap, dp * (ffd_m + 1))
+    if labels is not None:
+        wider = _bins_to_slots(labels, order, cost, dp, ffd_m + 1)
+        gain = _lockstep_cost(grid, cost) - _lockstep_cost(wider, cost)
+        if gain > WIDER_GAIN * float(cost.sum()) / dp:
+            grid = wider
+    return grid, ffd_m, min_m
+
+
+def _lockstep_cost(grid: Grid, cost: np.ndarray) -> float:
+    """Σ_j max_r cost(r, j) of a grid."""
+    m = len(grid[0])
+    return sum(max(float(cost[row[j]].sum()) for row in grid) for j in range(m))
 
 
 def _rank_first_grid(
@@ -289,11 +308,11 @@ def _rank_first_grid(
     min_m = max(1, max(-(-t // cap) for t in per_rank_tokens))
     ffds = [ffd(length[o], cap) for o in orders]
     ffd_m = max(1, max(b for _, b in ffds))
-    for m in range(min_m, ffd_m + 2):
+    for m in range(min_m, ffd_m + 1):
         packed = [pack_balanced(cost[o], length[o], cap, m) for o in orders]
         if all(p is not None for p in packed):
             break
-    else:
+    else:  # balanced packing needs more room than FFD: FFD's bins, empty ones up to ffd_m
         m = ffd_m
         packed = [lab for lab, _ in ffds]
     grid: Grid = []

@@ -1,6 +1,7 @@
 """Local refinement: lower the heaviest part by one swap (or move) at a time.
 
-Each step looks at the heaviest part h and the ``partners`` lightest parts p (gap g = L_h - L_p).
+Each step looks at the heaviest part h and the ``PARTNERS`` lightest parts p (all parts when
+those offer nothing) (gap g = L_h - L_p).
 Swapping an item x of h with an item y of p (d = x - y) leaves the pair at max(L_h - d, L_p + d),
 best at d = g/2; moving x from h to p is the same with y = 0 (only when counts may change). The
 step takes the single swap or move that lowers that pair maximum the most, found with binary
@@ -21,9 +22,13 @@ PARTNERS = 2
 
 
 def refine(
-    w: np.ndarray, labels: np.ndarray, k: int, *, allow_moves: bool, max_steps: int
+    w: np.ndarray, labels: np.ndarray, k: int, *, allow_moves: bool, max_steps: int, max_work: int
 ) -> np.ndarray:
-    """Improve ``labels`` (``[n]`` int64 part of each item); returns new labels."""
+    """Improve ``labels`` (``[n]`` int64 part of each item); returns new labels.
+
+    Stops after ``max_steps`` steps or once the steps have looked at ``max_work`` items in all
+    (a deterministic time budget).
+    """
     n = len(w)
     if n == 0 or k < 2:
         return labels
@@ -31,13 +36,14 @@ def refine(
     bounds = np.cumsum(np.bincount(labels, minlength=k))[:-1]
     members = np.split(order, bounds)
     loads = np.bincount(labels, weights=w, minlength=k)
+    partners = PARTNERS
     for _ in range(max_steps):
         h = int(np.argmax(loads))
         top = float(loads[h])
-        light = np.argsort(loads, kind="stable")[: PARTNERS + 1]
-        light = light[(light != h) & (loads[light] < top)][:PARTNERS]
+        light = np.argsort(loads, kind="stable")[: partners + 1]
+        light = light[(light != h) & (loads[light] < top)][:partners]
         xh = members[h]
-        if len(light) == 0 or len(xh) == 0:
+        if len(light) == 0 or len(xh) == 0 or max_work <= 0:
             break
         xv = w[xh]
         xo = np.argsort(xv, kind="stable")
@@ -46,6 +52,7 @@ def refine(
         op: tuple[str, int, int, np.ndarray | None, list[int] | None] | None = None
         # swaps: for each partner item y, the items x of h nearest y + g/2
         sizes = [len(members[p]) for p in light]
+        max_work -= len(xh) + sum(sizes)
         if sum(sizes):
             ys_idx = np.concatenate([members[p] for p in light])
             ys = w[ys_idx]
@@ -71,7 +78,11 @@ def refine(
             if val[j] < best:
                 best, op = float(val[j]), ("move", int(cand[j]), j % len(light), None, None)
         if op is None:
+            if partners < k - 1:  # stuck with the lightest few: look at every part once
+                partners = k - 1
+                continue
             break
+        partners = PARTNERS
         kind, xi, j, op_owner, op_sizes = op
         x_at = int(xo[xi])  # position of x inside members[h]
         x_item = int(xh[x_at])

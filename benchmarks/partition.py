@@ -1,0 +1,303 @@
+"""Partition engine benchmark: speed and quality of balance() and plan_step() against baselines.
+
+Run:  python benchmarks/partition.py            (about a minute; add --quick for a smoke run)
+
+Pinned to one core. Times are medians over repeats. Lengths come from
+``rolltool.synth.synth_lengths`` (math 200-2k tokens, code 1k-8k, agent heavy-tailed to 32k).
+
+Table 1, balance(weights = lengths, k): quality = heaviest part / lower bound, where the bound is
+max(total/k, largest item), and with equal counts the largest item plus the n/k - 1 smallest.
+Baselines written here: a straightforward heap-of-lists KK (lists concatenated at every merge)
+and a plain-Python heap LPT.
+
+Table 2, plan_step(dp = 8, 1,024 samples per rank, max_tokens = 32,768, 7B flops): lockstep
+overhead = Σ_j max_r cost(r, j) / (Σ cost / dp); for the baselines also "aligned", i.e. with each
+rank's micro-batches re-sorted by cost (half of rolltool's alignment, given to them for free). Baselines: the peer's pipeline (ranks by
+equal-size KK on its workload 24576·L + L², then per rank KK into ceil(tokens / cap) micro-batches,
+the count synced to the max over ranks, more parts until the cap holds), LPT ranks then
+first-fit decreasing per rank, and FFD bins dealt round-robin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from rolltool.partition import balance, lower_bound, part_loads, plan_step
+from rolltool.workload import make_workload
+
+try:
+    from rolltool.synth import synth_lengths
+except ImportError:  # the synth module is not there yet: a local stand-in for the same mix
+
+    def synth_lengths(n: int, seed: int = 0, max_len: int = 32768) -> np.ndarray:
+        rng = np.random.default_rng(seed)
+        kind = rng.integers(0, 3, n)
+        agent = np.minimum((rng.pareto(1.2, n) + 1) * 800, max_len)
+        return np.where(
+            kind == 0,
+            rng.integers(200, 2001, n),
+            np.where(kind == 1, rng.integers(1000, 8001, n), agent),
+        ).astype(np.int64)
+
+
+# ---------------------------------------------------------------- baselines (written here)
+
+
+def heap_of_lists_kk(w: np.ndarray, k: int, equal_count: bool) -> list[list[int]]:
+    """Textbook k-way KK: each partial partition is k [sum, items] lists, merged by concatenation."""
+    idx = sorted(range(len(w)), key=lambda i: -w[i])
+    ws = w.tolist()
+    if equal_count:
+        starts = [[[ws[i], [i]] for i in idx[b : b + k]] for b in range(0, len(idx), k)]
+        for s in starts:
+            s += [[0.0, []] for _ in range(k - len(s))]
+    else:
+        starts = [[[ws[i], [i]]] + [[0.0, []] for _ in range(k - 1)] for i in idx]
+    heap = [(-(s[0][0] - s[-1][0]), n, s) for n, s in enumerate(starts)]
+    heapq.heapify(heap)
+    seq = len(heap)
+    while len(heap) > 1:
+        a = heapq.heappop(heap)[2]
+        b = heapq.heappop(heap)[2]
+        merged = [[a[t][0] + b[k - 1 - t][0], a[t][1] + b[k - 1 - t][1]] for t in range(k)]
+        merged.sort(key=lambda slot: -slot[0])
+        heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), seq, merged))
+        seq += 1
+    return [slot[1] for slot in heap[0][2]]
+
+
+def plain_lpt(w: np.ndarray, k: int, equal_count: bool) -> list[list[int]]:
+    """Plain-Python LPT with a heap of (load, part); with equal counts full parts drop out."""
+    order = sorted(range(len(w)), key=lambda i: -w[i])
+    ws = w.tolist()
+    cap = -(-len(w) // k) if equal_count else len(w)
+    heap = [(0.0, p) for p in range(k)]
+    parts: list[list[int]] = [[] for _ in range(k)]
+    for i in order:
+        load, p = heap[0]
+        parts[p].append(i)
+        if len(parts[p]) < cap:
+            heapq.heapreplace(heap, (load + ws[i], p))
+        else:
+            heapq.heappop(heap)
+    return parts
+
+
+def _ffd(lengths: np.ndarray, items: np.ndarray, cap: int) -> list[list[int]]:
+    """Plain first-fit decreasing by tokens over ``items``."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(items.tolist(), key=lambda i: -lengths[i]):
+        t = int(lengths[i])
+        for b, r in enumerate(room):
+            if r >= t:
+                bins[b].append(i)
+                room[b] -= t
+                break
+        else:
+            bins.append([i])
+            room.append(cap - t)
+    return bins
+
+
+def peer_pipeline(lengths: np.ndarray, dp: int, cap: int) -> list[list[list[int]]]:
+    """Ranks by equal-size KK on 24576·L + L², then per-rank KK into ceil(tokens/cap) parts."""
+    verl = make_workload("verl").cost(lengths)
+    ranks = heap_of_lists_kk(verl, dp, equal_count=True)
+    m = max(-(-int(lengths[r].sum()) // cap) for r in ranks)  # synced with all_reduce MAX
+    while True:
+        grid = []
+        for r in ranks:
+            parts = heap_of_lists_kk(verl[r], m, equal_count=False) if r else [[] for _ in range(m)]
+            grid.append([[r[i] for i in p] for p in parts])
+        if all(lengths[mb].sum() <= cap for row in grid for mb in row):
+            return grid
+        m += 1  # since 0.9.1: more parts until the cap holds
+
+
+def lpt_then_ffd(lengths: np.ndarray, dp: int, cap: int, cost: np.ndarray) -> list[list[list[int]]]:
+    ranks = plain_lpt(cost, dp, equal_count=False)
+    grid = [_ffd(lengths, np.array(r, dtype=np.int64), cap) for r in ranks]
+    m = max(len(row) for row in grid)
+    return [row + [[] for _ in range(m - len(row))] for row in grid]
+
+
+def ffd_round_robin(lengths: np.ndarray, dp: int, cap: int) -> list[list[list[int]]]:
+    bins = _ffd(lengths, np.arange(len(lengths)), cap)
+    m = -(-len(bins) // dp)
+    bins += [[] for _ in range(m * dp - len(bins))]
+    return [[bins[j * dp + r] for j in range(m)] for r in range(dp)]
+
+
+# ---------------------------------------------------------------- measuring
+
+
+def timed(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
+    """Median wall time in milliseconds over ``repeats`` calls, and the last result."""
+    times, out = [], None
+    for _ in range(repeats):
+        t = time.perf_counter()
+        out = fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times), out
+
+
+def grid_numbers(
+    grid: list[list[list[int]]], lengths: np.ndarray, cost: np.ndarray, dp: int
+) -> dict[str, float]:
+    """Micro-batch count, max tokens, lockstep overhead (as produced, and with each rank's
+    micro-batches sorted by cost, i.e. aligned) and rank-total imbalance of a baseline's grid."""
+    m = max(len(row) for row in grid)
+    c = np.zeros((dp, m))
+    t = np.zeros((dp, m))
+    for r, row in enumerate(grid):
+        for j, mb in enumerate(row):
+            c[r, j], t[r, j] = cost[mb].sum(), lengths[mb].sum()
+    ideal = c.sum() / dp
+    aligned = -np.sort(-c, axis=1)
+    return {
+        "m": m,
+        "max_tokens": t.max(),
+        "lockstep": c.max(axis=0).sum() / ideal,
+        "aligned": aligned.max(axis=0).sum() / ideal,
+        "imbalance": c.sum(axis=1).max() / ideal,
+    }
+
+
+def tight_equal_count_bound(w: np.ndarray, k: int) -> float:
+    """A tighter bound with equal counts: the t heaviest items sit in t different parts, which
+    hold at least the t·(n/k - 1) smallest others, so some part weighs their average or more."""
+    s = np.sort(w)
+    m = len(w) // k
+    top = np.cumsum(s[::-1][:k])
+    small = np.concatenate([[0.0], np.cumsum(s)])[np.minimum(np.arange(1, k + 1) * (m - 1), len(s))]
+    return float(
+        max(lower_bound(w, k, equal_count=True), ((top + small) / np.arange(1, k + 1)).max())
+    )
+
+
+def balance_table(quick: bool) -> None:
+    print("\n## balance(lengths, k): median time (ms) and quality (heaviest / lower bound)\n")
+    head = ["n", "k", "eq", "auto ms", "auto q", "kk ms", "kk q", "lpt ms", "lpt q",
+            "list-KK ms", "list-KK q", "kk speedup", "py-LPT ms", "py-LPT q"]  # fmt: skip
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---:|" * len(head))
+    notes: list[str] = []
+    for n in (256, 1024, 4096, 16384):
+        w = synth_lengths(n, seed=n).astype(np.float64)
+        for k in (8, 64):
+            for eq in (False, True):
+                lb = lower_bound(w, k, equal_count=eq)
+                reps = 3 if quick else (15 if n <= 4096 else 9)
+                row: list[str] = [str(n), str(k), "on" if eq else "off"]
+                for method in ("auto", "kk", "lpt"):
+                    r = 1 if (method == "kk" and not eq and n >= 4096) else reps
+                    ms, parts = timed(partial(balance, w, k, equal_count=eq, method=method), r)
+                    row += [f"{ms:.2f}", f"{part_loads(w, parts).max() / lb:.5f}"]
+                kk_ms = float(row[5])
+                if quick and not eq and n >= 4096:
+                    row += ["-", "-", "-"]
+                else:
+                    r = 1 if (not eq and n >= 1024) else max(1, reps // 3)
+                    ms, parts = timed(partial(heap_of_lists_kk, w, k, eq), r)
+                    q = max(w[p].sum() for p in parts) / lb
+                    row += [f"{ms:.1f}", f"{q:.5f}", f"{ms / kk_ms:.1f}x"]
+                ms, parts = timed(partial(plain_lpt, w, k, eq), reps)
+                row += [f"{ms:.2f}", f"{max(w[p].sum() for p in parts) / lb:.5f}"]
+                print("| " + " | ".join(row) + " |", flush=True)
+                auto_ms, auto_q = float(row[3]), float(row[4])
+                where = f"n={n} k={k} eq={row[2]}"
+                if n == 16384 and k == 64:
+                    notes.append(
+                        f"auto < 10 ms at {where}: {auto_ms:.2f} ms ({_met(auto_ms < 10)})"
+                    )
+                if n // k >= 64:
+                    notes.append(
+                        f"quality <= 1.0001 at {where}: {auto_q:.5f} ({_met(auto_q <= 1.0001)})"
+                    )
+                if n == 1024 and k == 64 and eq:
+                    notes.append(
+                        f"quality <= 1.02 at {where}: {auto_q:.5f} ({_met(auto_q <= 1.02)})"
+                    )
+                if row[11] != "-":
+                    x = float(row[11].rstrip("x"))
+                    notes.append(f"kk >= 10x list-KK at {where}: {row[11]} ({_met(x >= 10)})")
+    print("\n## balance targets\n")
+    print("\n".join(f"- {line}" for line in notes))
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "NOT met"
+
+
+def plan_table(quick: bool) -> None:
+    dp, per_rank, cap = 8, 1024, 32768
+    wl = make_workload("flops", model="dense-7b")
+    print(
+        f"\n## plan_step(dp={dp}, {per_rank} samples per rank, max_tokens={cap}, {wl.describe()})\n"
+    )
+    head = ["step", "planner", "ms", "M", "ceil(T/rank/cap)", "FFD M", "max tok",
+            "lockstep (cost)", "same, aligned", "lockstep (tok)", "rank imbalance"]  # fmt: skip
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * 2 + "---:|" * (len(head) - 2))
+    worst: dict[str, float] = {}
+    for seed in range(2 if quick else 5):
+        lengths = synth_lengths(dp * per_rank, seed=100 + seed, max_len=cap)
+        cost = wl.cost(lengths)
+        bound = -(-int(lengths.sum()) // (dp * cap))
+        for name, align, eq in (("rolltool lockstep", "lockstep", False),
+                                ("rolltool lockstep eq", "lockstep", True),
+                                ("rolltool total", "total", False)):  # fmt: skip
+            run = partial(
+                plan_step, lengths, dp=dp, max_tokens=cap, workload=wl, align=align, equal_count=eq
+            )
+            ms, plan = timed(run, 3 if quick else 7)
+            rep = plan.report
+            print(f"| {seed} | {name} | {ms:.1f} | {plan.num_micro_batches} | {bound} | "
+                  f"{plan.ffd_micro_batches} | {int(plan.tokens.max())} | "
+                  f"{rep['lockstep_overhead_cost']:.4f} | - | {rep['lockstep_overhead_tokens']:.4f} | "
+                  f"{rep['imbalance_cost']:.4f} |", flush=True)  # fmt: skip
+            worst[name] = max(worst.get(name, 0.0), rep["lockstep_overhead_cost"])
+            worst[name + " ms"] = max(worst.get(name + " ms", 0.0), ms)
+            worst[name + " dM"] = max(worst.get(name + " dM", 0.0), plan.num_micro_batches - bound)
+        for name, fn in (("peer: KK ranks, KK micro", partial(peer_pipeline, lengths, dp, cap)),
+                         ("LPT ranks, FFD micro", partial(lpt_then_ffd, lengths, dp, cap, cost)),
+                         ("FFD bins round-robin", partial(ffd_round_robin, lengths, dp, cap))):  # fmt: skip
+            ms, grid = timed(fn, 1)
+            g = grid_numbers(grid, lengths, cost, dp)
+            tok = grid_numbers(grid, lengths, lengths.astype(np.float64), dp)["lockstep"]
+            print(f"| {seed} | {name} | {ms:.0f} | {g['m']} | {bound} | - | {int(g['max_tokens'])} | "
+                  f"{g['lockstep']:.4f} | {g['aligned']:.4f} | {tok:.4f} | {g['imbalance']:.4f} |", flush=True)  # fmt: skip
+    print("\n## targets\n")
+    lock = "rolltool lockstep"
+    print(f"- lockstep overhead <= 1.003: worst {worst[lock]:.4f} "
+          f"({'met' if worst[lock] <= 1.003 else 'NOT met'})")  # fmt: skip
+    print(f"- plan time <= 50 ms: worst median {worst[lock + ' ms']:.1f} ms "
+          f"({'met' if worst[lock + ' ms'] <= 50 else 'NOT met'})")  # fmt: skip
+    print(f"- micro-batches within 1 of ceil(tokens per rank / cap): worst +{worst[lock + ' dM']:.0f} "
+          f"({'met' if worst[lock + ' dM'] <= 1 else 'NOT met'})")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repeats and steps (smoke run)")
+    args = parser.parse_args()
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    print(f"python {sys.version.split()[0]}, numpy {np.__version__}, one core, medians")
+    balance_table(args.quick)
+    plan_table(args.quick)
+
+
+if __name__ == "__main__":
+    main()
