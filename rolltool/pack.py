@@ -535,7 +535,7 @@ def _samples_table(
             "sample_index": pa.array(np.arange(n, dtype=np.int64)),
             "sample_id": ro.sample_id,
             "group_id": ro.group_ids.take(pa.array(ro.group)),
-            "rollout": pa.array(ro.rollout),
+            "rollout_id": ro.rollout_ids.take(pa.array(ro.rollout)),
             "env": pa.array([ro.env_names[e] for e in ro.env], pa.string()),
             "length": pa.array(ro.length),
             "trainable_tokens": pa.array(ro.trainable),

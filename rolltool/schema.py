@@ -82,6 +82,7 @@ class Rollouts:
     sample_id: pa.Array  # [n] the user's sample ids (string or int64); default: sample_index
     group: np.ndarray  # [n] int64: dense group code, numbered in order of first appearance
     group_ids: pa.Array  # [G] the original group_id of each group code
+    rollout_ids: pa.Array  # [R] the original rollout_id of each rollout code (row number if none)
     rollout: np.ndarray  # [n] int64: dense rollout code over (group_id, rollout_id)
     env: np.ndarray  # [n] int32: code into env_names
     env_names: list[str]  # env names in order of first appearance
@@ -432,7 +433,7 @@ def scan(
             f"{where(rows[1])}: column 'sample_id' repeats (also at row {rows[0]} of the ordered input)",
         )
     group, group_uniques = _codes(df, ["group_id"])
-    rollout, _ = _codes(df, ["group_id", "rollout_id"])
+    rollout, rollout_uniques = _codes(df, ["group_id", "rollout_id"])
     env_codes, env_uniques = _codes(df, ["env"])
     df = df.with_columns(
         pl.Series("_g", group), pl.Series("_r", rollout), pl.Series("_e", env_codes)
@@ -473,6 +474,7 @@ def scan(
         sample_id=sample_id,
         group=group,
         group_ids=group_uniques["group_id"].to_arrow(),
+        rollout_ids=rollout_uniques["rollout_id"].to_arrow(),
         rollout=rollout,
         env=env_codes.astype(np.int32),
         env_names=env_names,
