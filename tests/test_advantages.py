@@ -159,6 +159,19 @@ def assert_matches_reference(
     np.testing.assert_array_equal(got.group_uniform, ref["uniform"])
 
 
+def whitened(a: list[float], tokens: list[int]) -> np.ndarray:
+    """(a - m) / sqrt(v + 1e-8), m and v the mean and unbiased variance of a repeated per token."""
+    values = np.repeat(np.asarray(a, dtype=np.float64), tokens)
+    return (np.asarray(a) - values.mean()) / np.sqrt(values.var(ddof=1) + 1e-8)
+
+
+def rows_of(table: pa.Table) -> list[Row]:
+    """A rollout-schema table as reference rows (trainable tokens counted from loss_mask)."""
+    columns = [table[c].to_pylist() for c in ("group_id", "rollout_id", "env", "reward")]
+    trainable = [sum(m) for m in table["loss_mask"].to_pylist()]
+    return list(zip(*columns, trainable, strict=True))
+
+
 # --------------------------------------------------------------------------------------------
 # Hand-computed cases. One group of three rollouts, rewards 1, 2, 3: mean 2, unbiased std 1,
 # trainable tokens 1, 1, 2.
@@ -259,10 +272,9 @@ def test_uniform_group_under_reinforce_pp_baseline_is_shifted_by_the_whitening()
         ("g", 1, "e", 1.0, 3),
     ]
     got = compute(rows, "reinforce_pp_baseline")
-    # a = 0, 0, -0.5, 0.5; tokens: 0 x4, -0.5, 0.5 x3 -> m = 1/8
-    tokens = np.array([0, 0, 0, 0, -0.5, 0.5, 0.5, 0.5])
-    m, sd = tokens.mean(), np.sqrt(tokens.var(ddof=1) + 1e-8)
-    np.testing.assert_allclose(got.advantage, (np.array([0, 0, -0.5, 0.5]) - m) / sd, rtol=1e-6)
+    # a = 0, 0, -0.5, 0.5 on 2, 2, 1, 3 tokens -> m = 1/8
+    want = whitened([0, 0, -0.5, 0.5], [2, 2, 1, 3])
+    np.testing.assert_allclose(got.advantage, want, rtol=1e-6)
     assert got.group_uniform.tolist() == [True, True, False, False]
 
 
@@ -288,13 +300,8 @@ def test_branches_count_once_per_rollout() -> None:
     # opo: len(a) = 10 over its branches, len(b) = 30 -> b = 10/40
     np.testing.assert_allclose(compute(rows, "opo").advantage, [0.75, 0.75, -0.25, 0.75])
     # reinforce_pp_baseline: a = 0.5 on 10 tokens, -0.5 on 30 tokens.
-    tokens = np.array([0.5] * 10 + [-0.5] * 30)
-    m, sd = tokens.mean(), np.sqrt(tokens.var(ddof=1) + 1e-8)
-    np.testing.assert_allclose(
-        compute(rows, "reinforce_pp_baseline").advantage,
-        (np.array([0.5, 0.5, -0.5, 0.5]) - m) / sd,
-        rtol=1e-6,
-    )
+    want = whitened([0.5, -0.5], [10, 30])[[0, 0, 1, 0]]
+    np.testing.assert_allclose(compute(rows, "reinforce_pp_baseline").advantage, want, rtol=1e-6)
 
 
 def test_rollout_ids_restart_in_every_group() -> None:
@@ -326,9 +333,7 @@ def test_mixed_envs_with_overrides() -> None:
     np.testing.assert_allclose(got.advantage[:2], [0.5 / (std + EPS), -0.5 / (std + EPS)])
     np.testing.assert_allclose(got.advantage[2:5], [1.5 * -0.3, 1.5 * 0.3, 0.0], atol=1e-7)
     # agent is whitened over its own tokens only: 0.5 x4, -0.5 x2
-    tokens = np.array([0.5] * 4 + [-0.5] * 2)
-    m, sd = tokens.mean(), np.sqrt(tokens.var(ddof=1) + 1e-8)
-    np.testing.assert_allclose(got.advantage[5:], (np.array([0.5, -0.5]) - m) / sd, rtol=1e-6)
+    np.testing.assert_allclose(got.advantage[5:], whitened([0.5, -0.5], [4, 2]), rtol=1e-6)
     assert got.estimator.tolist() == ["grpo"] * 2 + ["rloo"] * 3 + ["reinforce_pp_baseline"] * 2
 
 
@@ -474,19 +479,7 @@ def test_output_columns(synth_path: Path, synth_table: pa.Table, tmp_path: Path,
     assert out.schema.field("group_uniform").type == pa.bool_()
 
     # The same as the reference, with trainable tokens counted from the loss mask.
-    trainable = [sum(m) for m in table["loss_mask"].to_pylist()]
-    rows = [
-        (g, r, e, w, t)
-        for g, r, e, w, t in zip(
-            table["group_id"].to_pylist(),
-            table["rollout_id"].to_pylist(),
-            table["env"].to_pylist(),
-            table["reward"].to_pylist(),
-            trainable,
-            strict=True,
-        )
-    ]
-    ref = reference(rows, "grpo", {}, EPS)
+    ref = reference(rows_of(table), "grpo", {}, EPS)
     np.testing.assert_allclose(out["advantage"].to_numpy(), ref["advantage"], rtol=1e-5, atol=1e-6)
     assert out["group_size"].to_pylist() == ref["size"]
     np.testing.assert_allclose(out["group_reward_mean"].to_numpy(), ref["mean"], rtol=1e-12)
@@ -539,19 +532,7 @@ def test_env_estimator_overrides_through_the_cli(synth_path: Path, tmp_path: Pat
         "std_eps": 0.01,
     }
     out = pq.read_table(dst)
-    table = out.drop_columns(["advantage"])
-    trainable = [sum(m) for m in table["loss_mask"].to_pylist()]
-    rows = list(
-        zip(
-            table["group_id"].to_pylist(),
-            table["rollout_id"].to_pylist(),
-            table["env"].to_pylist(),
-            table["reward"].to_pylist(),
-            trainable,
-            strict=True,
-        )
-    )
-    ref = reference(rows, "grpo", {"code": "rloo", "agent": "opo"}, 0.01)
+    ref = reference(rows_of(out), "grpo", {"code": "rloo", "agent": "opo"}, 0.01)
     np.testing.assert_allclose(out["advantage"].to_numpy(), ref["advantage"], rtol=1e-5, atol=1e-6)
     # The per-env summary is computed over that env's rows only.
     env = np.array(out["env"].to_pylist())

@@ -119,39 +119,39 @@ def test_token_values(big: pa.Table) -> None:
 # The shapes the issue asks for.
 
 
-def test_math_env(big: pa.Table) -> None:
-    math = _env(big, "math")
-    assert math.num_rows > 0
-    groups = _rollouts_per_group(math)
-    assert {len(r) for r in groups.values()} == {16}
-    assert math.num_rows == 16 * len(groups)  # single-turn: one branch per rollout
-    lengths = _lengths(math)
-    assert lengths.min() >= 200 and lengths.max() <= 2_000
-    assert set(math["reward"].to_pylist()) == {0.0, 1.0}
-    # a good share of uniform groups, all-0 and all-1 both present, but not everything
-    rewards = _group_rewards(math)
-    kinds = {frozenset(r.values()) for r in rewards.values()}
-    assert frozenset({0.0}) in kinds and frozenset({1.0}) in kinds
-    assert 0.2 <= _uniform_share(math) <= 0.7
-    for mask in _masks(math):  # prompt masked, response trained
+@pytest.mark.parametrize(
+    ("env", "group_size", "shortest", "longest"),
+    [("math", 16, 200, 2_000), ("code", 8, 1_000, 8_000)],
+)
+def test_single_turn_env_shape(
+    big: pa.Table, env: str, group_size: int, shortest: int, longest: int
+) -> None:
+    table = _env(big, env)
+    assert table.num_rows > 0
+    groups = _rollouts_per_group(table)
+    assert {len(r) for r in groups.values()} == {group_size}
+    assert table.num_rows == group_size * len(groups)  # one branch per rollout
+    lengths = _lengths(table)
+    assert lengths.min() >= shortest and lengths.max() <= longest
+    for mask in _masks(table):  # prompt masked, response trained
         assert mask[0] == 0 and mask[-1] == 1 and _transitions(mask) == 1
 
 
-def test_code_env(big: pa.Table) -> None:
-    code = _env(big, "code")
-    assert code.num_rows > 0
-    groups = _rollouts_per_group(code)
-    assert {len(r) for r in groups.values()} == {8}
-    assert code.num_rows == 8 * len(groups)
-    lengths = _lengths(code)
-    assert lengths.min() >= 1_000 and lengths.max() <= 8_000
-    rewards = np.array(code["reward"].to_pylist())
+def test_math_rewards(big: pa.Table) -> None:
+    math = _env(big, "math")
+    assert set(math["reward"].to_pylist()) == {0.0, 1.0}
+    # a good share of uniform groups, all-0 and all-1 both present, but not everything
+    kinds = {frozenset(r.values()) for r in _group_rewards(math).values()}
+    assert frozenset({0.0}) in kinds and frozenset({1.0}) in kinds
+    assert 0.2 <= _uniform_share(math) <= 0.7
+
+
+def test_code_rewards(big: pa.Table) -> None:
+    rewards = np.array(_env(big, "code")["reward"].to_pylist())
     assert ((rewards >= 0) & (rewards <= 1)).all()
     fractional = (rewards > 0) & (rewards < 1)
     assert fractional.mean() > 0.3
     assert len(np.unique(rewards)) >= 5
-    for mask in _masks(code):
-        assert mask[0] == 0 and mask[-1] == 1 and _transitions(mask) == 1
 
 
 def test_agent_env(big: pa.Table) -> None:
