@@ -438,19 +438,22 @@ def scan(
     df = df.with_columns(
         pl.Series("_g", group), pl.Series("_r", rollout), pl.Series("_e", env_codes)
     )
-    finite = np.isfinite(reward)
-    if finite.all():
-        spread = df.group_by("_r").agg(
+    # branches of one rollout share the reward (non-finite rewards are reported above)
+    spread = (
+        df.filter(pl.col("reward").is_finite())
+        .group_by("_r")
+        .agg(
             pl.col("reward").min().alias("lo"),
             pl.col("reward").max().alias("hi"),
             pl.col("row").first(),
         )
-        for rec in spread.filter(pl.col("lo") != pl.col("hi")).sort("row").iter_rows(named=True):
-            problems.add(
-                "branch reward",
-                f"{where(rec['row'])}: column 'reward': branches of one rollout have different "
-                f"rewards ({rec['lo']} vs {rec['hi']})",
-            )
+    )
+    for rec in spread.filter(pl.col("lo") != pl.col("hi")).sort("row").iter_rows(named=True):
+        problems.add(
+            "branch reward",
+            f"{where(rec['row'])}: column 'reward': branches of one rollout have different "
+            f"rewards ({rec['lo']} vs {rec['hi']})",
+        )
     envs = df.group_by("_g").agg(  # null envs are reported above
         pl.col("env").drop_nulls().n_unique().alias("k"),
         pl.col("row").first(),

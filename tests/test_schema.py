@@ -244,6 +244,13 @@ def test_a_file_with_several_problems_lists_them_all(write_parquet, run_cli, out
     assert stderr.count(str(path)) >= 4
 
 
+def test_a_non_finite_reward_does_not_hide_branch_disagreements(
+    write_parquet, run_cli, out: Path
+) -> None:
+    path = write_parquet(rollouts(rollout_id=[0, 0, 0, 1], reward=[1.0, 0.0, 0.5, float("nan")]))
+    assert_rejected(advantages(run_cli, [path], out), out, "2 problems", "not finite", "branches")
+
+
 def test_a_mistyped_optional_column_does_not_hide_row_problems(
     write_parquet, run_cli, out: Path
 ) -> None:
