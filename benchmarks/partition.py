@@ -229,6 +229,11 @@ def balance_table(quick: bool) -> None:
                     notes.append(
                         f"quality <= 1.02 at {where}: {auto_q:.5f} ({_met(auto_q <= 1.02)})"
                     )
+                    tight = auto_q * lb / tight_equal_count_bound(w, k)
+                    notes.append(
+                        "  same, against a tighter equal-count bound (the t heaviest items in t "
+                        f"parts with the t(n/k-1) smallest): {tight:.5f} ({_met(tight <= 1.02)})"
+                    )
                 if row[11] != "-":
                     x = float(row[11].rstrip("x"))
                     notes.append(f"kk >= 10x list-KK at {where}: {row[11]} ({_met(x >= 10)})")

@@ -8,9 +8,10 @@ give data-parallel ranks equal work. Methods, by name in ``METHODS``:
 * ``auto``: LPT and, when it is cheap, KK; the lighter of the two is then improved by swaps and
   moves between the heaviest part and the lightest ones (see ``refine.py``). The refinement only
   ever lowers the heaviest part, so ``auto`` is never heavier than the candidates it ran. It always
-  runs LPT; it runs KK when KK needs at most ``KK_AUTO_MERGES`` merges (n/k merges with equal
-  counts, n without), i.e. always below n = 16k with equal counts and k = 64, and for n <= 1024
-  without them; beyond that KK costs tens of milliseconds and ``auto`` relies on refinement.
+  runs LPT; it runs KK when KK needs at most ``KK_AUTO_MERGES`` merges: with equal counts when
+  n/k <= 1024 (so at n = 16,384 for k >= 16), without them when n <= 1024. Beyond that KK costs
+  tens of milliseconds, ``auto`` is guaranteed only against LPT, and relies on refinement (in the
+  benchmark it matches or beats KK's quality there).
 
 ``equal_count=True`` gives every part the same number of items; when k does not divide n, part
 sizes are ``n // k`` or ``n // k + 1`` (KK pads the last block with zero-weight items, one per
@@ -20,7 +21,7 @@ Example::
 
     >>> parts = balance(np.array([8.0, 7, 6, 5, 4]), 2)
     >>> [p.tolist() for p in parts], part_loads(np.array([8.0, 7, 6, 5, 4]), parts).tolist()
-    ([[0, 1], [2, 3, 4]], [15.0, 15.0])
+    ([[2, 3, 4], [0, 1]], [15.0, 15.0])
 """
 
 from __future__ import annotations
