@@ -231,7 +231,7 @@ def _scan_batch(
     for col in ("group_id", "rollout_id", "env"):
         if col in cols:
             arr = cols[col]
-            for i in np.flatnonzero(arr.is_null().to_numpy(zero_copy_only=False))[:MAX_LISTED]:
+            for i in np.flatnonzero(arr.is_null().to_numpy(zero_copy_only=False)):
                 problems.add(f"null {col}", f"{name(i)}: column '{col}' is null")
             acc.ids[col].append(arr)
 

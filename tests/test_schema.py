@@ -283,8 +283,18 @@ def test_long_lists_of_problems_are_counted(write_parquet, run_cli, out: Path) -
             "loss_mask": pa.array([[0, 1]] * n, pa.list_(pa.int8())),
         }
     )
-    stderr = assert_rejected(advantages(run_cli, [path], out), out, "30 problems", "more")
+    stderr = assert_rejected(advantages(run_cli, [path], out), out, "30 problems", "22 more")
     assert len(stderr.splitlines()) < 20
+    nulls = write_parquet(
+        {
+            "group_id": pa.array([None] * n, pa.string()),
+            "reward": [1.0] * n,
+            "input_ids": pa.array([[1, 2]] * n, pa.list_(pa.int32())),
+            "loss_mask": pa.array([[0, 1]] * n, pa.list_(pa.int8())),
+        },
+        "nulls.parquet",
+    )
+    assert_rejected(advantages(run_cli, [nulls], out), out, "30 problems", "22 more")
 
 
 # ------------------------------------------------------------------------------------------
