@@ -11,6 +11,7 @@ import datetime as dt
 import json
 import sys
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from rolltool.jsonable import jsonable
 from rolltool.loss import LOSS_AGGS, check_loss_agg, sample_weights, step_denominators
 from rolltool.outputs import atomic_path, check_target
 from rolltool.packing import TOKEN_FIELDS, pack_rows
-from rolltool.partition import plan_step
+from rolltool.partition import StepPlan, plan_step
 from rolltool.schema import Rollouts, scan
 from rolltool.shards import FORMAT, FORMAT_VERSION, file_record, write_shards
 from rolltool.source import invert_mapping, iter_batches, resolve_inputs
@@ -345,95 +346,109 @@ def run_pack(
     file_records: dict[str, dict] = {}
     wrap = progress or (lambda it, total, desc: it)
 
+    # Pass 1 (pure, light columns only): every step's samples, advantages, weights and plan.
+    works: list[_StepWork] = []
+    for step in assembly.steps:
+        all_members = (
+            np.concatenate([in_group[g] for g in step.groups])
+            if len(step.groups)
+            else np.zeros(0, np.int64)
+        )
+        for g in step.dropped:
+            status[in_group[g]] = "uniform_dropped"
+            step_of[in_group[g]] = step.index
+        members = all_members[trained_ok[all_members]]
+        dropped_long = np.concatenate(
+            [all_members[~trained_ok[all_members]], *[in_group[g] for g in step.skipped]]
+        ).astype(np.int64)
+        status[dropped_long] = "overlong_dropped"
+        step_of[dropped_long] = step.index
+
+        step_adv = advantage[members]
+        if per_step_whitening:
+            # Whitening estimators whiten over the step's samples, not the whole input.
+            sub = compute_advantages(
+                config.advantages,
+                group=_dense(ro.group[members]),
+                rollout=_dense(ro.rollout[members]),
+                env=ro.env[members],
+                env_names=ro.env_names,
+                reward=ro.reward[members],
+                trainable=ro.trainable[members],
+            )
+            step_adv = np.where(whiten_envs[ro.env[members]], sub.advantage, step_adv).astype(
+                np.float32
+            )
+            advantage[members] = step_adv
+        weights = sample_weights(config.loss_agg, ro.trainable[members], config.loss_scale_factor)
+        plan = plan_step(
+            ro.length[members],
+            dp=config.dp,
+            max_tokens=config.micro_batch_tokens,
+            micro_batch_size=config.micro_batch_size,
+            workload=workload,
+            equal_count=config.equal_count,
+            align=config.align,
+        )
+        _check_plan(plan, len(members), ro.length[members], config)
+        for r, mbs in enumerate(plan.micro_batches):
+            for j, m in enumerate(mbs):
+                rank_of[members[m]] = r
+                mb_of[members[m]] = j
+        status[members] = "trained"
+        step_of[members] = step.index
+        weight_of[members] = weights
+        meta = step_metadata(
+            ro, step, members, dropped_long, step_adv, weights, uniform, groups.env
+        )
+        meta["denominators"] = step_denominators(
+            config.loss_agg, ro.trainable[members], config.loss_scale_factor
+        )
+        meta["plan"] = _plan_summary(plan)
+        works.append(_StepWork(step.index, members, step_adv, weights, plan, meta))
+
+    # Pass 2 (I/O): fetch a step's tokens, pack its rows, write its shards. The next step's
+    # tokens are read, and the previous rows written and hashed, on worker threads meanwhile.
     with atomic_path(output, force=force, directory=True) as root:
         root.mkdir(parents=True, exist_ok=True)
-        for step in wrap(assembly.steps, len(assembly.steps), "packing steps"):
-            all_members = (
-                np.concatenate([in_group[g] for g in step.groups])
-                if len(step.groups)
-                else np.zeros(0, np.int64)
-            )
-            for g in step.dropped:
-                status[in_group[g]] = "uniform_dropped"
-                step_of[in_group[g]] = step.index
-            members = all_members[trained_ok[all_members]]
-            dropped_long = all_members[~trained_ok[all_members]]
-            for g in step.skipped:
-                dropped_long = np.concatenate([dropped_long, in_group[g]])
-            status[dropped_long] = "overlong_dropped"
-            step_of[dropped_long] = step.index
-
-            step_adv = advantage[members]
-            if per_step_whitening:
-                # Whitening estimators whiten over the step's samples, not the whole input.
-                sub = compute_advantages(
-                    config.advantages,
-                    group=_dense(ro.group[members]),
-                    rollout=_dense(ro.rollout[members]),
-                    env=ro.env[members],
-                    env_names=ro.env_names,
-                    reward=ro.reward[members],
-                    trainable=ro.trainable[members],
-                )
-                step_adv = np.where(whiten_envs[ro.env[members]], sub.advantage, step_adv).astype(
-                    np.float32
-                )
-                advantage[members] = step_adv
-            weights = sample_weights(
-                config.loss_agg, ro.trainable[members], config.loss_scale_factor
-            )
-            plan = plan_step(
-                ro.length[members],
-                dp=config.dp,
-                max_tokens=config.micro_batch_tokens,
-                micro_batch_size=config.micro_batch_size,
-                workload=workload,
-                equal_count=config.equal_count,
-                align=config.align,
-            )
-            _check_plan(plan, len(members), ro.length[members], config)
-            tokens = reader.fetch(members)
-            ranks = []
-            for r, mbs in enumerate(plan.micro_batches):
-                rows = pack_rows(
-                    tokens,
-                    mbs,
-                    sample_index=members,
-                    advantage=step_adv,
-                    weight=weights,
-                    row_len=config.row_len,
-                    pad_id=config.pad_id,
-                )
-                recs = write_shards(root, step.index, r, rows, max_bytes)
-                for rec in recs:
-                    file_records[rec["path"]] = {"bytes": rec["bytes"], "sha256": rec["sha256"]}
-                ranks.append(
-                    {
-                        "micro_batches": len(mbs),
-                        "samples": int(sum(len(m) for m in mbs)),
-                        "tokens": int(np.diff(rows.row_offsets).sum()),
-                        "real_tokens": int(sum(int(ro.length[members[m]].sum()) for m in mbs)),
-                        "files": [
-                            {"path": x["path"], "first_row": x["first_row"], "rows": x["rows"]}
-                            for x in recs
-                        ],
-                    }
-                )
-                for j, m in enumerate(mbs):
-                    rank_of[members[m]] = r
-                    mb_of[members[m]] = j
-            status[members] = "trained"
-            step_of[members] = step.index
-            weight_of[members] = weights
-            meta = step_metadata(
-                ro, step, members, dropped_long, step_adv, weights, uniform, groups.env
-            )
-            meta["denominators"] = step_denominators(
-                config.loss_agg, ro.trainable[members], config.loss_scale_factor
-            )
-            meta["plan"] = _plan_summary(plan)
-            meta["ranks"] = ranks
-            steps_meta.append(meta)
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            fetch = pool.submit(reader.fetch, works[0].members)
+            writes: list[tuple[_StepWork, list[Future[list[dict]]]]] = []
+            for i, work in enumerate(wrap(works, len(works), "packing steps")):
+                tokens = fetch.result()
+                if i + 1 < len(works):
+                    fetch = pool.submit(reader.fetch, works[i + 1].members)
+                futures = []
+                ranks = []
+                for r, mbs in enumerate(work.plan.micro_batches):
+                    rows = pack_rows(
+                        tokens,
+                        mbs,
+                        sample_index=work.members,
+                        advantage=work.advantage,
+                        weight=work.weights,
+                        row_len=config.row_len,
+                        pad_id=config.pad_id,
+                    )
+                    ranks.append(
+                        {
+                            "micro_batches": len(mbs),
+                            "samples": int(sum(len(m) for m in mbs)),
+                            "tokens": int(rows.row_offsets[-1]),
+                            "real_tokens": int(
+                                sum(int(ro.length[work.members[m]].sum()) for m in mbs)
+                            ),
+                        }
+                    )
+                    futures.append(pool.submit(write_shards, root, work.index, r, rows, max_bytes))
+                work.meta["ranks"] = ranks
+                # Keep at most one step of rows in flight: memory stays bounded by a step.
+                for done, fs in writes:
+                    _collect(done, fs, file_records)
+                writes = [(work, futures)]
+                steps_meta.append(work.meta)
+            for done, fs in writes:
+                _collect(done, fs, file_records)
 
         samples = _samples_table(ro, status, step_of, rank_of, mb_of, advantage, weight_of)
         pq.write_table(samples, root / "samples.parquet", compression="zstd")
@@ -488,6 +503,31 @@ def run_pack(
         (root / "manifest.json").write_text(json.dumps(jsonable(manifest), indent=1))
         (root / "manifest.json").chmod(0o644)
     return manifest
+
+
+@dataclass
+class _StepWork:
+    """One planned step, between planning and writing."""
+
+    index: int
+    members: np.ndarray  # [n] sample indices trained in the step (plan positions index it)
+    advantage: np.ndarray  # [n] float32
+    weights: np.ndarray  # [n] float64 loss weight per trainable token
+    plan: StepPlan
+    meta: dict[str, Any]
+
+
+def _collect(
+    work: _StepWork, futures: list[Future[list[dict]]], file_records: dict[str, dict]
+) -> None:
+    """Wait for a step's shard writes; record files in the manifest and in the step's ranks."""
+    for rank, fut in zip(work.meta["ranks"], futures, strict=True):
+        recs = fut.result()
+        rank["files"] = [
+            {"path": x["path"], "first_row": x["first_row"], "rows": x["rows"]} for x in recs
+        ]
+        for x in recs:
+            file_records[x["path"]] = {"bytes": x["bytes"], "sha256": x["sha256"]}
 
 
 def _dense(codes: np.ndarray) -> np.ndarray:

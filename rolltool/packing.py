@@ -11,8 +11,12 @@ Worked example: samples of 3 and 2 tokens in a row of length 8 give
 ``cu_seqlens = [0, 3, 5, 8]``, ``position_ids = [0 1 2 0 1 0 1 2]``,
 ``sample_index = [i, j, -1]``.
 
-Rows of one (step, rank) are stored flat (`PackedRows`): token arrays concatenated over rows,
-``row_offsets`` into them, segment lengths ``seq_lens`` with ``row_segments`` offsets into those.
+Rows of one (step, rank) are stored flat and compact (`PackedRows`): the per-token columns that
+carry information (``input_ids``, ``loss_mask``, ``logprobs``) concatenated over rows with
+``row_offsets`` into them, and per segment its length, ``sample_index``, advantage and per-token
+loss weight, with ``row_segments`` offsets. `unpack_row` derives ``position_ids``,
+``advantages``, ``loss_weight`` (= segment weight x loss_mask) and ``cu_seqlens`` exactly from
+them, so files hold 9 bytes per token instead of 21 and nothing is lost.
 """
 
 from __future__ import annotations
@@ -52,18 +56,17 @@ class SampleTokens:
 @dataclass(frozen=True)
 class PackedRows:
     """R rows, flat. Row r holds tokens [row_offsets[r], row_offsets[r+1]) and segments
-    [row_segments[r], row_segments[r+1]) of seq_lens / sample_index."""
+    [row_segments[r], row_segments[r+1])."""
 
     input_ids: np.ndarray  # [T] int32
-    position_ids: np.ndarray  # [T] int32
     loss_mask: np.ndarray  # [T] uint8
-    advantages: np.ndarray  # [T] float32
     logprobs: np.ndarray  # [T] float32
-    loss_weight: np.ndarray  # [T] float32
     row_offsets: np.ndarray  # [R+1] int64
     seq_lens: np.ndarray  # [S] int32, segment lengths (padding included)
-    row_segments: np.ndarray  # [R+1] int64
     sample_index: np.ndarray  # [S] int64, -1 for padding
+    seg_advantage: np.ndarray  # [S] float32, the sample's advantage (0 for padding)
+    seg_weight: np.ndarray  # [S] float32, loss weight of each trainable token (0 for padding)
+    row_segments: np.ndarray  # [R+1] int64
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -109,47 +112,64 @@ def pack_rows(
     row_offsets = np.zeros(len(rows) + 1, dtype=np.int64)
     np.cumsum([int(s.sum()) for s in seg_len], out=row_offsets[1:])
 
-    total = int(lens.sum())
-    seg_start = np.zeros(len(lens), dtype=np.int64)
-    np.cumsum(lens[:-1], out=seg_start[1:])
-    seg_of_token = np.repeat(np.arange(len(lens)), lens)
-    within = np.arange(total, dtype=np.int64) - seg_start[seg_of_token]
-    src_tok = src[seg_of_token]
-    real = src_tok >= 0
-    gather = np.where(real, tokens.offsets[np.maximum(src_tok, 0)] + within, 0)
+    # One gather per column; padding tokens read token 0 and are overwritten afterwards.
+    real_seg = src >= 0
+    src_safe = np.where(real_seg, src, 0)
+    starts = np.zeros(len(lens), dtype=np.int64)
+    np.cumsum(lens[:-1], out=starts[1:])
+    within = _ranks(lens, starts)
+    real_tok = np.repeat(real_seg, lens)
+    gather = np.repeat(np.where(real_seg, tokens.offsets[src_safe], 0), lens) + within * real_tok
+    has_pad = not real_seg.all()
 
-    input_ids = np.where(real, tokens.input_ids[gather], pad_id).astype(np.int32)
-    loss_mask = np.where(real, tokens.loss_mask[gather], 0).astype(np.uint8)
-    logprobs = np.where(real, tokens.logprobs[gather], 0).astype(np.float32)
-    safe = np.maximum(src_tok, 0)
-    advantages = np.where(real, advantage[safe], 0).astype(np.float32)
-    loss_weight = (np.where(real, weight[safe], 0) * loss_mask).astype(np.float32)
-    seg_index = np.where(src >= 0, sample_index[np.maximum(src, 0)], PAD_SAMPLE).astype(np.int64)
+    def take(values: np.ndarray, dtype: type, pad: int | float) -> np.ndarray:
+        if len(values) == 0:
+            return np.full(len(gather), pad, dtype=dtype)
+        col = values.take(gather).astype(dtype, copy=False)
+        if has_pad:
+            col[~real_tok] = pad
+        return col
+
     return PackedRows(
-        input_ids=input_ids,
-        position_ids=within.astype(np.int32),
-        loss_mask=loss_mask,
-        advantages=advantages,
-        logprobs=logprobs,
-        loss_weight=loss_weight,
+        input_ids=take(tokens.input_ids, np.int32, pad_id),
+        loss_mask=take(tokens.loss_mask, np.uint8, 0),
+        logprobs=take(tokens.logprobs, np.float32, 0.0),
         row_offsets=row_offsets,
         seq_lens=lens.astype(np.int32),
+        sample_index=np.where(real_seg, sample_index[src_safe], PAD_SAMPLE).astype(np.int64),
+        seg_advantage=np.where(real_seg, advantage[src_safe], 0).astype(np.float32),
+        seg_weight=np.where(real_seg, weight[src_safe], 0).astype(np.float32),
         row_segments=row_segments,
-        sample_index=seg_index,
     )
 
 
-def unpack_row(rows: dict[str, np.ndarray], r: int) -> dict[str, np.ndarray]:
-    """Row r of flat `PackedRows` arrays as the reader's dict (views where possible).
+def _ranks(lens: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Position of every token inside its segment: [0..l0-1, 0..l1-1, ...]."""
+    total = int(lens.sum())
+    return np.arange(total, dtype=np.int64) - np.repeat(starts, lens)
 
-    Keys: the TOKEN_FIELDS arrays sliced to the row, ``cu_seqlens`` (int32, first 0, last = row
-    length) and ``sample_index`` (int64, one per segment, -1 for padding).
+
+def unpack_row(rows: dict[str, np.ndarray], r: int) -> dict[str, np.ndarray]:
+    """Row r of flat `PackedRows` arrays as the reader's dict.
+
+    Keys: the TOKEN_FIELDS arrays of the row (``input_ids``, ``loss_mask``, ``logprobs`` are views
+    of the stored arrays; ``position_ids``, ``advantages``, ``loss_weight`` are derived),
+    ``cu_seqlens`` (int32, first 0, last = row length) and ``sample_index`` (int64, one per
+    segment, -1 for padding).
     """
     a, b = int(rows["row_offsets"][r]), int(rows["row_offsets"][r + 1])
     s0, s1 = int(rows["row_segments"][r]), int(rows["row_segments"][r + 1])
-    out = {k: rows[k][a:b] for k in TOKEN_FIELDS}
+    lens = rows["seq_lens"][s0:s1].astype(np.int64)
     cu = np.zeros(s1 - s0 + 1, dtype=np.int32)
-    np.cumsum(rows["seq_lens"][s0:s1], out=cu[1:])
-    out["cu_seqlens"] = cu
-    out["sample_index"] = rows["sample_index"][s0:s1]
-    return out
+    np.cumsum(lens, out=cu[1:])
+    loss_mask = rows["loss_mask"][a:b]
+    return {
+        "input_ids": rows["input_ids"][a:b],
+        "position_ids": _ranks(lens, cu[:-1].astype(np.int64)).astype(np.int32),
+        "loss_mask": loss_mask,
+        "advantages": np.repeat(rows["seg_advantage"][s0:s1], lens),
+        "logprobs": rows["logprobs"][a:b],
+        "loss_weight": np.repeat(rows["seg_weight"][s0:s1], lens) * loss_mask,
+        "cu_seqlens": cu,
+        "sample_index": rows["sample_index"][s0:s1],
+    }

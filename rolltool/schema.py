@@ -254,13 +254,19 @@ def _scan_batch(
                 f"{name(i)}: column 'loss_mask' has {mask_len[i]} values, 'input_ids' has {length[i]}",
             )
         offsets, values = _list_parts(mask)
-        mvals = pc.cast(values, pa.int64()).fill_null(-1).to_numpy(zero_copy_only=False)
-        bad = (mvals != 0) & (mvals != 1)
-        if bad.any():
-            rows = np.unique(np.searchsorted(offsets, np.flatnonzero(bad), side="right") - 1)
-            for i in rows:
-                problems.add("mask", f"{name(i)}: column 'loss_mask' holds values other than 0/1")
-        trainable = _row_sums(offsets, (mvals == 1).astype(np.int64))
+        if pa.types.is_boolean(values.type) and values.null_count == 0:
+            ones = values.to_numpy(zero_copy_only=False)  # bool: always 0/1
+        else:
+            mvals = pc.cast(values, pa.int64()).fill_null(-1).to_numpy(zero_copy_only=False)
+            bad = (mvals != 0) & (mvals != 1)
+            if bad.any():
+                rows = np.unique(np.searchsorted(offsets, np.flatnonzero(bad), side="right") - 1)
+                for i in rows:
+                    problems.add(
+                        "mask", f"{name(i)}: column 'loss_mask' holds values other than 0/1"
+                    )
+            ones = mvals == 1
+        trainable = _row_sums(offsets, ones)
         tok_arrays = [("input_ids", ids)]
     else:
         p, r = cols["prompt_ids"], cols["response_ids"]
@@ -272,6 +278,8 @@ def _scan_batch(
         tok_arrays = [("prompt_ids", p), ("response_ids", r)]
     for col, arr in tok_arrays:
         offsets, values = _list_parts(arr)
+        if values.null_count == 0 and (len(values) == 0 or pc.min(values).as_py() >= 0):
+            continue  # the common case, checked in one pass
         neg = pc.less(values, 0).fill_null(True).to_numpy(zero_copy_only=False)
         if neg.any():
             for i in np.unique(np.searchsorted(offsets, np.flatnonzero(neg), side="right") - 1):

@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 
 import numpy as np
-from safetensors.numpy import save_file
+from safetensors.numpy import save
 
 from rolltool.errors import RolltoolError
 from rolltool.packing import PackedRows
@@ -36,10 +36,10 @@ def shard_name(step: int, rank: int, part: int) -> str:
 
 
 def row_bytes(rows: PackedRows) -> np.ndarray:
-    """Bytes each row takes in a shard (tokens x 21 bytes + segments x 12 bytes)."""
+    """Bytes each row takes in a shard (9 per token, 20 per segment, 16 per row)."""
     tokens = np.diff(rows.row_offsets)
     segments = np.diff(rows.row_segments)
-    return tokens * 21 + segments * 12 + 16
+    return tokens * 9 + segments * 20 + 16
 
 
 def split_rows(rows: PackedRows, max_bytes: int) -> list[tuple[int, int]]:
@@ -61,12 +61,12 @@ def _slice(rows: PackedRows, a: int, b: int) -> dict[str, np.ndarray]:
     s0, s1 = int(rows.row_segments[a]), int(rows.row_segments[b])
     out = {
         k: np.ascontiguousarray(getattr(rows, k)[t0:t1])
-        for k in ("input_ids", "position_ids", "loss_mask", "advantages", "logprobs", "loss_weight")
+        for k in ("input_ids", "loss_mask", "logprobs")
     }
+    for k in ("seq_lens", "sample_index", "seg_advantage", "seg_weight"):
+        out[k] = np.ascontiguousarray(getattr(rows, k)[s0:s1])
     out["row_offsets"] = rows.row_offsets[a : b + 1] - t0
     out["row_segments"] = rows.row_segments[a : b + 1] - s0
-    out["seq_lens"] = np.ascontiguousarray(rows.seq_lens[s0:s1])
-    out["sample_index"] = np.ascontiguousarray(rows.sample_index[s0:s1])
     return out
 
 
@@ -77,13 +77,18 @@ def write_shards(root: Path, step: int, rank: int, rows: PackedRows, max_bytes: 
         name = shard_name(step, rank, part)
         path = root / name
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file(
-            _slice(rows, a, b),
-            str(path),
-            metadata={"step": str(step), "rank": str(rank), "first_row": str(a)},
+        data = save(
+            _slice(rows, a, b), metadata={"step": str(step), "rank": str(rank), "first_row": str(a)}
         )
-        os.chmod(path, 0o644)
-        records.append({"path": name, "first_row": a, "rows": b - a, **file_record(path)})
+        with open(path, "wb") as f:
+            f.write(data)
+        os.chmod(
+            path, 0o644
+        )  # safetensors and mkstemp-style defaults are 0600; readers may be other users
+        digest = hashlib.sha256(data).hexdigest()
+        records.append(
+            {"path": name, "first_row": a, "rows": b - a, "bytes": len(data), "sha256": digest}
+        )
     return records
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -29,6 +30,25 @@ def _flat(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     return lengths, values
 
 
+@dataclass(frozen=True)
+class _Block:
+    """One row group's token columns, flat NumPy (what the cache holds)."""
+
+    offsets: np.ndarray  # [rows+1] int64
+    input_ids: np.ndarray  # [N] int32
+    loss_mask: np.ndarray  # [N] uint8
+    logprobs: np.ndarray  # [N] float32
+
+    @property
+    def nbytes(self) -> int:
+        return (
+            self.offsets.nbytes
+            + self.input_ids.nbytes
+            + self.loss_mask.nbytes
+            + self.logprobs.nbytes
+        )
+
+
 class TokenReader:
     """Random access to the token columns of the ordered input, by sample_index."""
 
@@ -46,7 +66,7 @@ class TokenReader:
         self.token_format = token_format
         self.has_logprobs = has_logprobs
         self.cache_bytes = cache_bytes
-        self._cache: OrderedDict[tuple[int, int], pa.Table] = OrderedDict()
+        self._cache: OrderedDict[int, _Block] = OrderedDict()
         self._cached = 0
         names = (
             ["input_ids", "loss_mask"]
@@ -72,11 +92,11 @@ class TokenReader:
         self._where = where
         self.num_rows = row
 
-    def _row_group(self, key: tuple[int, int]) -> pa.Table:
-        if key in self._cache:
-            self._cache.move_to_end(key)
-            return self._cache[key]
-        fi, rg = key
+    def _block(self, b: int) -> _Block:
+        if b in self._cache:
+            self._cache.move_to_end(b)
+            return self._cache[b]
+        fi, rg = self._where[b]
         try:
             table = self._handles[fi].read_row_group(
                 rg, columns=[self.reverse.get(c, c) for c in self.columns]
@@ -85,37 +105,46 @@ class TokenReader:
             raise RolltoolError(
                 f"{self.files[fi].path}: could not read row group {rg} ({e})"
             ) from None
-        table = table.rename_columns(self.columns)
-        self._cache[key] = table
-        self._cached += table.nbytes
+        block = self._to_block(table.rename_columns(self.columns))
+        self._cache[b] = block
+        self._cached += block.nbytes
         while self._cached > self.cache_bytes and len(self._cache) > 1:
             _, old = self._cache.popitem(last=False)
             self._cached -= old.nbytes
-        return table
+        return block
 
     def fetch(self, sample_index: np.ndarray) -> SampleTokens:
         """Tokens of the given samples, in the given order."""
         idx = np.asarray(sample_index, dtype=np.int64)
         if len(idx) and (idx.min() < 0 or idx.max() >= self.num_rows):
             raise IndexError("sample_index out of range")
-        block = np.searchsorted(self._starts, idx, side="right") - 1
-        order = np.argsort(block, kind="stable")
-        pieces = []
-        for b in np.unique(block):
-            sel = order[block[order] == b]
-            table = self._row_group(self._where[int(b)])
-            pieces.append(table.take(pa.array(idx[sel] - self._starts[b])))
-        if pieces:
-            table = pa.concat_tables(pieces)
-            # Undo the grouping by row group: piece rows come in `order`.
-            inverse = np.empty(len(idx), dtype=np.int64)
-            inverse[order] = np.arange(len(idx))
-            table = table.take(pa.array(inverse))
-        else:
-            table = pa.table({c: pa.array([], pa.list_(pa.int32())) for c in self.columns})
-        return self._to_tokens(table)
+        block_of = np.searchsorted(self._starts, idx, side="right") - 1
+        local = idx - self._starts[block_of] if len(idx) else idx
+        lengths = np.zeros(len(idx), dtype=np.int64)
+        blocks = {int(b): self._block(int(b)) for b in np.unique(block_of)}
+        for b, blk in blocks.items():
+            sel = block_of == b
+            lengths[sel] = np.diff(blk.offsets)[local[sel]]
+        offsets = np.zeros(len(idx) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        total = int(offsets[-1])
+        ids = np.empty(total, dtype=np.int32)
+        mask = np.empty(total, dtype=np.uint8)
+        logp = np.empty(total, dtype=np.float32)
+        for b, blk in blocks.items():
+            sel = np.flatnonzero(block_of == b)
+            lens = lengths[sel]
+            within = np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(
+                np.cumsum(lens) - lens, lens
+            )
+            src = np.repeat(blk.offsets[local[sel]], lens) + within
+            dst = np.repeat(offsets[sel], lens) + within
+            ids[dst] = blk.input_ids[src]
+            mask[dst] = blk.loss_mask[src]
+            logp[dst] = blk.logprobs[src]
+        return SampleTokens(offsets=offsets, input_ids=ids, loss_mask=mask, logprobs=logp)
 
-    def _to_tokens(self, table: pa.Table) -> SampleTokens:
+    def _to_block(self, table: pa.Table) -> _Block:
         if self.token_format == "input_ids":
             lengths, ids = _flat(table.column("input_ids"))
             _, mask = _flat(table.column("loss_mask"))
@@ -138,9 +167,7 @@ class TokenReader:
                 lp = full
         else:
             lp = np.zeros(int(offsets[-1]), dtype=np.float32)
-        return SampleTokens(
-            offsets=offsets, input_ids=ids.astype(np.int32), loss_mask=mask, logprobs=lp
-        )
+        return _Block(offsets=offsets, input_ids=ids.astype(np.int32), loss_mask=mask, logprobs=lp)
 
 
 def _interleave(
