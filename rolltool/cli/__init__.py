@@ -21,16 +21,18 @@ def main() -> None:
     advantages  compute group advantages (grpo, dr_grpo, rloo, opo, reinforce_pp_baseline)
     pack        steps, balanced micro-batches, packed rows, sharded safetensors
     verify      check a packed directory's hashes and invariants
+    stats       what rollout Parquet or a packed directory contains, at a glance
     """
 
 
 def _register() -> None:
-    from rolltool.cli import advantages, pack, synth
+    from rolltool.cli import advantages, pack, stats, synth
 
     main.add_command(synth.synth)
     main.add_command(advantages.advantages)
     main.add_command(pack.pack)
     main.add_command(pack.verify)
+    main.add_command(stats.stats)
 
 
 _register()

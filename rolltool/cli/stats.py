@@ -1,0 +1,68 @@
+"""`rolltool stats`: what a rollout dataset or a packed run contains, at a glance."""
+
+from __future__ import annotations
+
+import click
+
+from rolltool.cli._common import err, handle_errors, out, parse_mapping, print_json, progress
+
+
+@click.command()
+@click.argument("paths", nargs=-1, required=True)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of tables.")
+@click.option("--per-step", is_flag=True, help="Packed run: add the table of every step.")
+@click.option(
+    "--step", type=click.IntRange(min=0), default=None, help="Packed run: details of step S."
+)
+@click.option(
+    "--limit",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Read only the first N rows (rollouts) or steps (packed run).",
+)
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    metavar="FILE.png",
+    help="Also draw a one-page figure (needs matplotlib: pip install 'rolltool[plot]').",
+)
+@click.option("--column", multiple=True, metavar="NEW=OLD", help="Read schema column NEW from OLD.")
+@handle_errors
+def stats(
+    paths: tuple[str, ...],
+    as_json: bool,
+    per_step: bool,
+    step: int | None,
+    limit: int | None,
+    plot_path: str | None,
+    column: tuple[str, ...],
+) -> None:
+    """Statistics of rollout Parquet PATHS (files, directories, globs) or of one packed directory.
+
+    \b
+    Rollout Parquet: per env, groups and group sizes, rollouts, branches, sampled and trainable
+    tokens (total, mean, p50/p90/p99/max), reward, uniform groups, completion order.
+    Packed directory: per step and env, counts and shares; packing efficiency and padding;
+    rank imbalance and lockstep overhead, next to a token-count and a count-based split.
+    """
+    from rolltool.stats import compute_stats
+    from rolltool.stats.render import render
+
+    result = compute_stats(
+        list(paths),
+        columns=parse_mapping(column, "--column"),
+        step=step,
+        limit=limit,
+        progress=progress,
+    )
+    if plot_path is not None:
+        from rolltool.stats.plot import save_figure
+
+        save_figure(result, plot_path, step=step)
+        err.print(f"wrote {plot_path}")
+    if as_json:
+        print_json(result.report)
+        return
+    out.print(render(result.report, per_step=per_step, step=step))

@@ -1,0 +1,77 @@
+"""`rolltool stats`: what a rollout dataset or a packed run contains, at a glance.
+
+::
+
+    accumulate.py   mergeable statistics (exact value counts, moments) combined with ``+``
+    rollouts.py     rollout Parquet, file by file, reading only the columns it needs
+    packed.py       a packed directory: per-step counts, packing, balance vs tokens/count splits
+    render.py       rich tables of either report
+    plot.py         a one-page matplotlib figure (optional extra ``plot``, imported lazily)
+
+``compute_stats(paths)`` picks the reader: one directory holding ``manifest.json`` is a packed
+run; anything else (Parquet files, directories, globs) is rollout Parquet. Nothing here imports
+torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from rolltool.errors import RolltoolError
+from rolltool.stats.accumulate import Moments, Stats, ValueCounts
+from rolltool.stats.packed import packed_stats
+from rolltool.stats.rollouts import HINT, rollout_stats
+
+__all__ = [
+    "Moments",
+    "Stats",
+    "ValueCounts",
+    "compute_stats",
+    "is_packed",
+    "packed_stats",
+    "rollout_stats",
+]
+
+
+def is_packed(path: str | Path) -> bool:
+    """A directory written by ``rolltool pack`` (it holds ``manifest.json``)."""
+    p = Path(path)
+    return p.is_dir() and (p / "manifest.json").is_file()
+
+
+def compute_stats(
+    paths: Sequence[str],
+    *,
+    columns: Mapping[str, str] | None = None,
+    step: int | None = None,
+    limit: int | None = None,
+    progress: Any = None,
+) -> Stats:
+    """Statistics of one packed directory or of rollout Parquet ``paths``.
+
+    ``limit``: the first N rows of rollout Parquet, or the first N steps of a packed run;
+    ``step``: one step of a packed run; ``columns``: ``--column NEW=OLD`` pairs (rollouts).
+    """
+    packed = [p for p in paths if is_packed(p)]
+    if packed:
+        if len(paths) > 1:
+            raise RolltoolError(
+                f"{packed[0]} is a packed directory: give it alone",
+                hint="`rolltool stats` reads one packed directory, or rollout Parquet inputs",
+            )
+        if columns:
+            raise RolltoolError("--column applies to rollout Parquet, not to a packed directory")
+        return packed_stats(paths[0], step=step, limit=limit)
+    if step is not None:
+        raise RolltoolError(
+            "--step applies to a packed directory", hint="rollout Parquet has no steps yet"
+        )
+    for p in paths:
+        d = Path(p)
+        if d.is_dir() and not any(d.rglob("*.parquet")):
+            raise RolltoolError(
+                f"{p}: not a rolltool directory (no manifest.json, no *.parquet files)", hint=HINT
+            )
+    return rollout_stats(paths, columns=columns, limit=limit, progress=progress)

@@ -1,0 +1,344 @@
+"""Statistics of a packed directory: what each step holds, how well it packs and balances.
+
+Everything comes from ``manifest.json`` (per-step counts, per-env counts, the plan report, per-rank
+row tokens) and ``samples.parquet`` (which rank and micro-batch each trained sample went to, and
+its length); the safetensors shards are never opened.
+
+Per step, with R ranks, M micro-batches per rank and x(r, j) the tokens (or the workload's cost)
+of rank r's micro-batch j:
+
+- ``rows`` = R·M packed rows; ``row_tokens`` their tokens with padding, ``real_tokens`` without;
+- ``row_capacity`` = rows · (``--row-len``, else the micro-batch token budget, else the step's
+  longest row): what the rows could hold; ``packing_efficiency`` = real_tokens / row_capacity;
+  ``padding_fraction`` = (row_tokens - real_tokens) / row_tokens;
+- ``fill_histogram``: micro-batches by real tokens / per-row capacity, in ten bins of 10%;
+- ``rank_imbalance`` = max_r Σ_j x(r, j) / (Σ x / R) and ``lockstep_overhead`` =
+  Σ_j max_r x(r, j) / (Σ x / R), each ``{"tokens": ..., "cost": ...}``, 1.0 when perfect;
+- ``step_cost``: the step's time in workload units: Σ_j max_r cost(r, j) with ``--align
+  lockstep`` (ranks meet at every micro-batch), max_r Σ_j cost(r, j) with ``total``;
+- ``alternatives``: the same step re-planned with the ``tokens`` and ``count`` workloads (same
+  dp, budget, alignment), priced with the run's workload; ``step_cost_vs_chosen`` > 1 means the
+  alternative would have been that much slower.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+
+from rolltool.errors import RolltoolError
+from rolltool.partition import plan_step
+from rolltool.reader import open_packed
+from rolltool.stats.accumulate import Stats, ValueCounts, percentiles
+from rolltool.workload import Workload, make_workload
+
+ALTERNATIVES = ("tokens", "count")
+"""Workloads the chosen split is compared with."""
+
+FILL_BINS = np.linspace(0.0, 1.0, 11)
+"""Edges of the token fill histogram (the last bin includes 1.0)."""
+
+COUNTS = (
+    "groups",
+    "rollouts",
+    "samples",
+    "sampled_tokens",
+    "trainable_tokens",
+    "uniform_groups_kept",
+    "uniform_groups_dropped",
+    "overlong_dropped",
+)
+"""Per-step counts copied from the manifest (overall and per env)."""
+
+ACROSS = (
+    "samples",
+    "sampled_tokens",
+    "trainable_tokens",
+    "micro_batches_per_rank",
+    "packing_efficiency",
+    "padding_fraction",
+    "rank_imbalance.cost",
+    "rank_imbalance.tokens",
+    "lockstep_overhead.cost",
+    "lockstep_overhead.tokens",
+)
+"""Per-step figures summarized across steps (mean, min, p50, p90, max)."""
+
+
+def balance_figures(tokens: np.ndarray, costs: np.ndarray, align: str) -> dict[str, Any]:
+    """Imbalance, lockstep overhead and step cost of a ``[R, M]`` grid (see the module doc)."""
+    out: dict[str, Any] = {"rank_imbalance": {}, "lockstep_overhead": {}}
+    r = tokens.shape[0]
+    for name, x in (("tokens", tokens.astype(np.float64)), ("cost", costs)):
+        total = float(x.sum())
+        if not x.size or total <= 0:
+            out["rank_imbalance"][name] = out["lockstep_overhead"][name] = 1.0
+            continue
+        out["rank_imbalance"][name] = float(x.sum(axis=1).max()) / (total / r)
+        out["lockstep_overhead"][name] = float(x.max(axis=0).sum()) / (total / r)
+    if not costs.size:
+        out["step_cost"] = 0.0
+    elif align == "total":
+        out["step_cost"] = float(costs.sum(axis=1).max())
+    else:
+        out["step_cost"] = float(costs.max(axis=0).sum())
+    return out
+
+
+def _grid(frame: pl.DataFrame, dp: int, m: int, workload: Workload) -> tuple[np.ndarray, ...]:
+    """``[dp, m]`` real tokens and cost per micro-batch from a step's trained samples."""
+    tokens = np.zeros((dp, m), dtype=np.int64)
+    costs = np.zeros((dp, m))
+    if len(frame) and m:
+        r = frame["rank"].to_numpy()
+        j = frame["micro_batch"].to_numpy()
+        length = frame["length"].to_numpy()
+        np.add.at(tokens, (r, j), length)
+        np.add.at(costs, (r, j), workload.cost(length))
+    return tokens, costs
+
+
+def _alternative(
+    lengths: np.ndarray,
+    kind: str,
+    config: dict[str, Any],
+    dp: int,
+    workload: Workload,
+    chosen: float,
+) -> dict[str, Any] | None:
+    """The step re-planned balancing ``kind`` (tokens or count), priced with ``workload``."""
+    try:
+        plan = plan_step(
+            lengths,
+            dp=dp,
+            max_tokens=config.get("micro_batch_tokens"),
+            micro_batch_size=config.get("micro_batch_size"),
+            workload=make_workload(kind),
+            equal_count=bool(config.get("equal_count")),
+            align=config.get("align") or "lockstep",
+        )
+    except RolltoolError:
+        return None
+    costs = np.array(
+        [[float(workload.cost(lengths[mb]).sum()) for mb in row] for row in plan.micro_batches]
+    ).reshape(dp, plan.num_micro_batches)
+    fig = balance_figures(plan.tokens, costs, config.get("align") or "lockstep")
+    fig["step_cost_vs_chosen"] = fig["step_cost"] / chosen if chosen > 0 else None
+    return {"micro_batches_per_rank": plan.num_micro_batches, **fig}
+
+
+def step_stats(
+    meta: dict[str, Any],
+    frame: pl.DataFrame,
+    *,
+    config: dict[str, Any],
+    dp: int,
+    workload: Workload,
+    alternatives: bool = True,
+) -> dict[str, Any]:
+    """One step's figures from its manifest entry and its trained samples (``frame``)."""
+    plan = meta.get("plan") or {}
+    m = int(plan.get("micro_batches_per_rank", meta["ranks"][0]["micro_batches"]))
+    out: dict[str, Any] = {
+        k: meta.get(k) for k in ("step", "status", "nominal", "actual", *COUNTS, "reward_mean")
+    }
+    out["advantage_mean"] = meta.get("advantage_mean")
+    out["advantage_std"] = meta.get("advantage_std")
+    weight = float(meta.get("loss_weight_sum") or 0.0)
+    envs = {}
+    for env, e in meta.get("envs", {}).items():
+        envs[env] = {k: e.get(k) for k in (*COUNTS, "reward_mean")}
+        envs[env]["token_share"] = (
+            e["sampled_tokens"] / meta["sampled_tokens"] if meta["sampled_tokens"] else None
+        )
+        envs[env]["loss_weight_sum"] = e.get("loss_weight_sum")
+        envs[env]["loss_weight_share"] = e["loss_weight_sum"] / weight if weight else None
+    out["envs"] = envs
+
+    ranks = meta["ranks"]
+    rows = sum(f["rows"] for r in ranks for f in r["files"])
+    row_tokens = sum(int(r["tokens"]) for r in ranks)
+    real_tokens = sum(int(r["real_tokens"]) for r in ranks)
+    tokens, costs = _grid(frame, dp, m, workload)
+    per_row = (
+        config.get("row_len") or config.get("micro_batch_tokens") or int(tokens.max(initial=0))
+    )
+    capacity = rows * per_row
+    fill = tokens.ravel() / per_row if per_row else np.zeros(tokens.size)
+    hist = np.histogram(np.clip(fill, 0.0, 1.0), bins=FILL_BINS)[0]
+    align = config.get("align") or "lockstep"
+    fig = balance_figures(tokens, costs, align)
+    out.update(
+        {
+            "micro_batches_per_rank": m,
+            "ffd_micro_batches": plan.get("ffd_micro_batches"),
+            "empty_micro_batches": int((tokens == 0).sum()),
+            "rows": rows,
+            "row_tokens": row_tokens,
+            "real_tokens": real_tokens,
+            "padding_tokens": row_tokens - real_tokens,
+            "padding_fraction": (row_tokens - real_tokens) / row_tokens if row_tokens else 0.0,
+            "row_capacity": capacity,
+            "packing_efficiency": real_tokens / capacity if capacity else None,
+            "fill_histogram": hist.tolist(),
+            **fig,
+        }
+    )
+    if alternatives:
+        lengths = frame["length"].to_numpy()
+        out["alternatives"] = {
+            kind: _alternative(lengths, kind, config, dp, workload, fig["step_cost"])
+            for kind in ALTERNATIVES
+        }
+    out["ranks"] = [
+        {
+            "rank": i,
+            "micro_batches": int(r["micro_batches"]),
+            "samples": int(r["samples"]),
+            "row_tokens": int(r["tokens"]),
+            "real_tokens": int(r["real_tokens"]),
+            "cost": float(costs[i].sum()),
+            "micro_batch_tokens": tokens[i].tolist(),
+            "micro_batch_cost": costs[i].tolist(),
+        }
+        for i, r in enumerate(ranks)
+    ]
+    return out
+
+
+def _get(d: dict[str, Any], dotted: str) -> Any:
+    for key in dotted.split("."):
+        d = d.get(key) if isinstance(d, dict) else None  # type: ignore[assignment]
+    return d
+
+
+def _totals(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """Sums over steps, overall and per env, with run-wide ratios."""
+    t: dict[str, Any] = {k: sum(int(s[k] or 0) for s in steps) for k in COUNTS}
+    for k in ("rows", "row_tokens", "real_tokens", "padding_tokens", "row_capacity"):
+        t[k] = sum(int(s[k]) for s in steps)
+    t["packing_efficiency"] = t["real_tokens"] / t["row_capacity"] if t["row_capacity"] else None
+    t["padding_fraction"] = t["padding_tokens"] / t["row_tokens"] if t["row_tokens"] else 0.0
+    t["step_cost"] = sum(s["step_cost"] for s in steps)
+    t["fill_histogram"] = np.sum([s["fill_histogram"] for s in steps], axis=0).tolist()
+    t["balance"] = {"chosen": _balance_totals(steps, t["step_cost"])}
+    for kind in ALTERNATIVES:
+        got = [(s.get("alternatives") or {}).get(kind) for s in steps]
+        if got and all(g is not None for g in got):
+            t["balance"][kind] = _balance_totals(got, t["step_cost"])  # type: ignore[arg-type]
+    weight = sum(sum(e["loss_weight_sum"] or 0.0 for e in s["envs"].values()) for s in steps)
+    envs: dict[str, Any] = {}
+    for s in steps:
+        for env, e in s["envs"].items():
+            acc = envs.setdefault(env, dict.fromkeys((*COUNTS, "loss_weight_sum"), 0))
+            for k in (*COUNTS, "loss_weight_sum"):
+                acc[k] += e[k] or 0
+    for e in envs.values():
+        e["token_share"] = (
+            e["sampled_tokens"] / t["sampled_tokens"] if t["sampled_tokens"] else None
+        )
+        e["loss_weight_share"] = e["loss_weight_sum"] / weight if weight else None
+    t["envs"] = envs
+    return t
+
+
+def _balance_totals(steps: list[dict[str, Any]], chosen_cost: float) -> dict[str, Any]:
+    """Run-level balance of a split: means over steps, summed step cost, ratio to the chosen."""
+    cost = sum(s["step_cost"] for s in steps)
+    return {
+        "micro_batches_per_rank": float(np.mean([s["micro_batches_per_rank"] for s in steps])),
+        "rank_imbalance": {
+            k: float(np.mean([s["rank_imbalance"][k] for s in steps])) for k in ("tokens", "cost")
+        },
+        "lockstep_overhead": {
+            k: float(np.mean([s["lockstep_overhead"][k] for s in steps]))
+            for k in ("tokens", "cost")
+        },
+        "step_cost": cost,
+        "step_cost_vs_chosen": cost / chosen_cost if chosen_cost else None,
+    }
+
+
+def read_samples(path: Path) -> pl.DataFrame:
+    """The trained samples of a packed directory: step, rank, micro_batch, env, length."""
+    try:
+        return (
+            pl.scan_parquet(path / "samples.parquet")
+            .filter(pl.col("status") == "trained")
+            .select("step", "rank", "micro_batch", "env", "length")
+            .collect()
+        )
+    except (OSError, pl.exceptions.PolarsError) as e:
+        raise RolltoolError(
+            f"{path}: samples.parquet is missing or unreadable ({e})",
+            hint="check the directory with `rolltool verify`",
+        ) from None
+
+
+def packed_stats(
+    path: str | Path,
+    *,
+    step: int | None = None,
+    limit: int | None = None,
+    alternatives: bool = True,
+) -> Stats:
+    """Statistics of a packed directory: the report dict and trained sample lengths per env (see the module docstring).
+
+    ``limit``: only the first N steps; ``step``: the step to show in detail (recorded as
+    ``selected_step``; ``steps`` always lists every step read).
+    """
+    ds = open_packed(path)
+    manifest = ds.manifest
+    if limit is not None and limit < 1:
+        raise RolltoolError(f"--limit must be at least 1, got {limit}")
+    n_steps = ds.num_steps if limit is None else min(limit, ds.num_steps)
+    if not n_steps:
+        raise RolltoolError(f"{ds.path}: the packed run has no steps")
+    if step is not None and not 0 <= step < n_steps:
+        raise RolltoolError(f"--step {step} out of range (the run has {n_steps} steps)")
+    config = manifest.get("config", {})
+    workload = Workload.from_dict(manifest["workload"])
+    samples = read_samples(ds.path)
+    by_step = samples.partition_by("step", as_dict=True)
+    empty = samples.clear()
+    steps = [
+        step_stats(
+            manifest["steps"][s],
+            by_step.get((s,), empty),
+            config=config,
+            dp=ds.dp,
+            workload=workload,
+            alternatives=alternatives,
+        )
+        for s in range(n_steps)
+    ]
+    across = {k: percentiles(np.array([_get(s, k) for s in steps], dtype=object)) for k in ACROSS}
+    report = {
+        "kind": "packed",
+        "path": str(ds.path),
+        "dp": ds.dp,
+        "num_steps": ds.num_steps,
+        "steps_read": n_steps,
+        "config": {
+            k: config.get(k)
+            for k in ("balance", "align", "micro_batch_tokens", "micro_batch_size", "row_len")
+        }
+        | {"batch_unit": config.get("steps", {}).get("batch_unit")}
+        | {"batch_size": config.get("steps", {}).get("batch_size")},
+        "workload": {"kind": workload.kind, "describe": workload.describe()},
+        "samples": manifest.get("samples", {}),
+        "totals": _totals(steps),
+        "across_steps": across,
+        "selected_step": step,
+        "steps": steps,
+    }
+    lengths = {
+        str(env): ValueCounts.of(part["length"].to_numpy())
+        for (env,), part in samples.filter(pl.col("step") < n_steps).group_by(
+            "env", maintain_order=True
+        )
+    }
+    return Stats(report=report, lengths=lengths)

@@ -1,0 +1,264 @@
+"""A one-page figure of a stats report (matplotlib, the optional extra ``plot``).
+
+Packed run, 2 x 2: sample lengths per env; sampled tokens per step stacked by env; one step's
+load per rank split into its micro-batches (the step given, else the costliest); padding and
+packing efficiency per step. Rollout Parquet, 2 x 2: sample lengths per env; groups per env by
+signal (uniform all-0 / all-1 / other vs the rest); group sizes per env; sampled vs trainable
+tokens per env.
+
+matplotlib is imported here only, and without pyplot: ``figure()`` returns a
+``matplotlib.figure.Figure`` drawn on the Agg canvas, so no display or global state is involved.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rolltool.errors import RolltoolError
+from rolltool.stats.accumulate import Stats, ValueCounts
+
+
+def _matplotlib() -> Any:
+    try:
+        import matplotlib  # noqa: F401
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise RolltoolError(
+            "--plot needs matplotlib, which is not installed",
+            hint="pip install 'rolltool[plot]' (or pip install matplotlib)",
+        ) from None
+    return Figure
+
+
+def _colors(names: list[str]) -> dict[str, Any]:
+    from matplotlib import colormaps
+
+    cmap = colormaps["tab10"]
+    return {n: cmap(i % 10) for i, n in enumerate(names)}
+
+
+def _si(x: float, _pos: Any = None) -> str:
+    for div, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= div:
+            return f"{x / div:g}{suffix}"
+    return f"{x:g}"
+
+
+def _lengths(ax: Any, lengths: dict[str, ValueCounts], colors: dict[str, Any], title: str) -> None:
+    """Step histograms of sample lengths per env on log-spaced bins."""
+    from matplotlib.ticker import FuncFormatter
+
+    nonempty = [vc for vc in lengths.values() if vc.n]
+    if not nonempty:
+        ax.text(0.5, 0.5, "no samples", ha="center", va="center", transform=ax.transAxes)
+    else:
+        lo = max(1, min(int(vc.values[0]) for vc in nonempty))
+        hi = max(int(vc.values[-1]) for vc in nonempty)
+        bins = np.geomspace(lo, max(hi, lo + 1) * 1.0001, 40)
+        for env, vc in lengths.items():
+            if not vc.n:
+                continue
+            counts, _ = np.histogram(vc.values, bins=bins, weights=vc.counts)
+            ax.stairs(counts, bins, fill=True, alpha=0.25, color=colors[env])
+            p50 = vc.quantile(0.5)
+            ax.stairs(counts, bins, lw=1.6, color=colors[env], label=f"{env} (p50 {p50:,})")
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(FuncFormatter(_si))
+        ax.legend(frameon=False, fontsize=8)
+    ax.set_title(title, loc="left", fontsize=11)
+    ax.set_xlabel("sample length (tokens, log scale)")
+    ax.set_ylabel("samples")
+
+
+def _packed_figure(stats: Stats, step: int | None) -> Any:
+    from matplotlib.ticker import FuncFormatter
+
+    Figure = _matplotlib()
+    rep = stats.report
+    steps = rep["steps"]
+    envs = list(rep["totals"]["envs"])
+    colors = _colors(envs)
+    fig = Figure(figsize=(14, 9), layout="constrained")
+    (ax_len, ax_tok), (ax_rank, ax_pad) = fig.subplots(2, 2)
+    c = rep["config"]
+    fig.suptitle(
+        f"{rep['path']}: {rep['steps_read']} steps, dp {rep['dp']}, balance {c.get('balance')} "
+        f"({c.get('align')}), packing efficiency {rep['totals']['packing_efficiency']:.1%}",
+        fontsize=13,
+    )
+
+    _lengths(ax_len, stats.lengths, colors, "Trained sample lengths per env")
+
+    x = np.array([s["step"] for s in steps])
+    bottom = np.zeros(len(steps))
+    for env in envs:
+        y = np.array([(s["envs"].get(env) or {}).get("sampled_tokens") or 0 for s in steps])
+        ax_tok.bar(x, y, bottom=bottom, color=colors[env], label=env, width=0.85)
+        bottom += y
+    ax_tok.set_title("Sampled tokens per step, by env", loc="left", fontsize=11)
+    ax_tok.set_xlabel("step")
+    ax_tok.set_ylabel("sampled tokens")
+    ax_tok.yaxis.set_major_formatter(FuncFormatter(_si))
+    ax_tok.legend(frameon=False, fontsize=8, ncols=min(4, len(envs)))
+    if len(steps) <= 20:
+        ax_tok.set_xticks(x)
+
+    if step is None:  # the costliest step: the one a person asks about
+        chosen = max(steps, key=lambda s: s["step_cost"])
+    else:
+        chosen = next(s for s in steps if s["step"] == step)
+    grid = np.array([r["micro_batch_tokens"] for r in chosen["ranks"]], dtype=np.float64)
+    ranks = np.arange(grid.shape[0])
+    from matplotlib import colormaps
+
+    blues = colormaps["viridis"]
+    m = grid.shape[1]
+    base = np.zeros(len(ranks))
+    for j in range(m):
+        ax_rank.bar(
+            ranks,
+            grid[:, j],
+            bottom=base,
+            color=blues(0.15 + 0.7 * j / max(1, m - 1)),
+            edgecolor="white",
+            linewidth=0.6,
+            label=f"micro-batch {j}" if m <= 8 else None,
+        )
+        base += grid[:, j]
+    if len(ranks):
+        ax_rank.axhline(base.mean(), color="black", ls="--", lw=1, label="mean rank load")
+        ax_rank.set_ylim(0, float(base.max()) * 1.18)
+    ax_rank.set_title(
+        f"Step {chosen['step']}: tokens per rank and micro-batch "
+        f"(lockstep overhead {chosen['lockstep_overhead']['cost'] - 1:+.1%} in cost)",
+        loc="left",
+        fontsize=11,
+    )
+    ax_rank.set_xlabel("data-parallel rank")
+    ax_rank.set_ylabel("tokens")
+    ax_rank.yaxis.set_major_formatter(FuncFormatter(_si))
+    if len(ranks) <= 32:
+        ax_rank.set_xticks(ranks)
+    ax_rank.legend(frameon=False, fontsize=8, loc="upper left", ncols=min(5, m + 1))
+
+    real = np.array([s["real_tokens"] for s in steps], dtype=np.float64)
+    pad = np.array([s["padding_tokens"] for s in steps], dtype=np.float64)
+    unused = np.array([s["row_capacity"] - s["row_tokens"] for s in steps], dtype=np.float64)
+    unused = np.maximum(unused, 0)
+    ax_pad.bar(x, real, color="tab:green", alpha=0.8, width=0.85, label="real tokens")
+    ax_pad.bar(x, pad, bottom=real, color="tab:red", width=0.85, label="padding")
+    ax_pad.bar(x, unused, bottom=real + pad, color="0.85", hatch="//", edgecolor="0.6", width=0.85, label="unused row capacity")  # fmt: skip
+    if len(steps) <= 40:
+        for xi, s, top in zip(x, steps, real + pad + unused, strict=True):
+            eff = s["packing_efficiency"]
+            if eff is not None:
+                ax_pad.text(xi, top, f"{eff:.0%}", ha="center", va="bottom", fontsize=8)
+    ax_pad.set_ylim(0, float((real + pad + unused).max(initial=1)) * 1.18)
+    ax_pad.yaxis.set_major_formatter(FuncFormatter(_si))
+    ax_pad.set_title(
+        f"Row capacity per step: real tokens, padding, unused (padding {rep['totals']['padding_fraction']:.1%})",
+        loc="left",
+        fontsize=11,
+    )
+    ax_pad.set_xlabel("step (label: packing efficiency)")
+    ax_pad.set_ylabel("tokens")
+    ax_pad.legend(frameon=False, fontsize=8, loc="upper left", ncols=3)
+    if len(steps) <= 20:
+        ax_pad.set_xticks(x)
+    return fig
+
+
+def _rollouts_figure(stats: Stats) -> Any:
+    from matplotlib.ticker import FuncFormatter
+
+    Figure = _matplotlib()
+    rep = stats.report
+    envs = list(rep["envs"])
+    colors = _colors(envs)
+    fig = Figure(figsize=(14, 9), layout="constrained")
+    (ax_len, ax_sig), (ax_size, ax_tok) = fig.subplots(2, 2)
+    o = rep["overall"]
+    fig.suptitle(
+        f"{rep['rows']:,} rollout rows: {o['groups']:,} groups, {o['rollouts']:,} rollouts, "
+        f"{o['sampled_tokens']['total']:,} tokens",
+        fontsize=13,
+    )
+    _lengths(ax_len, stats.lengths, colors, "Sample lengths per env")
+
+    y = np.arange(len(envs))
+    parts = [
+        ("all 0", "#d7301f", lambda e: e["uniform_groups"]["all_0"]),
+        ("all 1", "#fc8d59", lambda e: e["uniform_groups"]["all_1"]),
+        ("other uniform", "#fdcc8a", lambda e: e["uniform_groups"]["other"]),
+        ("with signal", "#6a51a3", lambda e: e["groups"] - e["uniform_groups"]["total"]),
+    ]
+    left = np.zeros(len(envs))
+    for label, color, get in parts:
+        w = np.array([get(rep["envs"][e]) for e in envs], dtype=np.float64)
+        ax_sig.barh(y, w, left=left, color=color, label=label)
+        left += w
+    for i, e in enumerate(envs):
+        share = rep["envs"][e]["uniform_groups"]["share"]
+        if share is not None:
+            ax_sig.text(left[i], i, f"  {share:.0%} no signal", va="center", fontsize=9)
+    ax_sig.set_yticks(y, envs)
+    ax_sig.invert_yaxis()
+    ax_sig.set_xlim(0, max(left.max(initial=1) * 1.3, 1))
+    ax_sig.set_title("Groups per env: uniform rewards carry no gradient", loc="left", fontsize=11)
+    ax_sig.set_xlabel("groups")
+    ax_sig.set_ylabel("env")
+    ax_sig.legend(frameon=False, fontsize=8, loc="lower right")
+
+    sizes = sorted({int(k) for e in envs for k in rep["envs"][e]["group_size"]["counts"]})
+    width = 0.8 / max(1, len(envs))
+    xs = np.arange(len(sizes))
+    for i, e in enumerate(envs):
+        counts = rep["envs"][e]["group_size"]["counts"]
+        ax_size.bar(
+            xs + (i - (len(envs) - 1) / 2) * width,
+            [counts.get(str(s), 0) for s in sizes],
+            width=width,
+            color=colors[e],
+            label=e,
+        )
+    ax_size.set_xticks(xs, [str(s) for s in sizes])
+    ax_size.set_title("Group sizes per env", loc="left", fontsize=11)
+    ax_size.set_xlabel("rollouts per group")
+    ax_size.set_ylabel("groups")
+    ax_size.legend(frameon=False, fontsize=8)
+
+    xe = np.arange(len(envs))
+    sampled = [rep["envs"][e]["sampled_tokens"]["total"] for e in envs]
+    trainable = [rep["envs"][e]["trainable_tokens"]["total"] for e in envs]
+    ax_tok.bar(xe - 0.2, sampled, width=0.4, color=[colors[e] for e in envs], alpha=0.45)
+    ax_tok.bar(xe + 0.2, trainable, width=0.4, color=[colors[e] for e in envs])
+    for i in range(len(envs)):
+        if sampled[i]:
+            ax_tok.text(xe[i] + 0.2, trainable[i], f"{trainable[i] / sampled[i]:.0%}", ha="center", va="bottom", fontsize=9)  # fmt: skip
+    ax_tok.set_xticks(xe, envs)
+    ax_tok.yaxis.set_major_formatter(FuncFormatter(_si))
+    ax_tok.set_title("Tokens per env: sampled (pale) and trainable", loc="left", fontsize=11)
+    ax_tok.set_xlabel("env")
+    ax_tok.set_ylabel("tokens")
+    return fig
+
+
+def figure(stats: Stats, *, step: int | None = None) -> Any:
+    """The one-page ``matplotlib.figure.Figure`` of ``stats`` (rollout Parquet or packed run)."""
+    if stats.report["kind"] == "packed":
+        return _packed_figure(stats, step)
+    return _rollouts_figure(stats)
+
+
+def save_figure(stats: Stats, path: str | Path, *, step: int | None = None) -> Path:
+    """Draw ``figure(stats)`` into ``path`` (PNG, or any format matplotlib knows by suffix)."""
+    fig = figure(stats, step=step)
+    p = Path(path)
+    try:
+        fig.savefig(p, dpi=110)
+    except (OSError, ValueError) as e:
+        raise RolltoolError(f"{p}: could not write the figure ({e})") from None
+    return p

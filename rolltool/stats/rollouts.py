@@ -1,0 +1,375 @@
+"""Statistics of rollout Parquet, file by file, without materializing token lists.
+
+Only the light columns (``group_id``, ``rollout_id``, ``env``, ``reward``, ``finished_at``) and
+one token column per format are read: ``loss_mask`` (its list length is the sample length, its
+ones the trainable tokens; ``input_ids`` is never read) or ``prompt_ids`` + ``response_ids``
+(list lengths only). The input is trusted, not validated: ``rolltool pack`` validates.
+
+Each file gives a ``RolloutStats``; ``a + b`` is the ``RolloutStats`` of both inputs, exactly,
+also when a group or a rollout is split over files (rollouts are kept as one small partial row
+each and re-aggregated by ``report``).
+
+Definitions (per env and over all envs):
+
+- a **rollout** is (``group_id``, ``rollout_id``), or one row when there is no ``rollout_id``;
+  its **samples** are its branches (rows); its reward is its first row's;
+- a group's **size** is its rollout count; the env's **usual size** is the most frequent one,
+  and ``odd_size_groups`` counts groups of another size;
+- a **uniform** group has two or more rollouts, all with the same reward (no gradient signal):
+  ``all_0`` (reward 0), ``all_1`` (reward 1) or ``other``;
+- a group **completes** when its last rollout finishes (``finished_at``); groups are in input
+  order by their first row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from rolltool.errors import RolltoolError
+from rolltool.schema import DEFAULT_ENV
+from rolltool.source import InputFile, file_schema, iter_batches, resolve_inputs
+from rolltool.stats.accumulate import Moments, Stats, ValueCounts, add_dicts, percentiles
+
+BATCH_ROWS = 8192
+"""Rows per record batch: bounds the memory of one batch's token column."""
+
+HINT = (
+    "`rolltool stats` reads rollout Parquet (group_id, reward and input_ids/loss_mask or "
+    "prompt_ids/response_ids; --column NEW=OLD maps other names) or a directory written by "
+    "`rolltool pack` (with manifest.json)"
+)
+
+
+@dataclass(frozen=True)
+class EnvLengths:
+    """Sample-level counts of one env: mergeable with ``+``."""
+
+    samples: int = 0
+    sampled: ValueCounts = field(default_factory=ValueCounts.empty)
+    """Distribution of sample lengths (tokens: prompt and all turns)."""
+    trainable: ValueCounts = field(default_factory=ValueCounts.empty)
+    """Distribution of trainable tokens per sample (loss_mask ones)."""
+
+    def __add__(self, other: EnvLengths) -> EnvLengths:
+        return EnvLengths(
+            self.samples + other.samples,
+            self.sampled + other.sampled,
+            self.trainable + other.trainable,
+        )
+
+
+@dataclass(frozen=True)
+class RolloutStats:
+    """Mergeable summary of some rollout rows: ``stats(f1) + stats(f2) == stats(f1 + f2)``."""
+
+    rows: int = 0
+    """Rows read."""
+    envs: dict[str, EnvLengths] = field(default_factory=dict)
+    """Length distributions per env."""
+    parts: tuple[pl.DataFrame, ...] = ()
+    """Per-rollout partial rows (group_id, rollout_id, env, reward, samples, row, finished)."""
+    has_finished: bool = True
+    """Every part has ``finished_at`` (completion order is only reported then)."""
+
+    def __add__(self, other: RolloutStats) -> RolloutStats:
+        return RolloutStats(
+            self.rows + other.rows,
+            add_dicts(self.envs, other.envs),
+            self.parts + other.parts,
+            self.has_finished and other.has_finished,
+        )
+
+    def report(self) -> dict[str, Any]:
+        """The statistics as one JSON-able dict: ``{"overall": {...}, "envs": {env: {...}}}``."""
+        rollouts = _rollouts(self.parts)
+        groups = _groups(rollouts)
+        env_order = (
+            groups.group_by("env").agg(pl.col("row").min()).sort("row")["env"].to_list()
+            if len(groups)
+            else sorted(self.envs)
+        )
+        env_order += [e for e in self.envs if e not in env_order]
+        finished = self.has_finished and bool(len(groups))
+        envs = {
+            e: _section(
+                self.envs.get(e, EnvLengths()),
+                rollouts.filter(pl.col("env") == e),
+                groups.filter(pl.col("env") == e),
+                finished,
+            )
+            for e in env_order
+        }
+        total = EnvLengths()
+        for e in env_order:
+            total = total + self.envs.get(e, EnvLengths())
+        overall = _section(total, rollouts, groups, finished)
+        # "odd size" is relative to each env's usual size: sum the envs' counts
+        overall["group_size"]["odd_size_groups"] = sum(
+            s["group_size"]["odd_size_groups"] for s in envs.values()
+        )
+        overall["group_size"]["usual"] = None if len(envs) > 1 else overall["group_size"]["usual"]
+        return {"rows": self.rows, "overall": overall, "envs": envs}
+
+
+def _rollouts(parts: Sequence[pl.DataFrame]) -> pl.DataFrame:
+    """One row per rollout from the per-file partial rows (a rollout may span files)."""
+    if not parts:
+        return pl.DataFrame(
+            schema={
+                "group_id": pl.String,
+                "rollout_id": pl.String,
+                "env": pl.String,
+                "reward": pl.Float64,
+                "samples": pl.Int64,
+                "row": pl.Int64,
+                "finished": pl.Float64,
+            }
+        )
+    frames = list(parts)
+    for col in ("group_id", "rollout_id"):
+        if len({f.schema[col] for f in frames}) > 1:  # ints in one file, strings in another
+            frames = [f.with_columns(pl.col(col).cast(pl.String)) for f in frames]
+    df = pl.concat(frames, how="vertical_relaxed")
+    if len(frames) == 1:
+        return df
+    return df.group_by("group_id", "rollout_id").agg(
+        pl.col("env").sort_by("row").first(),
+        pl.col("reward").sort_by("row").first(),
+        pl.col("samples").sum(),
+        pl.col("row").min(),
+        pl.col("finished").max(),
+    )
+
+
+def _groups(rollouts: pl.DataFrame) -> pl.DataFrame:
+    """One row per group: env, size (rollouts), reward min/max, first row, finish span."""
+    return rollouts.group_by("group_id").agg(
+        pl.col("env").sort_by("row").first(),
+        pl.len().alias("size"),
+        pl.col("reward").min().alias("reward_min"),
+        pl.col("reward").max().alias("reward_max"),
+        pl.col("row").min(),
+        pl.col("finished").min().alias("started"),
+        pl.col("finished").max().alias("completed"),
+    )
+
+
+def _section(
+    lengths: EnvLengths, rollouts: pl.DataFrame, groups: pl.DataFrame, finished: bool
+) -> dict[str, Any]:
+    """The statistics of one env (or of all): see the module docstring for the definitions."""
+    size = ValueCounts.of(groups["size"].to_numpy())
+    usual = size.mode()
+    branches = ValueCounts.of(rollouts["samples"].to_numpy())
+    uniform = groups.filter((pl.col("size") >= 2) & (pl.col("reward_min") == pl.col("reward_max")))
+    all_0 = int((uniform["reward_min"] == 0).sum())
+    all_1 = int((uniform["reward_min"] == 1).sum())
+    n_groups = len(groups)
+    reward = Moments.of(rollouts["reward"].to_numpy())
+    return {
+        "groups": n_groups,
+        "group_size": {
+            "usual": usual,
+            "odd_size_groups": int(size.counts[size.values != usual].sum()) if n_groups else 0,
+            "counts": size.as_dict(),
+        },
+        "rollouts": len(rollouts),
+        "samples": lengths.samples,
+        "branches_per_rollout": {
+            "mean": lengths.samples / len(rollouts) if len(rollouts) else None,
+            "max": int(branches.values[-1]) if len(rollouts) else None,
+            "counts": branches.as_dict(),
+        },
+        "sampled_tokens": lengths.sampled.summary(),
+        "trainable_tokens": lengths.trainable.summary(),
+        "reward": {"mean": reward.summary()["mean"], "std": reward.std},
+        "uniform_groups": {
+            "all_0": all_0,
+            "all_1": all_1,
+            "other": len(uniform) - all_0 - all_1,
+            "total": len(uniform),
+            "share": len(uniform) / n_groups if n_groups else None,
+        },
+        "completion": _completion(groups) if finished else None,
+    }
+
+
+def _completion(groups: pl.DataFrame) -> dict[str, Any]:
+    """How out of order groups complete, relative to their input order.
+
+    ``out_of_order_groups``: groups that complete before some group that comes earlier in the
+    input (a consumer taking groups as they complete sees them early); ``displacement``: how far
+    (in groups) a group's completion rank is from its input rank; ``rank_correlation``: Spearman
+    correlation of the two orders (1 = in input order); ``span_s``: first to last completion;
+    ``group_wait_s``: a group's first to last rollout finish (how long it waits for stragglers).
+    """
+    g = groups.sort("row")
+    done = g["completed"].to_numpy().astype(np.float64)
+    n = len(done)
+    earlier_max = np.maximum.accumulate(np.concatenate([[-np.inf], done[:-1]]))
+    late_rank = np.empty(n, dtype=np.int64)
+    late_rank[np.argsort(done, kind="stable")] = np.arange(n)
+    displacement = np.abs(late_rank - np.arange(n))
+    corr = None
+    if n > 1:
+        corr = float(np.corrcoef(np.arange(n), late_rank)[0, 1])
+    wait = (g["completed"] - g["started"]).to_numpy().astype(np.float64)
+    return {
+        "out_of_order_groups": int((done < earlier_max).sum()),
+        "out_of_order_share": float((done < earlier_max).mean()),
+        "displacement": {
+            "mean": float(displacement.mean()),
+            "p90": float(np.percentile(displacement, 90)),
+            "max": int(displacement.max()),
+        },
+        "rank_correlation": corr,
+        "span_s": float(done.max() - done.min()),
+        "group_wait_s": {k: v for k, v in percentiles(wait).items() if k != "min"},
+    }
+
+
+def _token_format(file: InputFile, schema: pa.Schema) -> str:
+    names = set(schema.names)
+    missing = [c for c in ("group_id", "reward") if c not in names]
+    if "loss_mask" in names:
+        fmt = "input_ids"
+    elif {"prompt_ids", "response_ids"} <= names:
+        fmt = "prompt_response"
+    else:
+        fmt = ""
+        missing.append("loss_mask (or prompt_ids and response_ids)")
+    if missing:
+        raise RolltoolError(
+            f"{file.path}: not rollout Parquet: column {', '.join(missing)} missing", hint=HINT
+        )
+    return fmt
+
+
+def _list_lengths(arr: pa.Array) -> np.ndarray:
+    return pc.list_value_length(arr).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def _ones_per_list(arr: pa.Array) -> np.ndarray:
+    """Number of elements equal to 1 (or True) in each list, without Python objects."""
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.combine_chunks()
+    offsets = pc.list_value_length(arr).fill_null(0).to_numpy(zero_copy_only=False)
+    flat = pc.list_flatten(arr)  # null lists contribute nothing
+    ones = pc.equal(pc.cast(flat, pa.int8()), 1).fill_null(False).to_numpy(zero_copy_only=False)
+    csum = np.concatenate([[0], np.cumsum(ones, dtype=np.int64)])
+    ends = np.cumsum(offsets, dtype=np.int64)
+    return csum[ends] - csum[ends - offsets]
+
+
+def _as_float(arr: pa.Array) -> np.ndarray:
+    """float64 values; timestamps become seconds since the epoch."""
+    if pa.types.is_timestamp(arr.type):
+        arr = pc.divide(pc.cast(pc.cast(arr, pa.timestamp("us")), pa.int64()), 1e6)
+    return np.asarray(pc.cast(arr, pa.float64()).to_numpy(zero_copy_only=False), dtype=np.float64)
+
+
+def file_stats(
+    file: InputFile, rename: Mapping[str, str], first_row: int, limit: int | None = None
+) -> RolloutStats:
+    """Statistics of one file; ``first_row`` is its first row's index in the ordered input.
+
+    ``limit``: read at most this many rows of the file.
+    """
+    schema = file_schema(file, rename)
+    fmt = _token_format(file, schema)
+    names = set(schema.names)
+    tokens = ["loss_mask"] if fmt == "input_ids" else ["prompt_ids", "response_ids"]
+    light = [c for c in ("group_id", "rollout_id", "env", "reward", "finished_at") if c in names]
+    frames = []
+    row = first_row
+    for batch in iter_batches(file, rename, light + tokens, batch_rows=BATCH_ROWS):
+        if limit is not None and row - first_row + batch.num_rows > limit:
+            batch = batch.slice(0, max(0, limit - (row - first_row)))
+        n = batch.num_rows
+        if not n:
+            break
+        cols = dict(zip(batch.schema.names, batch.columns, strict=True))
+        if fmt == "input_ids":
+            length = _list_lengths(cols["loss_mask"])
+            trainable = _ones_per_list(cols["loss_mask"])
+        else:
+            trainable = _list_lengths(cols["response_ids"])
+            length = _list_lengths(cols["prompt_ids"]) + trainable
+        rows = np.arange(row, row + n, dtype=np.int64)
+        frame = {
+            "group_id": pl.Series(cols["group_id"]),
+            "rollout_id": pl.Series(cols["rollout_id"]) if "rollout_id" in cols else rows,
+            "env": pl.Series(cols["env"]).cast(pl.String)
+            if "env" in cols
+            else pl.Series([DEFAULT_ENV] * n, dtype=pl.String),
+            "reward": _as_float(cols["reward"]),
+            "length": length,
+            "trainable": trainable,
+            "row": rows,
+            "finished": _as_float(cols["finished_at"]) if "finished_at" in cols else None,
+        }
+        frames.append(pl.DataFrame({k: v for k, v in frame.items() if v is not None}))
+        row += n
+    if not frames:
+        return RolloutStats(has_finished="finished_at" in names)
+    df = pl.concat(frames)
+    if "finished" not in df.columns:
+        df = df.with_columns(pl.lit(None, pl.Float64).alias("finished"))
+    envs = {}
+    for (env,), part in df.group_by("env"):
+        envs[str(env)] = EnvLengths(
+            len(part),
+            ValueCounts.of(part["length"].to_numpy()),
+            ValueCounts.of(part["trainable"].to_numpy()),
+        )
+    rollouts = df.group_by("group_id", "rollout_id").agg(
+        pl.col("env").first(),
+        pl.col("reward").first(),
+        pl.len().cast(pl.Int64).alias("samples"),
+        pl.col("row").min(),
+        pl.col("finished").max(),
+    )
+    return RolloutStats(len(df), envs, (rollouts,), "finished_at" in names)
+
+
+def rollout_stats(
+    inputs: Sequence[str],
+    *,
+    columns: Mapping[str, str] | None = None,
+    limit: int | None = None,
+    progress: Any = None,
+) -> Stats:
+    """Statistics of rollout Parquet ``inputs`` (files, directories, globs).
+
+    ``columns``: ``--column NEW=OLD`` pairs; ``limit``: read only the first N rows of the
+    ordered input; ``progress(iterable, total, description)`` may wrap the file loop.
+    """
+    if limit is not None and limit < 1:
+        raise RolltoolError(f"--limit must be at least 1, got {limit}")
+    rename = {old: new for new, old in (columns or {}).items()}
+    files = resolve_inputs(inputs)
+    wrap = progress or (lambda it, total, desc: it)
+    acc = RolloutStats()
+    first = 0
+    for f in wrap(files, len(files), "reading rollouts"):
+        left = None if limit is None else limit - acc.rows
+        if left is not None and left <= 0:
+            break
+        acc = acc + file_stats(f, rename, first, left)
+        first += f.rows
+    report = {
+        "kind": "rollouts",
+        "inputs": [{"path": f.path, "rows": f.rows} for f in files],
+        "limit": limit,
+        **acc.report(),
+    }
+    return Stats(
+        report=report, lengths={e: acc.envs[e].sampled for e in report["envs"] if e in acc.envs}
+    )
