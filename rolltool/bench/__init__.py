@@ -1,0 +1,18 @@
+"""``rolltool bench``: replay packed rows through variable-length attention and measure balance.
+
+Data flow, one module per stage::
+
+    rows.py      packed directory -> Row (step, rank, micro-batch, cu_seqlens)
+    backends.py  flash-attn / torch-varlen / sdpa, chosen by name (``auto``: best available)
+    timing.py    staged inputs, warm-up, shuffled repeats, CUDA events or perf_counter, median
+    check.py     --check: every segment equals its sequence run alone
+    report.py    pure arithmetic: dp / lockstep / ideal step times, TFLOP/s, a·L + b·L² fit
+    compare.py   several directories side by side, the best marked
+    run.py       the job wiring them (``run_bench``); torch is imported only here, on call
+
+Nothing in this package imports torch at import time.
+"""
+
+from rolltool.bench.run import run_bench
+
+__all__ = ["run_bench"]

@@ -1,0 +1,134 @@
+"""What `rolltool bench` runs: the attention shape, the backend, and how it times.
+
+A ``BenchConfig`` is resolved (no "auto" left) before any row is timed and goes into the report,
+so every measurement says how it was made.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rolltool.errors import RolltoolError
+from rolltool.workload import DEFAULT_PRESET, MODEL_PRESETS, ModelShape
+
+DTYPES = ("bf16", "fp16", "fp32")
+"""Names accepted by ``--dtype`` (besides ``auto``: bf16 on CUDA, fp32 on CPU)."""
+
+# Tolerances of --check: |varlen - alone| <= atol + rtol * |alone|, per element. The reference
+# runs in fp32 on the same (rounded) inputs; bf16/fp16 outputs are rounded once (2^-8 / 2^-11
+# relative), so these bounds leave about 2x headroom over rounding and still catch a token that
+# sees one foreign key (its output moves by O(1) at a segment's start).
+TOLERANCES: dict[str, tuple[float, float]] = {
+    "bf16": (1.5e-2, 1.5e-2),
+    "fp16": (2e-3, 2e-3),
+    "fp32": (1e-4, 1e-4),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionShape:
+    """One attention layer's shape: q is ``[T, heads, head_dim]``, k and v ``[T, kv_heads, head_dim]``."""
+
+    heads: int
+    """Query heads."""
+    kv_heads: int
+    """Key/value heads (fewer than ``heads`` with grouped-query attention; must divide it)."""
+    head_dim: int
+    """Width of one head."""
+    layers: int = 1
+    """Attention calls per row, emulating depth (times and FLOPs scale with it)."""
+
+    def __post_init__(self) -> None:
+        for name in ("heads", "kv_heads", "head_dim", "layers"):
+            if getattr(self, name) < 1:
+                raise RolltoolError(f"bench: --{name.replace('_', '-')} must be at least 1")
+        if self.heads % self.kv_heads:
+            raise RolltoolError(
+                f"bench: --heads ({self.heads}) must be a multiple of --kv-heads ({self.kv_heads})"
+            )
+
+
+def resolve_shape(
+    *,
+    model: str | None = None,
+    manifest_model: ModelShape | None = None,
+    heads: int | None = None,
+    kv_heads: int | None = None,
+    head_dim: int | None = None,
+    layers: int = 1,
+) -> tuple[AttentionShape, str]:
+    """The attention shape and where it came from.
+
+    Base shape: the preset ``model``, else the model the packed directory was balanced for
+    (``manifest_model``), else ``DEFAULT_PRESET``; explicit ``heads``/``kv_heads``/``head_dim``
+    override it. ``kv_heads`` defaults to the base's ratio when only ``heads`` is given and the
+    ratio divides it, else to ``heads``. ``layers`` never comes from the model: time is linear in
+    it, so one layer (the default) measures balance at a fraction of the cost.
+    """
+    if model is not None:
+        if model not in MODEL_PRESETS:
+            raise RolltoolError(
+                f"unknown model preset {model!r}", hint=f"choose one of {', '.join(MODEL_PRESETS)}"
+            )
+        base, source = MODEL_PRESETS[model], f"preset {model}"
+    elif manifest_model is not None:
+        base, source = manifest_model, "the packed directory's workload model"
+    else:
+        base, source = MODEL_PRESETS[DEFAULT_PRESET], f"preset {DEFAULT_PRESET}"
+    base_dim = base.head_dim or base.hidden_size // base.num_heads
+    h = heads if heads is not None else base.num_heads
+    if kv_heads is not None:
+        kv = kv_heads
+    elif heads is None:
+        kv = base.num_kv_heads
+    else:
+        group = base.num_heads // base.num_kv_heads
+        kv = h // group if h % group == 0 else h
+    if heads is not None or kv_heads is not None or head_dim is not None:
+        source += " with overrides"
+    shape = AttentionShape(
+        heads=h, kv_heads=kv, head_dim=head_dim if head_dim is not None else base_dim, layers=layers
+    )
+    return shape, source
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchConfig:
+    """How to replay a packed directory (resolved: no ``auto`` values)."""
+
+    backend: str
+    """Name in ``rolltool.bench.backends.BACKENDS``."""
+    shape: AttentionShape
+    """Attention shape per layer, and the layer count."""
+    dtype: str = "fp32"
+    """One of ``DTYPES``."""
+    device: str = "cpu"
+    """A torch device string: ``cpu``, ``cuda``, ``cuda:1``."""
+    backward: bool = False
+    """Time forward and backward (gradients of q, k, v) instead of forward only."""
+    repeats: int = 5
+    """Timed passes over all rows; each row's time is the median over them."""
+    warmup: int = 1
+    """Untimed passes over all rows before the first timed one."""
+    flush_l2: bool = False
+    """Overwrite a buffer larger than the L2 cache before each timed row (CUDA only)."""
+    seed: int = 0
+    """Seed of the random q, k, v and of the row order of each pass."""
+    steps: tuple[int, ...] | None = None
+    """Steps to replay; ``None`` for all."""
+    check_rows: int = 0
+    """Rows whose segments ``--check`` compares with each sequence run alone (0: no check)."""
+    shape_source: str = field(default="", compare=False)
+    """Where the shape came from, for the report."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise RolltoolError(f"bench: unknown dtype {self.dtype!r}", hint=f"one of {DTYPES}")
+        if self.repeats < 1:
+            raise RolltoolError("bench: --repeats must be at least 1")
+        if self.warmup < 0:
+            raise RolltoolError("bench: --warmup must not be negative")
+        if self.check_rows < 0:
+            raise RolltoolError("bench: the number of rows to check must not be negative")
+        if self.flush_l2 and not self.device.startswith("cuda"):
+            raise RolltoolError("bench: --flush-l2 needs a CUDA device")

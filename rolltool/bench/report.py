@@ -1,0 +1,158 @@
+"""Pure arithmetic over a timing table: step times, efficiencies, FLOP/s, cost-model fits.
+
+A timing table has one entry per packed row: ``step``, ``rank``, ``micro_batch`` and measured
+``seconds`` (plus tokens and Σ L² for the fit). With t(r, j) the time of rank r's micro-batch j
+in a step and dp ranks:
+
+=================  ============================  ===================================================
+figure             formula                       meaning
+=================  ============================  ===================================================
+``dp_time``        max_r Σ_j t(r, j)             plain data parallel: ranks meet once, at the end
+``lockstep_time``  Σ_j max_r t(r, j)             FSDP/ZeRO-3/TP: ranks meet at every micro-batch
+``ideal_time``     Σ_r Σ_j t(r, j) / dp          perfectly balanced work
+efficiency         ideal / actual                1.0 = no rank ever waits
+=================  ============================  ===================================================
+
+Example: dp = 2, rank 0 takes (3, 1) s, rank 1 takes (1, 3) s. dp_time = max(4, 4) = 4,
+lockstep_time = max(3, 1) + max(1, 3) = 6, ideal = 8 / 2 = 4: dp efficiency 1.0, lockstep 0.67.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+TIME_KEYS = ("dp_time", "lockstep_time", "ideal_time")
+
+PEAK_TFLOPS: dict[str, float] = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
+"""Dense bf16/fp16 tensor-core peak by device family (TFLOP/s); other devices: unknown."""
+
+
+def step_times(
+    step: np.ndarray, rank: np.ndarray, micro_batch: np.ndarray, seconds: np.ndarray, dp: int
+) -> list[dict[str, Any]]:
+    """Per step (ascending): the three times and both efficiencies (see module docstring).
+
+    A rank lacking micro-batch j (never in a rolltool directory) counts as 0 s there.
+    """
+    result = []
+    for s in np.unique(step):
+        sel = step == s
+        m = int(micro_batch[sel].max()) + 1
+        t = np.zeros((dp, m))
+        np.add.at(t, (rank[sel], micro_batch[sel]), seconds[sel])
+        result.append(_figures({"step": int(s), "micro_batches_per_rank": m}, t.sum(1).max(),
+                               t.max(0).sum(), t.sum() / dp))  # fmt: skip
+    return result
+
+
+def total_times(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Sums of the step times over the run; efficiencies of the sums."""
+    sums = [float(sum(s[k] for s in steps)) for k in TIME_KEYS]
+    return _figures({"steps": len(steps)}, *sums)
+
+
+def _figures(head: dict[str, Any], dp_time: float, lockstep: float, ideal: float) -> dict[str, Any]:
+    return {
+        **head,
+        "dp_time": float(dp_time),
+        "lockstep_time": float(lockstep),
+        "ideal_time": float(ideal),
+        "dp_efficiency": float(ideal / dp_time) if dp_time > 0 else float("nan"),
+        "lockstep_efficiency": float(ideal / lockstep) if lockstep > 0 else float("nan"),
+    }
+
+
+def attention_flops(
+    lengths: np.ndarray, *, heads: int, head_dim: int, layers: int = 1, backward: bool = False
+) -> float:
+    """Causal attention FLOPs of segments of ``lengths`` tokens.
+
+    Forward per sequence: QKᵀ and AV are 2·L²·head_dim·heads multiply-adds each, 4·L²·head_dim·
+    heads FLOPs, halved by the causal mask; backward is 2.5x forward. A FLOP counter would count
+    the full square and overstate causal work 2x. Example: L = 1,024, 32 heads of 128, forward:
+    2 · 1024² · 128 · 32 = 8.6 GFLOP.
+    """
+    length = np.asarray(lengths, dtype=np.float64)
+    forward = 2.0 * float(np.sum(length * length)) * head_dim * heads
+    return forward * layers * (3.5 if backward else 1.0)
+
+
+def peak_tflops(device_name: str, dtype: str) -> float | None:
+    """Dense tensor-core peak for bf16/fp16 on a known device, else None (unknown)."""
+    if dtype not in ("bf16", "fp16"):
+        return None
+    for family, peak in PEAK_TFLOPS.items():
+        if family in device_name.upper():
+            return peak
+    return None
+
+
+def throughput(flops: float, seconds: float, device_name: str, dtype: str) -> dict[str, Any]:
+    """Achieved TFLOP/s and its share of the device's peak (None when the peak is unknown)."""
+    tflops = flops / seconds / 1e12 if seconds > 0 else float("nan")
+    peak = peak_tflops(device_name, dtype)
+    return {
+        "flops": flops,
+        "seconds": seconds,
+        "tflops": tflops,
+        "peak_tflops": peak,
+        "peak_share": tflops / peak if peak else None,
+    }
+
+
+def r_squared(y: np.ndarray, fitted: np.ndarray) -> float:
+    """1 - SS_res / SS_tot (around the mean); NaN when y is constant."""
+    ss_tot = float(np.sum((y - y.mean()) ** 2))
+    if ss_tot == 0:
+        return float("nan")
+    return 1.0 - float(np.sum((y - fitted) ** 2)) / ss_tot
+
+
+def fit_quadratic(tokens: np.ndarray, sum_sq: np.ndarray, seconds: np.ndarray) -> dict[str, Any]:
+    """Fit seconds ≈ a·tokens + b·Σ L² over rows, a, b >= 0 (least squares), with R².
+
+    A row's time is the sum over its segments of a·L + b·L², so the per-segment model fits on
+    rows without timing segments apart. Non-negativity keeps the result a valid cost model: if
+    the free fit makes a coefficient negative, the better one-term fit is taken (this is exact
+    non-negative least squares for two terms).
+    """
+    x = np.stack([np.asarray(tokens, np.float64), np.asarray(sum_sq, np.float64)], axis=1)
+    y = np.asarray(seconds, np.float64)
+    # Scale columns so the solve is well conditioned (Σ L² is ~1e4x larger than tokens).
+    scale = np.where(np.abs(x).max(0) > 0, np.abs(x).max(0), 1.0)
+    xs = x / scale
+    coef, *_ = np.linalg.lstsq(xs, y, rcond=None)
+    if np.any(coef < 0):
+        best: tuple[float, np.ndarray] | None = None
+        for col in (0, 1):
+            c = np.zeros(2)
+            denom = float(xs[:, col] @ xs[:, col])
+            c[col] = max(float(xs[:, col] @ y) / denom, 0.0) if denom > 0 else 0.0
+            res = float(np.sum((y - xs @ c) ** 2))
+            if best is None or res < best[0]:
+                best = (res, c)
+        assert best is not None
+        coef = best[1]
+    a, b = (coef / scale).tolist()
+    return {"a": a, "b": b, "r2": r_squared(y, x @ np.array([a, b])), "rows": len(y)}
+
+
+def proportional_fit(predicted: np.ndarray, seconds: np.ndarray) -> dict[str, Any]:
+    """How well a cost model's predictions track measured times: seconds ≈ k·predicted.
+
+    ``k`` converts the workload's units (FLOPs, tokens...) to seconds; R² says how much of the
+    rows' time variation the model explains (1.0: perfect ranking and proportions).
+    """
+    p, y = np.asarray(predicted, np.float64), np.asarray(seconds, np.float64)
+    if not np.all(np.isfinite(p)) or float(p @ p) == 0:
+        return {"seconds_per_unit": None, "r2": None}
+    k = float(p @ y) / float(p @ p)
+    return {"seconds_per_unit": k, "r2": r_squared(y, k * p)}
+
+
+def calibration(fit: Mapping[str, Any], notes: Mapping[str, Any]) -> dict[str, Any]:
+    """The file ``pack --balance calibrated`` reads: ``{"a": s/token, "b": s/token², ...notes}``."""
+    return {"a": fit["a"], "b": fit["b"], "r2": fit["r2"], "rows": fit["rows"], **notes}

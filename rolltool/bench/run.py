@@ -1,0 +1,250 @@
+"""The bench job: packed directories -> rows -> timings (+ check) -> report (+ calibration).
+
+``run_bench`` is the Python API behind ``rolltool bench``; it returns one JSON-able report and
+raises RolltoolError for what a user can fix (no torch, no CUDA for a CUDA backend, a bad step).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rolltool import __version__
+from rolltool.bench import report as rp
+from rolltool.bench.backends import Backend, make_backend
+from rolltool.bench.check import check_rows
+from rolltool.bench.compare import compare
+from rolltool.bench.config import AttentionShape, BenchConfig, resolve_shape
+from rolltool.bench.rows import PackedRows, load_rows
+from rolltool.bench.timing import Progress, time_rows
+from rolltool.errors import RolltoolError
+from rolltool.jsonable import jsonable
+from rolltool.outputs import atomic_path, check_target
+
+
+def import_torch() -> Any:
+    """torch, or a RolltoolError saying how to install it (bench is the only user of torch)."""
+    try:
+        import torch
+    except ImportError:
+        raise RolltoolError(
+            "rolltool bench needs PyTorch, which is not installed",
+            hint="pip install 'rolltool[torch]' (CPU: pip install torch first, from the CPU index)",
+        ) from None
+    return torch
+
+
+def resolve_device(torch: Any, device: str, dtype: str) -> tuple[str, str]:
+    """``auto`` device: cuda when available, else cpu; ``auto`` dtype: bf16 on CUDA, fp32 on CPU."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise RolltoolError(
+            f"device {device}: CUDA is not available in this torch build or machine",
+            hint="use --device cpu --backend sdpa",
+        )
+    if dtype == "auto":
+        dtype = "bf16" if device.startswith("cuda") else "fp32"
+    return device, dtype
+
+
+def device_name(torch: Any, device: str) -> str:
+    if device.startswith("cuda"):
+        return str(torch.cuda.get_device_name(torch.device(device)))
+    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def load_all(paths: Sequence[str | Path], steps: Sequence[int] | None) -> list[PackedRows]:
+    if not paths:
+        raise RolltoolError("bench: give at least one packed directory")
+    return [load_rows(p, steps) for p in paths]
+
+
+def bench_one(
+    torch: Any,
+    backend: Backend,
+    packed: PackedRows,
+    config: BenchConfig,
+    dev_name: str,
+    progress: Progress | None = None,
+) -> tuple[dict[str, Any], np.ndarray]:
+    """Time one directory's rows and build its report; also returns [n, 3] fit inputs + time."""
+    rows = packed.rows
+    times = time_rows(torch, backend, rows, config, progress=progress, label=packed.path.name)
+    seconds = np.median(times, axis=0)
+    step = np.array([r.step for r in rows])
+    rank = np.array([r.rank for r in rows])
+    mb = np.array([r.micro_batch for r in rows])
+    tokens = np.array([r.tokens for r in rows], dtype=np.float64)
+    sum_sq = np.array([float(np.sum(r.lengths.astype(np.float64) ** 2)) for r in rows])
+    predicted = np.array([r.predicted for r in rows])
+    shape = config.shape
+    flops = np.array([
+        rp.attention_flops(r.lengths, heads=shape.heads, head_dim=shape.head_dim,
+                           layers=shape.layers, backward=config.backward)
+        for r in rows
+    ])  # fmt: skip
+    steps = rp.step_times(step, rank, mb, seconds, packed.dp)
+    real_samples = sum(int(np.sum(r.sample_index >= 0)) for r in rows)
+    row_table = [
+        {
+            "step": r.step,
+            "rank": r.rank,
+            "micro_batch": r.micro_batch,
+            "segments": len(r.lengths),
+            "tokens": r.tokens,
+            "sum_sq": sum_sq[i],
+            "predicted": predicted[i],
+            "seconds": float(seconds[i]),
+            "seconds_min": float(times[:, i].min()),
+            "seconds_max": float(times[:, i].max()),
+            "tflops": flops[i] / seconds[i] / 1e12 if seconds[i] > 0 else None,
+        }
+        for i, r in enumerate(rows)
+    ]
+    report = {
+        "path": str(packed.path),
+        "dp": packed.dp,
+        "workload": packed.workload.to_dict() if packed.workload else None,
+        "samples": real_samples,
+        "tokens": int(tokens.sum()),
+        "steps": steps,
+        "total": rp.total_times(steps),
+        "throughput": rp.throughput(
+            float(flops.sum()), float(seconds.sum()), dev_name, config.dtype
+        ),
+        "fit": rp.fit_quadratic(tokens, sum_sq, seconds),
+        "workload_fit": rp.proportional_fit(predicted, seconds),
+        "sum_sq_fit": rp.proportional_fit(sum_sq, seconds),
+        "rows": row_table,
+    }
+    if config.check_rows:
+        report["check"] = check_rows(torch, backend, rows, config)
+    return report, np.stack([tokens, sum_sq, seconds], axis=1)
+
+
+def run_bench(
+    paths: Sequence[str | Path],
+    *,
+    backend: str = "auto",
+    device: str = "auto",
+    dtype: str = "auto",
+    model: str | None = None,
+    heads: int | None = None,
+    kv_heads: int | None = None,
+    head_dim: int | None = None,
+    layers: int = 1,
+    backward: bool = False,
+    repeats: int = 5,
+    warmup: int = 1,
+    flush_l2: bool = False,
+    seed: int = 0,
+    steps: Sequence[int] | None = None,
+    check: int = 0,
+    calibrate: str | Path | None = None,
+    force: bool = False,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """Replay every row of each packed directory in ``paths`` and report (see ``rolltool bench``).
+
+    Several directories are benched with the same configuration and compared; the fit and the
+    calibration pool all their rows (more length variety, a better-determined fit).
+    ``calibrate`` names a JSON file to write the calibration to (refused if it exists unless
+    ``force``; not written when ``check`` rows were compared and one failed).
+    """
+    if calibrate is not None:
+        check_target(Path(calibrate), force)
+    torch = import_torch()
+    packed = load_all(paths, steps)
+    device, dtype = resolve_device(torch, device, dtype)
+    manifest_model = packed[0].workload.model if packed[0].workload else None
+    shape, shape_source = resolve_shape(model=model, manifest_model=manifest_model, heads=heads,
+                                        kv_heads=kv_heads, head_dim=head_dim, layers=layers)  # fmt: skip
+    be, reason = make_backend(backend, torch, device=device, dtype=dtype)
+    config = BenchConfig(backend=be.name, shape=shape, dtype=dtype, device=device,
+                         backward=backward, repeats=repeats, warmup=warmup, flush_l2=flush_l2,
+                         seed=seed, steps=tuple(steps) if steps is not None else None,
+                         check_rows=check, shape_source=shape_source)  # fmt: skip
+    dev_name = device_name(torch, device)
+    runs, fit_rows = [], []
+    for p in packed:
+        rep, xs = bench_one(torch, be, p, config, dev_name, progress)
+        runs.append(rep)
+        fit_rows.append(xs)
+    pooled = np.concatenate(fit_rows)
+    fit = rp.fit_quadratic(pooled[:, 0], pooled[:, 1], pooled[:, 2])
+    doc: dict[str, Any] = {
+        "backend": be.name,
+        "backend_detail": be.detail,
+        "backend_choice": reason,
+        "device": dev_name,
+        "torch": str(torch.__version__),
+        "rolltool_version": __version__,
+        "config": _config_dict(config),
+        "fit": fit,
+        "calibration": rp.calibration(fit, _notes(config, be, dev_name, torch, paths)),
+    }
+    checks_ok = all(r.get("check", {}).get("ok", True) for r in runs)
+    doc["check_ok"] = checks_ok if check else None
+    doc["calibration_file"] = None
+    if calibrate is not None and checks_ok:
+        write_json(calibrate, doc["calibration"], force=force)
+        doc["calibration_file"] = str(calibrate)
+    if len(runs) == 1:
+        return {**doc, **runs[0]}
+    return {**doc, "runs": runs, "comparison": compare(runs)}
+
+
+def write_json(path: str | Path, doc: dict[str, Any], *, force: bool) -> None:
+    """Write one JSON document atomically (temporary sibling renamed into place)."""
+    with atomic_path(path, force=force, directory=False) as tmp:
+        tmp.write_text(json.dumps(jsonable(doc), indent=2) + "\n")
+
+
+def _config_dict(config: BenchConfig) -> dict[str, Any]:
+    s: AttentionShape = config.shape
+    return {
+        "backend": config.backend,
+        "heads": s.heads,
+        "kv_heads": s.kv_heads,
+        "head_dim": s.head_dim,
+        "layers": s.layers,
+        "shape_source": config.shape_source,
+        "dtype": config.dtype,
+        "device": config.device,
+        "backward": config.backward,
+        "repeats": config.repeats,
+        "warmup": config.warmup,
+        "flush_l2": config.flush_l2,
+        "seed": config.seed,
+        "steps": list(config.steps) if config.steps is not None else None,
+        "check_rows": config.check_rows,
+    }
+
+
+def _notes(
+    config: BenchConfig, be: Backend, dev_name: str, torch: Any, paths: Sequence[str | Path]
+) -> dict[str, Any]:
+    s = config.shape
+    return {
+        "units": "seconds (a per token, b per token squared)",
+        "measures": "causal attention only, "
+        + ("forward + backward" if config.backward else "forward"),
+        "device": dev_name,
+        "backend": be.name,
+        "dtype": config.dtype,
+        "shape": {
+            "heads": s.heads,
+            "kv_heads": s.kv_heads,
+            "head_dim": s.head_dim,
+            "layers": s.layers,
+        },
+        "torch": str(torch.__version__),
+        "rolltool_version": __version__,
+        "sources": [str(p) for p in paths],
+    }

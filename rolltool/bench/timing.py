@@ -1,0 +1,163 @@
+"""Time every row through a backend: staged inputs, warm-up, shuffled repeats, median.
+
+The protocol, in order:
+
+1. **Stage** everything on the device before any timing: one random q, k, v (and output
+   gradient) buffer as long as the longest row, seeded, in the chosen dtype; each row's
+   ``cu_seqlens`` as a device tensor. Row i uses the first T_i tokens of the buffers, so nothing
+   is allocated or copied for inputs inside a timed region.
+2. **Warm up**: ``warmup`` untimed passes over all rows (kernel loading, allocator, autotuning;
+   nothing here compiles, so no timed pass follows a compilation).
+3. **Repeat** ``repeats`` timed passes, each over all rows in a fresh random order (so a row's
+   time does not depend on its neighbour's cache state or on clock ramps at fixed positions).
+   CUDA: events around each row, one synchronize per pass; an optional L2 flush (writing a
+   buffer larger than the cache) precedes each row outside its events. CPU: ``perf_counter``.
+4. Each row's time is the **median** over its repeats.
+
+One row's timed work is ``layers`` attention calls (forward, or forward + backward of q, k, v).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from rolltool.bench.backends import Backend
+from rolltool.bench.config import BenchConfig
+from rolltool.bench.rows import Row
+
+TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+L2_FLUSH_BYTES = 256 * 2**20
+"""Larger than any current GPU's L2 (H100/H200: 50 MiB)."""
+
+Progress = Callable[[Iterable[Any], int | None, str], Iterator[Any]]
+
+
+def torch_dtype(torch: Any, name: str) -> Any:
+    return getattr(torch, TORCH_DTYPES[name])
+
+
+@dataclass
+class Staged:
+    """Device-side inputs shared by all rows, and each row's boundaries."""
+
+    q: Any
+    """[T_max, heads, head_dim] in the bench dtype."""
+    k: Any
+    """[T_max, kv_heads, head_dim] (heads if the backend has no GQA: repeated beforehand)."""
+    v: Any
+    grad_out: Any
+    """[T_max, heads, head_dim], the upstream gradient for --backward (None otherwise)."""
+    cu: list[Any]
+    """Per row: int32 ``cu_seqlens`` on the device."""
+    bounds: list[list[int]]
+    max_len: list[int]
+    tokens: list[int]
+
+
+def stage(torch: Any, backend: Backend, rows: Sequence[Row], config: BenchConfig) -> Staged:
+    """Put every input on the device (see step 1 of the module docstring)."""
+    shape = config.shape
+    device, dtype = torch.device(config.device), torch_dtype(torch, config.dtype)
+    t_max = max(r.tokens for r in rows)
+    gen = torch.Generator(device="cpu").manual_seed(config.seed)
+
+    def rand(heads: int) -> Any:
+        x = torch.randn(t_max, heads, shape.head_dim, generator=gen, dtype=torch.float32)
+        return x.to(device=device, dtype=dtype)
+
+    q, k, v = rand(shape.heads), rand(shape.kv_heads), rand(shape.kv_heads)
+    if not backend.gqa and shape.kv_heads != shape.heads:
+        group = shape.heads // shape.kv_heads
+        k = k.repeat_interleave(group, dim=1).contiguous()
+        v = v.repeat_interleave(group, dim=1).contiguous()
+    grad_out = rand(shape.heads) if config.backward else None
+    return Staged(
+        q=q,
+        k=k,
+        v=v,
+        grad_out=grad_out,
+        cu=[torch.from_numpy(r.cu_seqlens).to(device=device, dtype=torch.int32) for r in rows],
+        bounds=[[int(x) for x in r.cu_seqlens] for r in rows],
+        max_len=[r.max_len for r in rows],
+        tokens=[r.tokens for r in rows],
+    )
+
+
+def run_row(torch: Any, backend: Backend, st: Staged, i: int, config: BenchConfig) -> None:
+    """Row i's work: ``layers`` attention calls, with backward when configured."""
+    t = st.tokens[i]
+    args = (st.cu[i], st.max_len[i], st.bounds[i])
+    if not config.backward:
+        for _ in range(config.shape.layers):
+            backend.attend(st.q[:t], st.k[:t], st.v[:t], *args)
+        return
+    # Leaf views of the staged buffers (no copy): autograd returns fresh gradients per call.
+    q, k, v = (x[:t].detach().requires_grad_() for x in (st.q, st.k, st.v))
+    for _ in range(config.shape.layers):
+        out = backend.attend(q, k, v, *args)
+        torch.autograd.grad(out, (q, k, v), st.grad_out[:t])
+
+
+def time_rows(
+    torch: Any,
+    backend: Backend,
+    rows: Sequence[Row],
+    config: BenchConfig,
+    *,
+    progress: Progress | None = None,
+    label: str = "bench",
+) -> np.ndarray:
+    """Seconds per row: ``[repeats, n_rows]`` float64, in the rows' order (not the run order)."""
+    st = stage(torch, backend, rows, config)
+    n = len(rows)
+    cuda = config.device.startswith("cuda")
+    flush = (
+        torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.float32, device=config.device)
+        if config.flush_l2
+        else None
+    )
+    rng = np.random.default_rng(config.seed)
+    passes = [("warmup", np.arange(n))] * config.warmup + [
+        ("timed", rng.permutation(n)) for _ in range(config.repeats)
+    ]
+    times = np.zeros((config.repeats, n))
+    grad_ctx = torch.enable_grad if config.backward else torch.inference_mode
+
+    def work() -> Iterator[tuple[int, int, bool]]:
+        for p, (_, order) in enumerate(passes):
+            for pos, i in enumerate(order):
+                yield p, int(i), pos == n - 1
+
+    items: Iterable[tuple[int, int, bool]] = work()
+    if progress is not None:
+        items = progress(items, len(passes) * n, f"{label}: {n} rows x {len(passes)} passes")
+    pending: list[tuple[int, int, Any, Any]] = []
+    with grad_ctx():
+        for p, i, last in items:
+            timed = passes[p][0] == "timed"
+            r = p - config.warmup
+            if flush is not None:
+                flush.zero_()
+            if cuda:
+                start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+                start.record()
+                run_row(torch, backend, st, i, config)
+                end.record()
+                if timed:
+                    pending.append((r, i, start, end))
+                if last:  # end of a pass: collect its events
+                    torch.cuda.synchronize()
+                    for rr, ii, s, e in pending:
+                        times[rr, ii] = s.elapsed_time(e) / 1e3
+                    pending.clear()
+            else:
+                t0 = time.perf_counter()
+                run_row(torch, backend, st, i, config)
+                if timed:
+                    times[r, i] = time.perf_counter() - t0
+    return times

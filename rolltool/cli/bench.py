@@ -1,0 +1,237 @@
+"""`rolltool bench`: replay packed directories through varlen attention and report balance.
+
+torch is imported inside the command only (through rolltool.bench.run), never at CLI import.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+from rich.table import Table
+
+from rolltool.bench.backends import BACKENDS
+from rolltool.bench.config import DTYPES
+from rolltool.cli._common import err, handle_errors, out, print_json, progress
+from rolltool.errors import RolltoolError
+from rolltool.workload import MODEL_PRESETS
+
+
+def parse_steps(text: str | None) -> list[int] | None:
+    """``"0,2-4"`` -> ``[0, 2, 3, 4]``; None -> None (all steps). Bad syntax is a usage error."""
+    if text is None:
+        return None
+    steps: list[int] = []
+    try:
+        for part in text.split(","):
+            lo, sep, hi = part.strip().partition("-")
+            first, last = int(lo), int(hi) if sep else int(lo)
+            if first < 0 or last < first:
+                raise ValueError
+            steps.extend(range(first, last + 1))
+    except ValueError:
+        raise click.BadParameter(
+            f"expected steps like 0,2-4, got {text!r}", param_hint="--steps"
+        ) from None
+    return sorted(set(steps))
+
+
+@click.command()
+@click.argument("packed", nargs=-1, required=True, type=click.Path())
+@click.option(
+    "--backend",
+    type=click.Choice(["auto", *sorted(BACKENDS)]),
+    default="auto",
+    show_default=True,
+    help="Attention kernel; auto: flash-attn, else torch-varlen (CUDA), else sdpa.",
+)
+@click.option(
+    "--model",
+    type=click.Choice(list(MODEL_PRESETS)),
+    default=None,
+    help="Take heads, kv-heads and head-dim from a preset [default: the packed model].",
+)
+@click.option("--heads", type=click.IntRange(min=1), default=None, help="Query heads.")
+@click.option("--kv-heads", type=click.IntRange(min=1), default=None, help="Key/value heads (GQA).")
+@click.option("--head-dim", type=click.IntRange(min=1), default=None, help="Width of one head.")
+@click.option(
+    "--layers",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Attention calls per row, emulating depth.",
+)
+@click.option("--backward", is_flag=True, help="Time forward + backward, not forward only.")
+@click.option(
+    "--dtype",
+    type=click.Choice(["auto", *DTYPES]),
+    default="auto",
+    show_default=True,
+    help="auto: bf16 on CUDA, fp32 on CPU.",
+)
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@click.option(
+    "--repeats",
+    type=click.IntRange(min=1),
+    default=5,
+    show_default=True,
+    help="Timed passes over all rows (median per row; order shuffled each pass).",
+)
+@click.option(
+    "--warmup",
+    type=click.IntRange(min=0),
+    default=1,
+    show_default=True,
+    help="Untimed passes over all rows first.",
+)
+@click.option("--flush-l2", is_flag=True, help="Flush the GPU's L2 cache before each timed row.")
+@click.option(
+    "--seed", type=int, default=0, show_default=True, help="Seed of q, k, v and row order."
+)
+@click.option(
+    "--steps", default=None, metavar="LIST", help="Steps to replay, e.g. 0,2-4 [default: all]."
+)
+@click.option(
+    "--check", is_flag=True, help="Compare each segment with its sequence run alone; exit 1 if off."
+)
+@click.option(
+    "--check-rows",
+    type=click.IntRange(min=1),
+    default=4,
+    show_default=True,
+    help="Rows --check samples per directory.",
+)
+@click.option(
+    "--calibrate",
+    type=click.Path(dir_okay=False),
+    default=None,
+    metavar="OUT.json",
+    help="Write the fitted a, b for pack --balance calibrated.",
+)
+@click.option("--force", is_flag=True, help="Replace an existing --calibrate file.")
+@click.option("--rows", "show_rows", is_flag=True, help="Also print the per-row table.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
+@handle_errors
+def bench(packed: tuple[str, ...], backend: str, model: str | None, heads: int | None,
+          kv_heads: int | None, head_dim: int | None, layers: int, backward: bool, dtype: str,
+          device: str, repeats: int, warmup: int, flush_l2: bool, seed: int, steps: str | None,
+          check: bool, check_rows: int, calibrate: str | None, force: bool, show_rows: bool,
+          as_json: bool) -> None:  # fmt: skip
+    """Replay PACKED directories through variable-length attention and measure balance.
+
+    Every (step, rank, micro-batch) row runs causal attention over its segments (random q, k, v;
+    the row's cu_seqlens), timed; the report gives per step the plain data-parallel time
+    (max over ranks of their sums), the lockstep time (sum over micro-batches of the slowest
+    rank: FSDP/ZeRO-3/TP) and the ideal, with efficiencies; attention TFLOP/s; and a fit of
+    a·L + b·L² per segment. Several directories are compared side by side, the best marked.
+    """
+    from rolltool.bench.run import run_bench
+
+    doc = run_bench(packed, backend=backend, device=device, dtype=dtype, model=model, heads=heads,
+                    kv_heads=kv_heads, head_dim=head_dim, layers=layers, backward=backward,
+                    repeats=repeats, warmup=warmup, flush_l2=flush_l2, seed=seed,
+                    steps=parse_steps(steps), check=check_rows if check else 0,
+                    calibrate=calibrate, force=force, progress=progress)  # fmt: skip
+    if as_json:
+        print_json(doc)
+    else:
+        _render(doc, show_rows)
+    if doc["check_ok"] is False:
+        bad = [r for run in doc.get("runs", [doc]) for r in run["check"]["rows"] if not r["ok"]]
+        where = ", ".join(f"step {r['step']} rank {r['rank']} mb {r['micro_batch']}" for r in bad)
+        raise RolltoolError(
+            f"--check failed: a segment's output differs from its sequence run alone ({where})",
+            hint="the backend mixes segments or mis-reads cu_seqlens; no calibration was written",
+        )
+
+
+def _render(doc: dict[str, Any], show_rows: bool) -> None:
+    c = doc["config"]
+    err.print(f"backend {doc['backend']} ({doc['backend_choice']}): {doc['backend_detail']}")
+    err.print(f"device {doc['device']}, torch {doc['torch']}, {c['dtype']}, {c['heads']} heads "
+              f"({c['kv_heads']} kv) x {c['head_dim']}, {c['layers']} layer(s), "
+              f"{'forward+backward' if c['backward'] else 'forward'}, median of {c['repeats']}")  # fmt: skip
+    runs = doc.get("runs", [doc])
+    for run in runs:
+        out.print(_steps_table(run))
+        if show_rows:
+            out.print(_rows_table(run))
+        out.print(_summary(run))
+    if "comparison" in doc:
+        out.print(_comparison_table(doc["comparison"]))
+        if not doc["comparison"]["same_input"]:
+            err.print("[yellow]Warning:[/yellow] the directories hold different samples/tokens")
+    f = doc["fit"]
+    pooled = " (all directories)" if len(runs) > 1 else ""
+    out.print(f"fit{pooled}: t ≈ {f['a']:.3e}·L + {f['b']:.3e}·L² s per segment, "
+              f"R² {_num(f['r2'], '.4f')} over {f['rows']} rows")  # fmt: skip
+    if doc["calibration_file"]:
+        err.print(f"wrote {doc['calibration_file']} (pack --balance calibrated --calibration ...)")
+
+
+def _num(x: Any, fmt: str) -> str:
+    return "-" if x is None or x != x else format(x, fmt)
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:,.1f}"
+
+
+def _steps_table(run: dict[str, Any]) -> Table:
+    kind = run["workload"]["kind"] if run.get("workload") else "?"
+    table = Table(
+        title=f"bench {run['path']} ({kind} balance, dp {run['dp']}; ms)", title_justify="left"
+    )
+    for col in ("step", "mb/rank", "dp time", "lockstep", "ideal", "dp eff", "lockstep eff"):
+        table.add_column(col, justify="right")
+    for s in [*run["steps"], {**run["total"], "step": "total", "micro_batches_per_rank": ""}]:
+        table.add_row(str(s["step"]), str(s["micro_batches_per_rank"]), _ms(s["dp_time"]),
+                      _ms(s["lockstep_time"]), _ms(s["ideal_time"]), _num(s["dp_efficiency"], ".1%"),
+                      _num(s["lockstep_efficiency"], ".1%"))  # fmt: skip
+    return table
+
+
+def _rows_table(run: dict[str, Any]) -> Table:
+    table = Table(title="rows", title_justify="left")
+    for col in ("step", "rank", "mb", "segments", "tokens", "Σ L²", "predicted", "ms", "TFLOP/s"):
+        table.add_column(col, justify="right")
+    for r in run["rows"]:
+        table.add_row(str(r["step"]), str(r["rank"]), str(r["micro_batch"]), str(r["segments"]),
+                      f"{r['tokens']:,}", f"{r['sum_sq']:.3g}", _num(r["predicted"], ".3g"),
+                      _ms(r["seconds"]), _num(r["tflops"], ".2f"))  # fmt: skip
+    return table
+
+
+def _summary(run: dict[str, Any]) -> str:
+    t = run["throughput"]
+    peak = (
+        "peak unknown"
+        if t["peak_share"] is None
+        else f"{t['peak_share']:.1%} of {t['peak_tflops']:.0f} peak"
+    )
+    w, q = run["workload_fit"], run["sum_sq_fit"]
+    lines = [f"attention: {t['tflops']:.3f} TFLOP/s (causal FLOPs from lengths; {peak})",
+             f"cost model: manifest workload explains R² {_num(w['r2'], '.3f')} of row times; "
+             f"Σ L² alone R² {_num(q['r2'], '.3f')}"]  # fmt: skip
+    if "check" in run:
+        ch = run["check"]
+        status = "OK" if ch["ok"] else "[red]FAILED[/red]"
+        worst = max((r["max_abs_error"] for r in ch["rows"]), default=0.0)
+        lines.append(f"check: {status}, {ch['segments_checked']} segments in {ch['rows_checked']} rows, "
+                     f"max |error| {worst:.2e} (tolerance {ch['tolerance']['atol']:g} + "
+                     f"{ch['tolerance']['rtol']:g}·|ref|)")  # fmt: skip
+    return "\n".join(lines)
+
+
+def _comparison_table(cmp: dict[str, Any]) -> Table:
+    table = Table(title="comparison (ms; * best)", title_justify="left")
+    for col in ("directory", "balance", "rows", "tokens", "dp time", "lockstep", "ideal",
+                "dp eff", "lockstep eff"):  # fmt: skip
+        table.add_column(col, justify="right" if col not in ("directory", "balance") else "left")
+    for line in cmp["lines"]:
+        star = {key: " *" if key in line["best"] else "" for key in ("dp_time", "lockstep_time")}
+        table.add_row(line["path"], str(line["balance"]), str(line["rows"]), f"{line['tokens']:,}",
+                      _ms(line["dp_time"]) + star["dp_time"],
+                      _ms(line["lockstep_time"]) + star["lockstep_time"], _ms(line["ideal_time"]),
+                      _num(line["dp_efficiency"], ".1%"), _num(line["lockstep_efficiency"], ".1%"))  # fmt: skip
+    return table
