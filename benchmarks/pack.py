@@ -42,7 +42,7 @@ def _pack(src: Path, out: Path, dp: int) -> tuple[float, int, dict]:
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     t0 = time.perf_counter()
     res = subprocess.run(
-        [sys.executable, "-m", "rolltool", "pack", str(src), "--dp", str(dp), "-o", str(out), "--force",
+        [sys.executable, "-m", "rolltool", "pack", str(src), "--dp", str(dp), "-o", str(out),
          "--batch-size", "256", "--json"],
         check=True, capture_output=True, text=True,
     )  # fmt: skip
@@ -59,7 +59,9 @@ def _floor(src: Path, nbytes: int, scratch: Path) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--groups", type=int, nargs="+", default=[2000, 4000])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dp", type=int, default=8)
@@ -69,8 +71,8 @@ def main() -> None:
           f"{'x floor':>9}{'Mtok/s':>8}{'peak MB':>9}")  # fmt: skip
     for groups in args.groups:
         src = _dataset(groups)
-        out = work / f"packed-{groups}"
-        runs = [_pack(src, out, args.dp) for _ in range(args.repeats)]
+        # A fresh output each time: replacing an old one (--force) would add its deletion.
+        runs = [_pack(src, work / f"packed-{groups}-{i}", args.dp) for i in range(args.repeats)]
         manifest = runs[-1][2]
         nbytes = sum(f["bytes"] for f in manifest["files"].values())
         floors = [_floor(src, nbytes, work / "floor.bin") for _ in range(args.repeats)]

@@ -84,6 +84,8 @@ class PackConfig:
     """Constant f of seq-mean-token-sum-norm."""
     shard_mb: float = 256.0
     """Largest shard file in MB; a (step, rank) above it is split by rows."""
+    cache_mb: float = 1024.0
+    """Decoded input row groups kept in memory (MB); input that fits is read from disk once."""
 
     def __post_init__(self) -> None:
         if self.dp < 1:
@@ -116,6 +118,8 @@ class PackConfig:
         check_loss_agg(self.loss_agg, self.loss_scale_factor)
         if self.shard_mb <= 0:
             raise RolltoolError(f"--shard-mb must be positive, got {self.shard_mb}")
+        if self.cache_mb < 0:
+            raise RolltoolError(f"--cache-mb must be >= 0, got {self.cache_mb}")
 
     @property
     def token_cap(self) -> int | None:
@@ -143,6 +147,7 @@ class PackConfig:
             "loss_agg": self.loss_agg,
             "loss_scale_factor": self.loss_scale_factor,
             "shard_mb": self.shard_mb,
+            "cache_mb": self.cache_mb,
         }
 
 
@@ -284,7 +289,8 @@ def run_pack(
     workload = config.workload()
     rename = invert_mapping(columns or {})
     files = resolve_inputs(inputs)
-    ro = scan(files, rename)
+    reader = TokenReader(files, rename, cache_bytes=int(config.cache_mb * 1e6))
+    ro = scan(files, rename, on_row_group=reader.offer)
     n = ro.num_samples
     warnings = list(ro.warnings)
 
@@ -340,7 +346,6 @@ def run_pack(
     for g in assembly.unweighted:
         status[in_group[g]] = "env_unweighted"
 
-    reader = TokenReader(files, rename, token_format=ro.token_format, has_logprobs=ro.has_logprobs)
     max_bytes = int(config.shard_mb * 1e6)
     steps_meta: list[dict[str, Any]] = []
     file_records: dict[str, dict] = {}
@@ -366,17 +371,20 @@ def run_pack(
 
         step_adv = advantage[members]
         if per_step_whitening:
-            # Whitening estimators whiten over the step's samples, not the whole input.
+            # Whitening estimators whiten over the step's trained tokens, not the whole input.
+            # Over-long samples stay in their group's baseline (it was computed with them) but
+            # bring no tokens into the whitening: their trainable count is zeroed.
+            kept = trained_ok[all_members]
             sub = compute_advantages(
                 config.advantages,
-                group=_dense(ro.group[members]),
-                rollout=_dense(ro.rollout[members]),
-                env=ro.env[members],
+                group=_dense(ro.group[all_members]),
+                rollout=_dense(ro.rollout[all_members]),
+                env=ro.env[all_members],
                 env_names=ro.env_names,
-                reward=ro.reward[members],
-                trainable=ro.trainable[members],
+                reward=ro.reward[all_members],
+                trainable=np.where(kept, ro.trainable[all_members], 0),
             )
-            step_adv = np.where(whiten_envs[ro.env[members]], sub.advantage, step_adv).astype(
+            step_adv = np.where(whiten_envs[ro.env[members]], sub.advantage[kept], step_adv).astype(
                 np.float32
             )
             advantage[members] = step_adv

@@ -112,28 +112,25 @@ def pack_rows(
     row_offsets = np.zeros(len(rows) + 1, dtype=np.int64)
     np.cumsum([int(s.sum()) for s in seg_len], out=row_offsets[1:])
 
-    # One gather per column; padding tokens read token 0 and are overwritten afterwards.
+    # One slice copy per segment; padding keeps the fill values.
     real_seg = src >= 0
     src_safe = np.where(real_seg, src, 0)
-    starts = np.zeros(len(lens), dtype=np.int64)
-    np.cumsum(lens[:-1], out=starts[1:])
-    within = _ranks(lens, starts)
-    real_tok = np.repeat(real_seg, lens)
-    gather = np.repeat(np.where(real_seg, tokens.offsets[src_safe], 0), lens) + within * real_tok
-    has_pad = not real_seg.all()
-
-    def take(values: np.ndarray, dtype: type, pad: int | float) -> np.ndarray:
-        if len(values) == 0:
-            return np.full(len(gather), pad, dtype=dtype)
-        col = values.take(gather).astype(dtype, copy=False)
-        if has_pad:
-            col[~real_tok] = pad
-        return col
-
+    total = int(row_offsets[-1])
+    input_ids = np.full(total, pad_id, dtype=np.int32)
+    loss_mask = np.zeros(total, dtype=np.uint8)
+    logprobs = np.zeros(total, dtype=np.float32)
+    pos = 0
+    for k, n in zip(src.tolist(), lens.tolist(), strict=True):
+        if k >= 0:
+            a = int(tokens.offsets[k])
+            input_ids[pos : pos + n] = tokens.input_ids[a : a + n]
+            loss_mask[pos : pos + n] = tokens.loss_mask[a : a + n]
+            logprobs[pos : pos + n] = tokens.logprobs[a : a + n]
+        pos += n
     return PackedRows(
-        input_ids=take(tokens.input_ids, np.int32, pad_id),
-        loss_mask=take(tokens.loss_mask, np.uint8, 0),
-        logprobs=take(tokens.logprobs, np.float32, 0.0),
+        input_ids=input_ids,
+        loss_mask=loss_mask,
+        logprobs=logprobs,
         row_offsets=row_offsets,
         seq_lens=lens.astype(np.int32),
         sample_index=np.where(real_seg, sample_index[src_safe], PAD_SAMPLE).astype(np.int64),

@@ -17,7 +17,7 @@ rollout ids may restart in every group; without ``rollout_id`` every row is its 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from rolltool.errors import RolltoolError
-from rolltool.source import InputFile, file_schema, iter_batches
+from rolltool.source import InputFile, file_schema, iter_row_groups
 
 ID_COLUMNS = ("group_id", "rollout_id", "sample_id")
 TOKEN_COLUMNS = ("input_ids", "loss_mask", "logprobs", "prompt_ids", "response_ids")
@@ -334,14 +334,29 @@ def _codes(df: pl.DataFrame, keys: list[str]) -> tuple[np.ndarray, pl.DataFrame]
     return joined["_code"].to_numpy().astype(np.int64), uniques
 
 
+def _row_group_batches(
+    k: int,
+    file: InputFile,
+    rename: Mapping[str, str],
+    on_row_group: Callable[[int, int, pa.Table], None] | None,
+) -> Iterator[pa.RecordBatch]:
+    for rg, table in iter_row_groups(file, rename, SCAN_COLUMNS):
+        if on_row_group is not None:
+            on_row_group(k, rg, table)
+        yield from table.to_batches(max_chunksize=65_536)
+
+
 def scan(
     files: Sequence[InputFile],
     rename: Mapping[str, str] | None = None,
     tables: Iterable[pa.Table] | None = None,
+    on_row_group: Callable[[int, int, pa.Table], None] | None = None,
 ) -> Rollouts:
     """Check the input and return its light columns; raises RolltoolError listing every problem.
 
-    `tables` (one per file, already read) skips reading the files again.
+    `tables` (one per file, already read) skips reading the files again. Otherwise files are
+    read row group by row group, and `on_row_group(file_index, row_group, table)` sees each one
+    (the packer keeps the token columns of as many as its cache allows, to avoid a second read).
     """
     rename = dict(rename or {})
     problems = _Problems()
@@ -371,7 +386,7 @@ def scan(
         batches = (
             table.to_batches(max_chunksize=65_536)
             if table is not None
-            else iter_batches(file, rename, SCAN_COLUMNS)
+            else _row_group_batches(k, file, rename, on_row_group)
         )
         row = first_row
         for batch in batches:

@@ -108,6 +108,31 @@ def invert_mapping(mapping: Mapping[str, str]) -> dict[str, str]:
     return {old: new for new, old in mapping.items()}
 
 
+def _named(
+    batch: pa.RecordBatch | pa.Table,
+    file: InputFile,
+    rename: Mapping[str, str],
+    columns: Sequence[str] | None,
+) -> tuple[list[str], list]:
+    names = [rename.get(n, n) for n in batch.schema.names]
+    arrays = list(batch.columns)
+    for key, value in file.partitions.items():
+        if key not in names and (columns is None or key in columns):
+            names.append(key)
+            arrays.append(pa.array([value] * batch.num_rows, pa.string()))
+    return names, arrays
+
+
+def _wanted(
+    pf: pq.ParquetFile, rename: Mapping[str, str], columns: Sequence[str] | None
+) -> list[str] | None:
+    if columns is None:
+        return None
+    reverse = {new: old for old, new in rename.items()}
+    present = set(pf.schema_arrow.names)
+    return [reverse.get(c, c) for c in columns if reverse.get(c, c) in present]
+
+
 def iter_batches(
     file: InputFile,
     rename: Mapping[str, str],
@@ -118,20 +143,30 @@ def iter_batches(
 
     `columns` are schema names; columns the file lacks are skipped (the caller validates).
     """
-    reverse = {new: old for old, new in rename.items()}
     try:
         pf = pq.ParquetFile(file.path)
-        present = set(pf.schema_arrow.names)
-        wanted = None
-        if columns is not None:
-            wanted = [reverse.get(c, c) for c in columns if reverse.get(c, c) in present]
-        for batch in pf.iter_batches(batch_size=batch_rows, columns=wanted):
-            names = [rename.get(n, n) for n in batch.schema.names]
-            arrays = list(batch.columns)
-            for key, value in file.partitions.items():
-                if key not in names and (columns is None or key in columns):
-                    names.append(key)
-                    arrays.append(pa.array([value] * batch.num_rows, pa.string()))
+        for batch in pf.iter_batches(batch_size=batch_rows, columns=_wanted(pf, rename, columns)):
+            names, arrays = _named(batch, file, rename, columns)
             yield pa.RecordBatch.from_arrays(arrays, names=names)
+    except (pa.ArrowException, OSError) as e:
+        raise RolltoolError(f"{file.path}: could not be read ({e})") from None
+
+
+def iter_row_groups(
+    file: InputFile,
+    rename: Mapping[str, str],
+    columns: Sequence[str] | None = None,
+    only: int | None = None,
+) -> Iterator[tuple[int, pa.Table]]:
+    """(row group number, its rows as a table with schema names), like `iter_batches`;
+    `only` reads just that row group."""
+    try:
+        pf = pq.ParquetFile(file.path)
+        wanted = _wanted(pf, rename, columns)
+        groups = range(pf.metadata.num_row_groups) if only is None else [only]
+        for rg in groups:
+            table = pf.read_row_group(rg, columns=wanted)
+            names, arrays = _named(table, file, rename, columns)
+            yield rg, pa.Table.from_arrays(arrays, names=names)
     except (pa.ArrowException, OSError) as e:
         raise RolltoolError(f"{file.path}: could not be read ({e})") from None

@@ -144,6 +144,13 @@ def _weights(pairs: tuple[str, ...]) -> dict[str, float]:
     "--shard-mb", type=float, default=256.0, show_default=True, help="Largest shard file, MB."
 )
 @click.option(
+    "--cache-mb",
+    type=float,
+    default=1024.0,
+    show_default=True,
+    help="Decoded input kept in memory, MB (input that fits is read from disk once).",
+)
+@click.option(
     "--column",
     multiple=True,
     metavar="NEW=OLD",
@@ -157,7 +164,7 @@ def pack(inputs: tuple[str, ...], output: str, dp: int, batch_unit: str, batch_s
          micro_batch_tokens: int | None, micro_batch_size: int | None, row_len: int | None, pad_id: int,
          balance: str, model: str | None, model_config: str | None, calibration: str | None, align: str,
          equal_count: bool, overlong: str, estimator: str, env_estimator: tuple[str, ...], std_eps: float,
-         loss_agg: str, loss_scale_factor: float | None, shard_mb: float, column: tuple[str, ...],
+         loss_agg: str, loss_scale_factor: float | None, shard_mb: float, cache_mb: float, column: tuple[str, ...],
          force: bool, as_json: bool) -> None:  # fmt: skip
     """Pack rollout Parquet INPUTS into sharded, balanced, pre-packed tensor files.
 
@@ -190,6 +197,7 @@ def pack(inputs: tuple[str, ...], output: str, dp: int, batch_unit: str, batch_s
         loss_agg=loss_agg,
         loss_scale_factor=loss_scale_factor,
         shard_mb=shard_mb,
+        cache_mb=cache_mb,
     )  # fmt: skip
     manifest = run_pack(
         inputs,
