@@ -1,0 +1,447 @@
+"""`rolltool stats`: counts against an independent recount, exact merging, the JSON contract,
+the figure, and errors for people.
+
+Recounts use plain polars/pyarrow/numpy on the input Parquet (or on samples.parquet and the shards
+of a packed run), never rolltool's own code.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from rolltool.pack import PackConfig, run_pack
+from rolltool.stats import ValueCounts, compute_stats
+from rolltool.stats.accumulate import Moments
+from rolltool.steps import StepConfig
+
+# --- the JSON contract --------------------------------------------------------------------------
+
+ROLLOUT_TOP = {"kind", "inputs", "limit", "rows", "overall", "envs"}
+ROLLOUT_SECTION = {
+    "groups", "group_size", "rollouts", "samples", "branches_per_rollout", "sampled_tokens",
+    "trainable_tokens", "reward", "uniform_groups", "completion",
+}  # fmt: skip
+LENGTH_KEYS = {"total", "mean", "min", "p50", "p90", "p99", "max"}
+UNIFORM_KEYS = {"all_0", "all_1", "other", "total", "share"}
+COMPLETION_KEYS = {
+    "out_of_order_groups", "out_of_order_share", "displacement", "rank_correlation", "span_s",
+    "group_wait_s",
+}  # fmt: skip
+PACKED_TOP = {
+    "kind", "path", "dp", "num_steps", "steps_read", "config", "workload", "samples", "totals",
+    "across_steps", "selected_step", "steps",
+}  # fmt: skip
+STEP_KEYS = {
+    "step", "status", "nominal", "actual", "groups", "rollouts", "samples", "sampled_tokens",
+    "trainable_tokens", "uniform_groups_kept", "uniform_groups_dropped", "overlong_dropped",
+    "reward_mean", "advantage_mean", "advantage_std", "envs", "micro_batches_per_rank",
+    "ffd_micro_batches", "empty_micro_batches", "rows", "row_tokens", "real_tokens",
+    "padding_tokens", "padding_fraction", "row_capacity", "packing_efficiency", "fill_histogram",
+    "rank_imbalance", "lockstep_overhead", "step_cost", "alternatives", "ranks",
+}  # fmt: skip
+STEP_ENV_KEYS = {
+    "groups", "rollouts", "samples", "sampled_tokens", "trainable_tokens", "uniform_groups_kept",
+    "uniform_groups_dropped", "overlong_dropped", "reward_mean", "token_share", "loss_weight_sum",
+    "loss_weight_share",
+}  # fmt: skip
+ALT_KEYS = {
+    "micro_batches_per_rank", "rank_imbalance", "lockstep_overhead", "step_cost",
+    "step_cost_vs_chosen",
+}  # fmt: skip
+RANK_KEYS = {
+    "rank", "micro_batches", "samples", "row_tokens", "real_tokens", "cost", "micro_batch_tokens",
+    "micro_batch_cost",
+}  # fmt: skip
+
+
+def _json(run_cli: Any, *args: Any) -> dict[str, Any]:
+    result = run_cli("stats", *args, "--json")
+    assert result.exit_code == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+# --- an independent recount of rollout Parquet ---------------------------------------------------
+
+
+def _recount(table: pa.Table) -> dict[str, dict[str, Any]]:
+    """Per env (and "all"): what stats should say, from plain polars on the input table."""
+    df = pl.from_arrow(table).with_columns(
+        pl.col("input_ids").list.len().alias("_len"),
+        pl.col("loss_mask").cast(pl.List(pl.Int64)).list.sum().alias("_train"),
+    )
+    assert isinstance(df, pl.DataFrame)
+    out = {}
+    for name, part in [*df.group_by("env"), (("all",), df)]:
+        ro = part.group_by("group_id", "rollout_id").agg(pl.col("reward").first(), pl.len())
+        gr = ro.group_by("group_id").agg(
+            pl.len().alias("size"), pl.col("reward").min().alias("lo"), pl.col("reward").max()
+        )
+        uniform = gr.filter((pl.col("size") > 1) & (pl.col("lo") == pl.col("reward")))
+        lengths, train = part["_len"].to_numpy(), part["_train"].to_numpy()
+        out[str(name[0])] = {
+            "groups": gr.height,
+            "rollouts": ro.height,
+            "samples": part.height,
+            "sizes": {str(k): v for k, v in gr["size"].value_counts().iter_rows()},
+            "branches": {str(k): v for k, v in ro["len"].value_counts().iter_rows()},
+            "sampled": {
+                "total": int(lengths.sum()),
+                "max": int(lengths.max()),
+                **{
+                    f"p{q}": int(np.percentile(lengths, q, method="inverted_cdf"))
+                    for q in (50, 90, 99)
+                },
+            },
+            "trainable_total": int(train.sum()),
+            "trainable_p90": int(np.percentile(train, 90, method="inverted_cdf")),
+            "reward_mean": float(ro["reward"].mean()),  # type: ignore[arg-type]
+            "reward_std": float(ro["reward"].std()),  # type: ignore[arg-type]
+            "uniform": {
+                "all_0": int((uniform["lo"] == 0).sum()),
+                "all_1": int((uniform["lo"] == 1).sum()),
+                "total": uniform.height,
+            },
+        }
+    return out
+
+
+def _check_against(report: dict[str, Any], expected: dict[str, dict[str, Any]]) -> None:
+    sections = {**report["envs"], "all": report["overall"]}
+    assert set(sections) == set(expected)
+    for name, want in expected.items():
+        got = sections[name]
+        assert got["groups"] == want["groups"], name
+        assert got["rollouts"] == want["rollouts"], name
+        assert got["samples"] == want["samples"], name
+        assert got["group_size"]["counts"] == want["sizes"], name
+        assert got["branches_per_rollout"]["counts"] == want["branches"], name
+        for k, v in want["sampled"].items():
+            assert got["sampled_tokens"][k] == v, (name, k)
+        assert got["trainable_tokens"]["total"] == want["trainable_total"], name
+        assert got["trainable_tokens"]["p90"] == want["trainable_p90"], name
+        assert got["reward"]["mean"] == pytest.approx(want["reward_mean"]), name
+        assert got["reward"]["std"] == pytest.approx(want["reward_std"]), name
+        for k, v in want["uniform"].items():
+            assert got["uniform_groups"][k] == v, (name, k)
+
+
+def test_rollout_counts_match_an_independent_recount(
+    run_cli: Any, synth_path: Path, synth_table: pa.Table
+) -> None:
+    report = _json(run_cli, synth_path)
+    assert report["rows"] == synth_table.num_rows
+    _check_against(report, _recount(synth_table))
+    # the data has several envs with several sizes, branches and uniform groups: not vacuous
+    assert len(report["envs"]) == 3
+    assert len(report["overall"]["branches_per_rollout"]["counts"]) > 1
+    assert report["overall"]["uniform_groups"]["total"] > 0
+
+
+def test_rollout_json_schema_is_pinned(run_cli: Any, synth_path: Path) -> None:
+    report = _json(run_cli, synth_path)
+    assert set(report) == ROLLOUT_TOP
+    assert report["kind"] == "rollouts"
+    for section in [report["overall"], *report["envs"].values()]:
+        assert set(section) == ROLLOUT_SECTION
+        assert set(section["sampled_tokens"]) == set(section["trainable_tokens"]) == LENGTH_KEYS
+        assert set(section["uniform_groups"]) == UNIFORM_KEYS
+        assert set(section["group_size"]) == {"usual", "odd_size_groups", "counts"}
+        assert set(section["completion"]) == COMPLETION_KEYS
+
+
+def test_completion_order_matches_a_slow_recount(run_cli: Any, synth_path: Path) -> None:
+    report = _json(run_cli, synth_path)
+    df = pl.read_parquet(synth_path, columns=["group_id", "env", "finished_at"])
+    df = df.with_row_index("row").with_columns(pl.col("finished_at").dt.epoch("us") / 1e6)
+    for name, part in [*df.group_by("env"), (("all",), df)]:
+        groups = part.group_by("group_id").agg(pl.col("row").min(), pl.col("finished_at").max())
+        done = groups.sort("row")["finished_at"].to_list()
+        late = sum(any(done[j] > done[i] for j in range(i)) for i in range(len(done)))
+        section = report["overall"] if name[0] == "all" else report["envs"][name[0]]
+        assert section["completion"]["out_of_order_groups"] == late
+        assert section["completion"]["span_s"] == pytest.approx(max(done) - min(done))
+
+
+def test_files_merge_exactly(
+    run_cli: Any, synth_table: pa.Table, write_parquet: Any, tmp_path: Path
+) -> None:
+    """Cuts in the middle of groups and rollouts: per-file results still add up to the whole."""
+    whole = _json(run_cli, write_parquet(synth_table, "whole.parquet"))
+    n = synth_table.num_rows
+    rid = synth_table["rollout_id"].to_pylist()
+    gid = synth_table["group_id"].to_pylist()
+    in_rollout = [i for i in range(1, n) if rid[i] == rid[i - 1]]  # cuts a rollout's branches
+    in_group = [i for i in range(1, n) if gid[i] == gid[i - 1] and rid[i] != rid[i - 1]]
+    assert in_rollout and in_group
+    cuts = sorted({0, in_rollout[0], in_rollout[-1], in_group[len(in_group) // 2], n})
+    for k in range(len(cuts) - 1):
+        write_parquet(synth_table.slice(cuts[k], cuts[k + 1] - cuts[k]), f"parts/p{k}.parquet")
+    parts = _json(run_cli, tmp_path / "parts")
+    assert len(parts["inputs"]) == len(cuts) - 1 >= 3
+    assert parts["rows"] == whole["rows"] == n
+    _close(parts["overall"], whole["overall"])
+    _close(parts["envs"], whole["envs"])
+
+
+def _close(a: Any, b: Any) -> None:
+    """Equal, floats to rounding (the moments merge in another order)."""
+    if isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            _close(a[k], b[k])
+    elif isinstance(a, float):
+        assert a == pytest.approx(b, rel=1e-12)
+    else:
+        assert a == b
+
+
+def test_limit_reads_the_first_rows(run_cli: Any, synth_path: Path, synth_table: pa.Table) -> None:
+    report = _json(run_cli, synth_path, "--limit", 50)
+    assert report["rows"] == report["overall"]["samples"] == 50
+    _check_against(report, _recount(synth_table.slice(0, 50)))
+
+
+def test_prompt_response_format_and_column_mapping(run_cli: Any, write_parquet: Any) -> None:
+    path = write_parquet(
+        {
+            "gid": ["a", "a", "b", "b", "b"],
+            "score": [1.0, 1.0, 0.0, 1.0, 0.5],
+            "prompt_ids": [[1, 2], [1, 2], [3], [3], [3]],
+            "response_ids": [[5], [6, 7, 8], [9, 9], [], [1]],
+        }
+    )
+    report = _json(run_cli, path, "--column", "group_id=gid", "--column", "reward=score")
+    o = report["overall"]
+    assert list(report["envs"]) == ["default"]
+    assert (o["groups"], o["rollouts"], o["samples"]) == (2, 5, 5)
+    assert o["sampled_tokens"]["total"] == 3 + 5 + 3 + 1 + 2
+    assert o["trainable_tokens"]["total"] == 1 + 3 + 2 + 0 + 1
+    assert o["uniform_groups"] == {"all_0": 0, "all_1": 1, "other": 0, "total": 1, "share": 0.5}
+    assert o["completion"] is None
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_accumulators_add_like_the_concatenation(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, 50, size=rng.integers(0, 200))
+    cut = int(rng.integers(0, len(x) + 1))
+    merged = ValueCounts.of(x[:cut]) + ValueCounts.of(x[cut:])
+    direct = ValueCounts.of(x)
+    assert np.array_equal(merged.values, direct.values)
+    assert np.array_equal(merged.counts, direct.counts)
+    for q in (0.01, 0.5, 0.9, 0.99, 1.0):
+        want = int(np.percentile(x, 100 * q, method="inverted_cdf")) if len(x) else None
+        assert merged.quantile(q) == want
+    f = rng.normal(size=len(x))
+    m = Moments.of(f[:cut]) + Moments.of(f[cut:])
+    assert m.n == len(f)
+    if len(f) > 1:
+        assert m.mean == pytest.approx(f.mean())
+        assert m.std == pytest.approx(f.std(ddof=1))
+
+
+# --- packed runs ---------------------------------------------------------------------------------
+
+
+def _pack(root: Path, table: pa.Table, **kw: Any) -> Path:
+    src = root / "in.parquet"
+    pq.write_table(table, src)
+    out = root / "packed"
+    kw.setdefault("steps", StepConfig(batch_size=32))
+    config = PackConfig(dp=4, micro_batch_tokens=8192, **kw)
+    run_pack([str(src)], out, config, command=["test"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory: pytest.TempPathFactory, synth_table: pa.Table) -> Path:
+    """Fixed-length rows (padding) and uniform groups dropped: every figure is non-trivial."""
+    steps = StepConfig(batch_size=32, uniform="drop")
+    return _pack(tmp_path_factory.mktemp("packed"), synth_table, row_len=8192, steps=steps)
+
+
+def test_packed_counts_match_samples_parquet(run_cli: Any, packed: Path) -> None:
+    report = _json(run_cli, packed)
+    samples = pl.read_parquet(packed / "samples.parquet")
+    trained = samples.filter(pl.col("status") == "trained")
+    manifest = json.loads((packed / "manifest.json").read_text())
+    assert report["num_steps"] == manifest["num_steps"] == len(report["steps"]) > 1
+    assert report["totals"]["samples"] == trained.height
+    assert report["totals"]["uniform_groups_dropped"] > 0  # the fixture is not vacuous
+    for s in report["steps"]:
+        mine = trained.filter(pl.col("step") == s["step"])
+        dropped = samples.filter(
+            (pl.col("step") == s["step"]) & (pl.col("status") == "uniform_dropped")
+        )
+        assert s["samples"] == mine.height
+        assert s["sampled_tokens"] == s["real_tokens"] == mine["length"].sum()
+        assert s["trainable_tokens"] == mine["trainable_tokens"].sum()
+        assert s["groups"] == mine["group_id"].n_unique()
+        assert s["rollouts"] == mine.select("group_id", "rollout_id").n_unique()
+        assert s["uniform_groups_dropped"] == dropped["group_id"].n_unique()
+        for env, e in s["envs"].items():
+            part = mine.filter(pl.col("env") == env)
+            assert e["samples"] == part.height
+            assert e["sampled_tokens"] == part["length"].sum()
+            assert e["token_share"] == pytest.approx(part["length"].sum() / mine["length"].sum())
+            weight = (part["token_loss_weight"].cast(pl.Float64) * part["trainable_tokens"]).sum()
+            assert e["loss_weight_share"] == pytest.approx(weight, rel=1e-5)  # token-mean: sum 1
+        # rows are padded to 8192: capacity is every row, padding is the rest
+        m = mine.select("rank", "micro_batch").n_unique()
+        assert s["micro_batches_per_rank"] * 4 == s["rows"] >= m
+        assert s["row_tokens"] == s["rows"] * 8192 == s["row_capacity"]
+        assert s["padding_tokens"] == s["row_capacity"] - mine["length"].sum()
+        assert s["packing_efficiency"] == pytest.approx(mine["length"].sum() / (s["rows"] * 8192))
+        assert sum(s["fill_histogram"]) == s["rows"]
+        per_rank = mine.group_by("rank").agg(pl.col("length").sum())["length"].to_numpy()
+        imbalance = per_rank.max() / (mine["length"].sum() / 4)
+        assert s["rank_imbalance"]["tokens"] == pytest.approx(imbalance)
+        plan = manifest["steps"][s["step"]]["plan"]
+        assert s["rank_imbalance"]["cost"] == pytest.approx(plan["imbalance_cost"])
+        assert s["lockstep_overhead"]["cost"] == pytest.approx(plan["lockstep_overhead_cost"])
+        assert s["lockstep_overhead"]["tokens"] == pytest.approx(plan["lockstep_overhead_tokens"])
+
+
+def test_packed_padding_matches_the_shards(packed: Path) -> None:
+    """The one figure worth checking against the rows themselves: padding tokens."""
+    import rolltool
+
+    stats = compute_stats([str(packed)]).report
+    ds = rolltool.open_packed(packed)
+    checked = 0
+    for s in stats["steps"]:
+        pad = 0
+        for rank in range(ds.dp):
+            for mb in ds.micro_batches(s["step"], rank):
+                seg = np.diff(np.asarray(mb["cu_seqlens"]))
+                pad += int(seg[np.asarray(mb["sample_index"]) < 0].sum())
+                checked += 1
+        assert s["padding_tokens"] == pad
+    assert checked == sum(s["rows"] for s in stats["steps"])
+
+
+def test_packed_json_schema_is_pinned(run_cli: Any, packed: Path) -> None:
+    report = _json(run_cli, packed)
+    assert set(report) == PACKED_TOP
+    assert report["kind"] == "packed"
+    for s in report["steps"]:
+        assert set(s) == STEP_KEYS
+        assert set(s["rank_imbalance"]) == set(s["lockstep_overhead"]) == {"tokens", "cost"}
+        assert set(s["alternatives"]) == {"tokens", "count"}
+        for alt in s["alternatives"].values():
+            assert set(alt) == ALT_KEYS
+        for e in s["envs"].values():
+            assert set(e) == STEP_ENV_KEYS
+        assert len(s["ranks"]) == report["dp"]
+        for r in s["ranks"]:
+            assert set(r) == RANK_KEYS
+            assert len(r["micro_batch_tokens"]) == s["micro_batches_per_rank"]
+    assert set(report["totals"]["balance"]) == {"chosen", "tokens", "count"}
+
+
+def test_alternative_equal_to_the_chosen_split_costs_the_same(
+    tmp_path: Path, synth_table: pa.Table
+) -> None:
+    """Balancing tokens, the 'tokens' re-plan is the plan itself: ratio exactly 1."""
+    out = _pack(tmp_path, synth_table, balance="tokens")
+    report = compute_stats([str(out)]).report
+    for s in report["steps"]:
+        assert s["alternatives"]["tokens"]["step_cost_vs_chosen"] == pytest.approx(1.0, abs=1e-12)
+        assert s["alternatives"]["tokens"]["rank_imbalance"] == pytest.approx(s["rank_imbalance"])
+
+
+def test_packed_step_and_limit(run_cli: Any, packed: Path) -> None:
+    one = run_cli("stats", packed, "--step", 1, "--per-step")
+    assert one.exit_code == 0, one.stderr
+    assert "step 1: ranks" in one.stdout and "step 1: balance" in one.stdout
+    report = _json(run_cli, packed, "--limit", 1)
+    assert report["steps_read"] == len(report["steps"]) == 1
+    assert report["totals"]["samples"] == report["steps"][0]["samples"]
+
+
+def test_terminal_tables(run_cli: Any, synth_path: Path, packed: Path) -> None:
+    result = run_cli("stats", synth_path)
+    assert result.exit_code == 0
+    assert "uniform groups" in result.stdout and "agent" in result.stdout
+    assert f"{_recount(pq.read_table(synth_path))['all']['sampled']['total']:,}" in result.stdout
+    result = run_cli("stats", packed)
+    assert result.exit_code == 0
+    for text in ("packing efficiency", "lockstep overhead", "tokens", "count", "token fill"):
+        assert text in result.stdout
+
+
+# --- the figure ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["rollouts", "packed"])
+def test_plot_is_written_with_labelled_axes(
+    run_cli: Any, synth_path: Path, packed: Path, tmp_path: Path, kind: str
+) -> None:
+    from rolltool.stats.plot import figure
+
+    src = synth_path if kind == "rollouts" else packed
+    png = tmp_path / "stats.png"
+    result = run_cli("stats", src, "--plot", png, "--json")
+    assert result.exit_code == 0, result.stderr
+    json.loads(result.stdout)  # the figure does not spoil the JSON document
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+    fig = figure(compute_stats([str(src)]))
+    axes = fig.get_axes()
+    assert len(axes) == 4
+    for ax in axes:
+        assert ax.get_xlabel() and ax.get_ylabel() and ax.get_title(loc="left"), ax
+        assert ax.has_data()
+
+
+def test_plot_without_matplotlib_is_an_error(
+    run_cli: Any, synth_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    result = run_cli("stats", synth_path, "--plot", tmp_path / "x.png")
+    assert result.exit_code == 1
+    assert "matplotlib" in result.stderr and "rolltool[plot]" in result.stderr
+
+
+# --- errors --------------------------------------------------------------------------------------
+
+
+def test_errors_are_for_people(run_cli: Any, tmp_path: Path, write_parquet: Any, packed: Path) -> None:  # fmt: skip
+    (tmp_path / "empty").mkdir()
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "manifest.json").write_text('{"format": "something-else"}')
+    not_rollouts = write_parquet({"a": [1, 2]}, "plain/x.parquet").parent
+    cases = [
+        ((tmp_path / "missing",), "no such file"),
+        ((tmp_path / "empty",), "not a rolltool directory"),
+        ((other,), "not a rolltool packed manifest"),
+        ((not_rollouts,), "not rollout Parquet"),
+        ((packed, "--step", 99), "out of range"),
+        ((not_rollouts / "x.parquet", "--step", 0), "packed directory"),
+        ((packed, packed), "give it alone"),
+    ]
+    for args, message in cases:
+        result = run_cli("stats", *args)  # a traceback fails the test (conftest)
+        assert result.exit_code == 1, (args, result.output)
+        assert result.stderr.startswith("Error: ") and message in result.stderr, result.stderr
+
+
+def test_stats_does_not_import_torch(synth_path: Path, packed: Path) -> None:
+    code = (
+        "import sys; from rolltool.cli import main; from rolltool.stats import compute_stats; "
+        "from rolltool.stats import render; "
+        f"compute_stats([{str(synth_path)!r}]); compute_stats([{str(packed)!r}]); "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
