@@ -1,0 +1,378 @@
+"""rolltool bench on CPU with the sdpa backend at small sizes (GPU paths skip without CUDA).
+
+Invariants: every segment of a packed row equals attention over that sequence alone (against a
+naive softmax reference); a kernel that leaks across segments fails --check; the report's
+arithmetic matches hand-made tables; the fit recovers known coefficients; the JSON carries the
+documented keys; several directories compare with the best marked.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from rolltool.bench import report as rp
+from rolltool.bench.backends import Backend, make_backend
+from rolltool.bench.check import check_row, sample_rows
+from rolltool.bench.config import AttentionShape, BenchConfig, resolve_shape
+from rolltool.bench.rows import Row
+from rolltool.errors import RolltoolError
+from rolltool.synth import SynthConfig, generate
+from rolltool.workload import make_workload
+
+torch = pytest.importorskip("torch")
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+TINY = ("--backend", "sdpa", "--heads", "2", "--kv-heads", "1", "--head-dim", "8",
+        "--repeats", "1", "--warmup", "0")  # fmt: skip
+STEP_KEYS = {
+    "step",
+    "dp_time",
+    "lockstep_time",
+    "ideal_time",
+    "dp_efficiency",
+    "lockstep_efficiency",
+}
+
+
+def naive_attention(q: Any, k: Any, v: Any) -> Any:
+    """Causal softmax attention of one sequence in float64, written out: [L, H, D] -> [L, H, D]."""
+    q, k, v = (x.double() for x in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / q.shape[-1] ** 0.5
+    n = q.shape[0]
+    scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def make_row(lengths: list[int], step: int = 0, rank: int = 0, mb: int = 0) -> Row:
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    return Row(step=step, rank=rank, micro_batch=mb, cu_seqlens=cu,
+               sample_index=np.arange(len(lengths), dtype=np.int64), predicted=float(sum(lengths)))  # fmt: skip
+
+
+_SDPA = make_backend("sdpa", torch, device="cpu", dtype="fp32")[0]
+
+
+def sdpa() -> Backend:
+    return _SDPA
+
+
+# --- the attention itself -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_sdpa_row_equals_each_sequence_alone(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    lengths = [int(x) for x in rng.integers(1, 40, size=int(rng.integers(1, 6)))]
+    heads, kv = [(4, 4), (4, 2), (6, 1)][seed % 3]
+    t = sum(lengths)
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(t, heads, 8, generator=gen, requires_grad=True)
+    k = torch.randn(t, kv, 8, generator=gen, requires_grad=True)
+    v = torch.randn(t, kv, 8, generator=gen, requires_grad=True)
+    row = make_row(lengths)
+    out = sdpa().attend(
+        q, k, v, torch.from_numpy(row.cu_seqlens), row.max_len, row.cu_seqlens.tolist()
+    )
+    assert out.shape == q.shape
+    go = torch.randn(out.shape, generator=gen)
+    grads = torch.autograd.grad(out, (q, k, v), go)
+    compared = 0
+    for s, e in zip(row.cu_seqlens[:-1], row.cu_seqlens[1:], strict=True):
+        alone = [x[s:e].detach().clone().requires_grad_() for x in (q, k, v)]
+        ref = naive_attention(*alone)
+        torch.testing.assert_close(out[s:e].double(), ref, atol=1e-5, rtol=1e-5)
+        ref_grads = torch.autograd.grad(ref, alone, go[s:e].double())
+        for g, rg in zip(grads, ref_grads, strict=True):
+            torch.testing.assert_close(g[s:e].double(), rg.double(), atol=1e-5, rtol=1e-5)
+        compared += 1
+    assert compared == len(lengths)
+
+
+def _leaky(torch: Any) -> Backend:
+    """A broken kernel: causal attention over the whole row, ignoring the boundaries."""
+
+    def attend(q: Any, k: Any, v: Any, cu: Any, max_len: int, bounds: Any) -> Any:
+        return sdpa().attend(q, k, v, cu, max_len, [0, q.shape[0]])
+
+    return Backend("leaky", attend, True, "ignores cu_seqlens")
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_check_passes_sdpa_and_catches_cross_contamination(backward: bool) -> None:
+    shape = AttentionShape(heads=4, kv_heads=2, head_dim=8)
+    config = BenchConfig(backend="sdpa", shape=shape, backward=backward, check_rows=1)
+    row = make_row([5, 17, 1, 30])
+    good = check_row(torch, sdpa(), row, config)
+    assert good["ok"] and good["segments"] == 4
+    bad = check_row(torch, _leaky(torch), row, config)
+    assert not bad["ok"] and bad["worst_segment"] >= 1  # segment 0 is right even when leaking
+    assert bad["max_abs_error"] > 0.05
+
+
+def test_check_samples_distinct_rows_including_the_extremes() -> None:
+    rows = [make_row([10] * (i % 4 + 1), mb=i) for i in range(9)] + [make_row([200], mb=9)]
+    picks = sample_rows(rows, 4)
+    assert len(picks) == len(set(picks)) == 4
+    assert 9 in picks  # the longest segment
+    assert any(len(rows[i].cu_seqlens) == 5 for i in picks)  # the most segments
+    assert sample_rows(rows, 0) == []
+
+
+# --- backends ---------------------------------------------------------------------------------
+
+
+def test_auto_on_cpu_picks_sdpa_and_says_why() -> None:
+    backend, reason = make_backend("auto", torch, device="cpu", dtype="fp32")
+    assert backend.name == "sdpa"
+    assert "torch-varlen" in reason and "CUDA" in reason
+
+
+@pytest.mark.parametrize("name", ["torch-varlen", "flash-attn"])
+def test_cuda_backends_refuse_cpu(name: str) -> None:
+    with pytest.raises(RolltoolError, match="CUDA"):
+        make_backend(name, torch, device="cpu", dtype="bf16")
+
+
+@pytest.mark.parametrize(
+    ("signature", "expected"),
+    [("window", {"window_size": (-1, 0)}), ("causal", {"is_causal": True})],
+)
+def test_torch_varlen_handles_both_signatures(monkeypatch, signature: str, expected: dict) -> None:
+    """2.10 takes is_causal=True, 2.11+ window_size=(-1, 0): detected from the signature."""
+    import torch.nn.attention.varlen as varlen
+
+    calls: list[dict[str, Any]] = []
+
+    def v211(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, window_size=(-1, -1)):
+        calls.append({"window_size": window_size})
+        return query
+
+    def v210(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False):
+        calls.append({"is_causal": is_causal})
+        return query
+
+    monkeypatch.setattr(varlen, "varlen_attn", v211 if signature == "window" else v210)
+    from rolltool.bench.backends import BACKENDS
+
+    backend = BACKENDS["torch-varlen"](torch)
+    assert not backend.gqa  # neither fake takes enable_gqa: k, v are repeated beforehand
+    x = torch.zeros(3, 2, 4)
+    backend.attend(x, x, x, torch.tensor([0, 3], dtype=torch.int32), 3, [0, 3])
+    assert calls == [expected]
+
+
+@cuda
+@pytest.mark.parametrize("name", ["torch-varlen", "auto"])
+def test_cuda_backend_matches_sequences_alone(name: str) -> None:
+    backend, _ = make_backend(name, torch, device="cuda", dtype="bf16")
+    config = BenchConfig(backend=backend.name, shape=AttentionShape(heads=8, kv_heads=2, head_dim=64),
+                         dtype="bf16", device="cuda", backward=True, check_rows=1)  # fmt: skip
+    assert check_row(torch, backend, make_row([100, 1, 700, 33]), config)["ok"]
+
+
+# --- report arithmetic ------------------------------------------------------------------------
+
+
+def test_step_times_on_a_hand_made_table() -> None:
+    # step 0: rank 0 takes (3, 1) s, rank 1 takes (1, 3) s; step 1: rank 0 (2,), rank 1 (4,).
+    step = np.array([0, 0, 0, 0, 1, 1])
+    rank = np.array([0, 0, 1, 1, 0, 1])
+    mb = np.array([0, 1, 0, 1, 0, 0])
+    t = np.array([3.0, 1.0, 1.0, 3.0, 2.0, 4.0])
+    s0, s1 = rp.step_times(step, rank, mb, t, dp=2)
+    assert (s0["dp_time"], s0["lockstep_time"], s0["ideal_time"]) == (4.0, 6.0, 4.0)
+    assert s0["dp_efficiency"] == 1.0 and s0["lockstep_efficiency"] == pytest.approx(4 / 6)
+    assert (s1["dp_time"], s1["lockstep_time"], s1["ideal_time"]) == (4.0, 4.0, 3.0)
+    total = rp.total_times([s0, s1])
+    assert (total["dp_time"], total["lockstep_time"], total["ideal_time"]) == (8.0, 10.0, 7.0)
+    assert total["lockstep_efficiency"] == pytest.approx(0.7)
+    assert STEP_KEYS - {"step"} <= set(total)
+
+
+def test_step_times_invariants_on_random_tables() -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        dp, m = int(rng.integers(1, 6)), int(rng.integers(1, 5))
+        t = rng.random((dp, m))
+        rank, mb = np.meshgrid(np.arange(dp), np.arange(m), indexing="ij")
+        (s,) = rp.step_times(np.zeros(dp * m, int), rank.ravel(), mb.ravel(), t.ravel(), dp)
+        assert s["lockstep_time"] >= s["dp_time"] - 1e-12 >= s["ideal_time"] - 2e-12
+        assert s["dp_time"] == pytest.approx(t.sum(1).max())
+        assert s["lockstep_time"] == pytest.approx(t.max(0).sum())
+
+
+def test_attention_flops_and_peak_share() -> None:
+    # 2 · 1024² · 128 · 32 = 8.59 GFLOP forward; backward adds 2.5x.
+    assert rp.attention_flops(np.array([1024]), heads=32, head_dim=128) == 2 * 1024**2 * 128 * 32
+    assert rp.attention_flops(np.array([3, 4]), heads=1, head_dim=1, layers=2, backward=True) == (
+        2 * 25 * 2 * 3.5
+    )
+    t = rp.throughput(989e12, 2.0, "NVIDIA H200", "bf16")
+    assert t["tflops"] == pytest.approx(494.5) and t["peak_share"] == pytest.approx(0.5)
+    assert rp.throughput(1e12, 1.0, "CPU (x86_64)", "fp32")["peak_share"] is None
+    assert rp.peak_tflops("NVIDIA H100 80GB HBM3", "fp32") is None
+
+
+def test_fit_recovers_known_coefficients() -> None:
+    rng = np.random.default_rng(1)
+    a, b = 3e-7, 2e-11
+    rows = [rng.integers(50, 8000, size=int(rng.integers(1, 12))) for _ in range(40)]
+    tokens = np.array([r.sum() for r in rows], dtype=float)
+    sum_sq = np.array([(r.astype(float) ** 2).sum() for r in rows])
+    seconds = (a * tokens + b * sum_sq) * rng.normal(1.0, 1e-3, size=len(rows))
+    fit = rp.fit_quadratic(tokens, sum_sq, seconds)
+    assert fit["a"] == pytest.approx(a, rel=0.02) and fit["b"] == pytest.approx(b, rel=0.02)
+    assert fit["r2"] > 0.999 and fit["rows"] == 40
+    # A quadratic-only truth with noise pulling a below 0: the fit stays a valid cost model.
+    fit0 = rp.fit_quadratic(tokens, sum_sq, b * sum_sq - 1e-9 * tokens)
+    assert fit0["a"] == 0.0 and fit0["b"] > 0
+
+
+def test_calibration_file_is_what_pack_reads(tmp_path: Path) -> None:
+    from rolltool.bench.run import write_json
+
+    fit = {"a": 1.5e-7, "b": 2.5e-12, "r2": 0.99, "rows": 10}
+    path = tmp_path / "cal.json"
+    write_json(
+        path, rp.calibration(fit, {"device": "NVIDIA H200", "backend": "torch-varlen"}), force=False
+    )
+    w = make_workload("calibrated", calibration=path)
+    assert (w.a, w.b, w.c) == (1.5e-7, 2.5e-12, 0.0)
+    assert w.notes["device"] == "NVIDIA H200" and w.notes["r2"] == 0.99
+    with pytest.raises(RolltoolError, match="exists"):
+        write_json(path, {}, force=False)
+
+
+def test_shape_resolution() -> None:
+    shape, source = resolve_shape(model="dense-8b")
+    assert (shape.heads, shape.kv_heads, shape.head_dim, shape.layers) == (32, 8, 128, 1)
+    shape, source = resolve_shape(model="dense-8b", heads=16)
+    assert (shape.heads, shape.kv_heads) == (16, 4) and "overrides" in source
+    with pytest.raises(RolltoolError, match="multiple"):
+        resolve_shape(heads=6, kv_heads=4)
+
+
+# --- the command ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def packed_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The same small synthetic input packed three ways (dp 2, 4,096-token micro-batches)."""
+    from click.testing import CliRunner
+
+    from rolltool.cli import main
+
+    root = tmp_path_factory.mktemp("bench")
+    data = root / "synth.parquet"
+    pq.write_table(generate(SynthConfig(groups=8, max_len=2048, seed=0)), data)
+    dirs = {}
+    for balance in ("flops", "tokens", "count"):
+        dirs[balance] = root / balance
+        args = [str(data), "--dp", "2", "--batch-size", "16", "--micro-batch-tokens", "4096",
+                "--balance", balance, "-o", str(dirs[balance])]  # fmt: skip
+        result = CliRunner().invoke(main, ["pack", *args])
+        assert result.exit_code == 0, result.output
+    return dirs
+
+
+def test_json_schema_and_arithmetic(run_cli, packed_dirs, tmp_path: Path) -> None:
+    cal = tmp_path / "cal.json"
+    result = run_cli("bench", packed_dirs["flops"], *TINY, "--check", "--calibrate", cal, "--json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["backend"] == "sdpa" and doc["check_ok"] is True and doc["check"]["ok"]
+    import rolltool
+
+    ds = rolltool.open_packed(packed_dirs["flops"])
+    assert [s["step"] for s in doc["steps"]] == list(range(ds.num_steps))
+    n_rows = sum(len(ds.micro_batches(s, r)) for s in range(ds.num_steps) for r in range(ds.dp))
+    assert len(doc["rows"]) == n_rows
+    for s in [*doc["steps"], doc["total"]]:
+        assert STEP_KEYS - {"step"} <= set(s)
+        assert s["dp_efficiency"] == pytest.approx(s["ideal_time"] / s["dp_time"])
+        assert s["lockstep_efficiency"] == pytest.approx(s["ideal_time"] / s["lockstep_time"])
+        assert 0 < s["lockstep_efficiency"] <= s["dp_efficiency"] <= 1 + 1e-12
+    for key in ("dp_time", "lockstep_time", "ideal_time"):
+        assert doc["total"][key] == pytest.approx(sum(s[key] for s in doc["steps"]))
+    assert doc["total"]["ideal_time"] == pytest.approx(
+        sum(r["seconds"] for r in doc["rows"]) / ds.dp
+    )
+    assert doc["throughput"]["tflops"] > 0 and doc["throughput"]["peak_share"] is None
+    assert {"a", "b", "r2"} <= set(doc["fit"])
+    w = make_workload("calibrated", calibration=cal)
+    assert w.a == doc["fit"]["a"] and w.b == doc["fit"]["b"] and w.notes["backend"] == "sdpa"
+
+
+def test_steps_subset_and_table(run_cli, packed_dirs) -> None:
+    result = run_cli("bench", packed_dirs["tokens"], *TINY, "--steps", "0,2-3", "--rows")
+    assert result.exit_code == 0, result.output
+    assert (
+        "lockstep eff" in result.stdout and "TFLOP/s" in result.stdout and "total" in result.stdout
+    )
+    doc = json.loads(
+        run_cli("bench", packed_dirs["tokens"], *TINY, "--steps", "1", "--json").stdout
+    )
+    assert [s["step"] for s in doc["steps"]] == [1] and {r["step"] for r in doc["rows"]} == {1}
+    bad = run_cli("bench", packed_dirs["tokens"], *TINY, "--steps", "99")
+    assert bad.exit_code == 1 and "out of range" in bad.stderr
+    assert run_cli("bench", packed_dirs["tokens"], "--steps", "2-1").exit_code == 2
+
+
+def test_several_directories_side_by_side(run_cli, packed_dirs) -> None:
+    dirs = [packed_dirs[k] for k in ("flops", "tokens", "count")]
+    doc = json.loads(run_cli("bench", *dirs, *TINY, "--json").stdout)
+    cmp = doc["comparison"]
+    assert [line["path"] for line in cmp["lines"]] == [str(d) for d in dirs]
+    assert [line["balance"] for line in cmp["lines"]] == ["flops", "tokens", "count"]
+    assert cmp["same_input"]
+    for key in ("dp_time", "lockstep_time"):
+        best = [i for i, line in enumerate(cmp["lines"]) if key in line["best"]]
+        assert best == [cmp["best"][key]]
+        assert cmp["lines"][best[0]][key] == min(line[key] for line in cmp["lines"])
+    assert len(doc["runs"]) == 3 and all("steps" in r and "total" in r for r in doc["runs"])
+    table = run_cli("bench", *dirs, *TINY)
+    assert table.exit_code == 0 and "comparison" in table.stdout and " *" in table.stdout
+
+
+def test_failed_check_exits_1_and_writes_no_calibration(
+    run_cli, packed_dirs, monkeypatch, tmp_path: Path
+) -> None:
+    from rolltool.bench import backends
+
+    monkeypatch.setitem(backends.BACKENDS, "sdpa", _leaky)
+    cal = tmp_path / "cal.json"
+    result = run_cli("bench", packed_dirs["flops"], *TINY, "--check", "--calibrate", cal)
+    assert result.exit_code == 1, result.output
+    assert "--check failed" in result.stderr and "FAILED" in result.stdout
+    assert not cal.exists()
+
+
+def test_cpu_refuses_cuda_backend_and_device(run_cli, packed_dirs) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    for args in (["--backend", "torch-varlen"], ["--device", "cuda"]):
+        result = run_cli("bench", packed_dirs["count"], *args)
+        assert result.exit_code == 1 and "CUDA" in result.stderr, result.output
+
+
+def test_missing_torch_is_a_clear_error(run_cli, packed_dirs, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` now raises ImportError
+    result = run_cli("bench", packed_dirs["count"], "--backend", "sdpa")
+    assert result.exit_code == 1
+    assert "needs PyTorch" in result.stderr and "Traceback" not in result.output
+
+
+def test_cli_import_does_not_import_torch() -> None:
+    code = "import sys, rolltool.cli, rolltool.cli.bench, rolltool.bench; assert 'torch' not in sys.modules"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
