@@ -399,6 +399,7 @@ def run_pack(
             align=config.align,
         )
         _check_plan(plan, len(members), ro.length[members], config)
+        _check_rows_fit(plan, ro.length[members], config, step.index)
         for r, mbs in enumerate(plan.micro_batches):
             for j, m in enumerate(mbs):
                 rank_of[members[m]] = r
@@ -560,6 +561,19 @@ def _check_plan(plan: Any, n: int, lengths: np.ndarray, config: PackConfig) -> N
     if config.micro_batch_tokens is not None:
         worst = max((int(lengths[m].sum()) for mbs in plan.micro_batches for m in mbs), default=0)
         assert worst <= config.micro_batch_tokens, f"micro-batch of {worst} tokens over the budget"
+
+
+def _check_rows_fit(plan: Any, lengths: np.ndarray, config: PackConfig, step: int) -> None:
+    """With --micro-batch-size, nothing bounds a micro-batch's tokens: it must fit --row-len."""
+    if config.micro_batch_size is None or config.row_len is None:
+        return
+    worst = max((int(lengths[m].sum()) for mbs in plan.micro_batches for m in mbs), default=0)
+    if worst > config.row_len:
+        raise RolltoolError(
+            f"step {step}: a micro-batch of --micro-batch-size {config.micro_batch_size} samples "
+            f"holds {worst:,} tokens, more than --row-len {config.row_len:,}",
+            hint="raise --row-len, lower --micro-batch-size, or give --micro-batch-tokens instead",
+        )
 
 
 def _plan_summary(plan: Any) -> dict[str, Any]:
