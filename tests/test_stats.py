@@ -230,6 +230,16 @@ def test_prompt_response_format_and_column_mapping(run_cli: Any, write_parquet: 
     assert o["completion"] is None
 
 
+def test_hive_partition_names_the_env(run_cli: Any, write_parquet: Any, tmp_path: Path) -> None:
+    rows = {"group_id": [1, 1], "reward": [0.0, 1.0], "loss_mask": [[0, 1, 1], [1]]}
+    write_parquet(rows, "data/env=math/part-0.parquet")
+    write_parquet({**rows, "group_id": [2, 2]}, "data/env=code/part-0.parquet")
+    report = _json(run_cli, tmp_path / "data")
+    assert sorted(report["envs"]) == ["code", "math"]
+    assert report["envs"]["math"]["trainable_tokens"]["total"] == 3
+    assert report["overall"]["rollouts"] == 4  # no rollout_id: each row is its own rollout
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_accumulators_add_like_the_concatenation(seed: int) -> None:
     rng = np.random.default_rng(seed)

@@ -30,15 +30,12 @@ from typing import Any
 import numpy as np
 import polars as pl
 import pyarrow as pa
-import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from rolltool.errors import RolltoolError
 from rolltool.schema import DEFAULT_ENV
-from rolltool.source import InputFile, file_schema, iter_batches, resolve_inputs
+from rolltool.source import InputFile, file_schema, resolve_inputs
 from rolltool.stats.accumulate import Moments, Stats, ValueCounts, add_dicts, percentiles
-
-BATCH_ROWS = 8192
-"""Rows per record batch: bounds the memory of one batch's token column."""
 
 HINT = (
     "`rolltool stats` reads rollout Parquet (group_id, reward and input_ids/loss_mask or "
@@ -252,27 +249,22 @@ def _token_format(file: InputFile, schema: pa.Schema) -> str:
     return fmt
 
 
-def _list_lengths(arr: pa.Array) -> np.ndarray:
-    return pc.list_value_length(arr).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+def _ones(col: pl.Expr, dtype: pa.DataType) -> pl.Expr:
+    """Elements equal to 1 (or True) per list; a null list counts 0."""
+    if pa.types.is_boolean(dtype.value_type):
+        return col.list.sum().fill_null(0)
+    return col.list.eval(pl.element() == 1).list.sum().fill_null(0)
 
 
-def _ones_per_list(arr: pa.Array) -> np.ndarray:
-    """Number of elements equal to 1 (or True) in each list, without Python objects."""
-    if isinstance(arr, pa.ChunkedArray):
-        arr = arr.combine_chunks()
-    offsets = pc.list_value_length(arr).fill_null(0).to_numpy(zero_copy_only=False)
-    flat = pc.list_flatten(arr)  # null lists contribute nothing
-    ones = pc.equal(pc.cast(flat, pa.int8()), 1).fill_null(False).to_numpy(zero_copy_only=False)
-    csum = np.concatenate([[0], np.cumsum(ones, dtype=np.int64)])
-    ends = np.cumsum(offsets, dtype=np.int64)
-    return csum[ends] - csum[ends - offsets]
+def _length(col: pl.Expr) -> pl.Expr:
+    return col.list.len().fill_null(0)
 
 
-def _as_float(arr: pa.Array) -> np.ndarray:
+def _as_float(col: pl.Expr, dtype: pa.DataType) -> pl.Expr:
     """float64 values; timestamps become seconds since the epoch."""
-    if pa.types.is_timestamp(arr.type):
-        arr = pc.divide(pc.cast(pc.cast(arr, pa.timestamp("us")), pa.int64()), 1e6)
-    return np.asarray(pc.cast(arr, pa.float64()).to_numpy(zero_copy_only=False), dtype=np.float64)
+    if pa.types.is_timestamp(dtype):
+        return col.dt.epoch("us").cast(pl.Float64) / 1e6
+    return col.cast(pl.Float64)
 
 
 def file_stats(
@@ -280,48 +272,51 @@ def file_stats(
 ) -> RolloutStats:
     """Statistics of one file; ``first_row`` is its first row's index in the ordered input.
 
-    ``limit``: read at most this many rows of the file.
+    ``limit``: read at most this many rows of the file. One lazy polars scan reads the light
+    columns and the token column(s), reduced at once to list lengths (streaming engine: memory
+    stays bounded by a morsel of rows, not by the file's tokens).
     """
     schema = file_schema(file, rename)
     fmt = _token_format(file, schema)
-    names = set(schema.names)
-    tokens = ["loss_mask"] if fmt == "input_ids" else ["prompt_ids", "response_ids"]
-    light = [c for c in ("group_id", "rollout_id", "env", "reward", "finished_at") if c in names]
-    frames = []
-    row = first_row
-    for batch in iter_batches(file, rename, light + tokens, batch_rows=BATCH_ROWS):
-        if limit is not None and row - first_row + batch.num_rows > limit:
-            batch = batch.slice(0, max(0, limit - (row - first_row)))
-        n = batch.num_rows
-        if not n:
-            break
-        cols = dict(zip(batch.schema.names, batch.columns, strict=True))
-        if fmt == "input_ids":
-            length = _list_lengths(cols["loss_mask"])
-            trainable = _ones_per_list(cols["loss_mask"])
-        else:
-            trainable = _list_lengths(cols["response_ids"])
-            length = _list_lengths(cols["prompt_ids"]) + trainable
-        rows = np.arange(row, row + n, dtype=np.int64)
-        frame = {
-            "group_id": pl.Series(cols["group_id"]),
-            "rollout_id": pl.Series(cols["rollout_id"]) if "rollout_id" in cols else rows,
-            "env": pl.Series(cols["env"]).cast(pl.String)
-            if "env" in cols
-            else pl.Series([DEFAULT_ENV] * n, dtype=pl.String),
-            "reward": _as_float(cols["reward"]),
-            "length": length,
-            "trainable": trainable,
-            "row": rows,
-            "finished": _as_float(cols["finished_at"]) if "finished_at" in cols else None,
-        }
-        frames.append(pl.DataFrame({k: v for k, v in frame.items() if v is not None}))
-        row += n
-    if not frames:
-        return RolloutStats(has_finished="finished_at" in names)
-    df = pl.concat(frames)
-    if "finished" not in df.columns:
-        df = df.with_columns(pl.lit(None, pl.Float64).alias("finished"))
+    types = {f.name: f.type for f in schema}
+    reverse = {new: old for old, new in rename.items()}
+
+    def col(name: str) -> pl.Expr:
+        if name in file.partitions and reverse.get(name, name) not in _file_names(file):
+            return pl.lit(file.partitions[name], pl.String)
+        return pl.col(reverse.get(name, name))
+
+    if fmt == "input_ids":
+        length = _length(col("loss_mask"))
+        trainable = _ones(col("loss_mask"), types["loss_mask"])
+    else:
+        trainable = _length(col("response_ids"))
+        length = _length(col("prompt_ids")) + trainable
+    has = set(types)
+    exprs = [
+        col("group_id").alias("group_id"),
+        (col("rollout_id") if "rollout_id" in has else pl.col("row")).alias("rollout_id"),
+        (col("env").cast(pl.String) if "env" in has else pl.lit(DEFAULT_ENV)).alias("env"),
+        _as_float(col("reward"), types["reward"]).alias("reward"),
+        length.cast(pl.Int64).alias("length"),
+        trainable.cast(pl.Int64).alias("trainable"),
+        pl.col("row"),
+        (
+            _as_float(col("finished_at"), types["finished_at"])
+            if "finished_at" in has
+            else pl.lit(None, pl.Float64)
+        ).alias("finished"),
+    ]
+    lf = pl.scan_parquet(file.path, hive_partitioning=False).with_row_index("row", first_row)
+    if limit is not None:
+        lf = lf.head(limit)
+    try:
+        df = lf.select(exprs).collect(engine="streaming")
+    except (OSError, pl.exceptions.PolarsError) as e:
+        raise RolltoolError(f"{file.path}: could not be read ({e})") from None
+    df = df.with_columns(pl.col("row").cast(pl.Int64))
+    if "rollout_id" not in has:
+        df = df.with_columns(pl.col("rollout_id").cast(pl.Int64))
     envs = {}
     for (env,), part in df.group_by("env"):
         envs[str(env)] = EnvLengths(
@@ -336,7 +331,11 @@ def file_stats(
         pl.col("row").min(),
         pl.col("finished").max(),
     )
-    return RolloutStats(len(df), envs, (rollouts,), "finished_at" in names)
+    return RolloutStats(len(df), envs, (rollouts,) if len(df) else (), "finished_at" in has)
+
+
+def _file_names(file: InputFile) -> set[str]:
+    return set(pq.read_schema(file.path).names)
 
 
 def rollout_stats(

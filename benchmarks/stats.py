@@ -1,0 +1,96 @@
+"""Benchmark: `rolltool stats` on rollout Parquet against a plain polars scan of the same columns.
+
+    python benchmarks/stats.py [--groups 2000] [--repeats 5]
+
+Generates a synth dataset (cached under /tmp, shared with benchmarks/advantages.py), then times,
+in one run and on the same file:
+  polars     pl.scan_parquet(...).select(light columns, loss_mask.list.len(), .list.sum())
+             .collect(engine="streaming"): reading what stats reads, computing nothing else
+  api        rolltool.stats.rollout_stats: the same read plus every statistic
+  cli        `rolltool stats FILE --json` as a subprocess (adds interpreter start-up)
+  validate   rolltool.schema.scan, the full validation `rolltool pack` runs (reads input_ids
+             too), for scale: what stats saves by reading only the columns it needs
+and prints medians and the ratio to the polars floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import polars as pl
+import pyarrow.parquet as pq
+
+from rolltool.jobs import run_synth
+from rolltool.schema import scan
+from rolltool.source import resolve_inputs
+from rolltool.stats import rollout_stats
+from rolltool.synth import SynthConfig
+
+LIGHT = ["group_id", "rollout_id", "env", "reward", "finished_at"]
+
+
+def _time(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm the page cache and imports: every contender reads a hot file
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--groups", type=int, default=2000)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+
+    cache = Path(tempfile.gettempdir()) / f"rolltool-bench-synth-{args.groups}.parquet"
+    if not cache.exists():
+        print(f"generating {cache} ...", file=sys.stderr)
+        run_synth(SynthConfig(groups=args.groups, seed=1), cache, force=True)
+    meta = pq.ParquetFile(cache).metadata
+
+    def polars_scan() -> None:
+        mask = pl.col("loss_mask")
+        pl.scan_parquet(cache).select(
+            *LIGHT, mask.list.len().alias("length"), mask.list.sum().alias("trainable")
+        ).collect(engine="streaming")
+
+    def api() -> None:
+        rollout_stats([str(cache)])
+
+    def cli() -> None:
+        cmd = [sys.executable, "-m", "rolltool", "stats", str(cache), "--json"]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+
+    def validate() -> None:
+        scan(resolve_inputs([cache]))
+
+    rows = [
+        ("polars scan (floor)", _time(polars_scan, args.repeats)),
+        ("rollout_stats (API)", _time(api, args.repeats)),
+        ("rolltool stats --json (CLI)", _time(cli, args.repeats)),
+        ("schema.scan (pack's validation)", _time(validate, args.repeats)),
+    ]
+    size = cache.stat().st_size / 1e6
+    print(f"input: {meta.num_rows:,} samples, {size:,.0f} MB ({cache}), {args.repeats} repeats")
+    print()
+    print("| what | median s | x floor |")
+    print("|---|---:|---:|")
+    floor = rows[0][1]
+    for name, t in rows:
+        print(f"| {name} | {t:.3f} | {t / floor:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
