@@ -146,6 +146,44 @@ def _ranks(lens: np.ndarray, starts: np.ndarray) -> np.ndarray:
     return np.arange(total, dtype=np.int64) - np.repeat(starts, lens)
 
 
+TOKEN_ARRAYS = ("input_ids", "loss_mask", "logprobs")
+SEGMENT_ARRAYS = ("seq_lens", "sample_index", "seg_advantage", "seg_weight")
+
+
+def check_rows(rows: dict[str, np.ndarray]) -> str | None:
+    """Why flat `PackedRows` arrays (as read from a shard) are not self-consistent, or None.
+
+    Checks what `unpack_row` relies on: every array present and 1-D, ``row_offsets`` and
+    ``row_segments`` start at 0, never decrease and end at their arrays' lengths, segments are
+    non-empty and each row's segment lengths add up to its token count.
+    """
+    missing = [
+        k for k in (*TOKEN_ARRAYS, *SEGMENT_ARRAYS, "row_offsets", "row_segments") if k not in rows
+    ]
+    if missing:
+        return f"missing array(s) {', '.join(missing)}"
+    if any(rows[k].ndim != 1 for k in rows):
+        return "arrays are not 1-D"
+    ro, rs = rows["row_offsets"].astype(np.int64), rows["row_segments"].astype(np.int64)
+    n_tok, n_seg = len(rows["input_ids"]), len(rows["seq_lens"])
+    if len(ro) != len(rs) or not len(ro):
+        return "row_offsets and row_segments disagree on the number of rows"
+    if any(len(rows[k]) != n_tok for k in TOKEN_ARRAYS) or any(
+        len(rows[k]) != n_seg for k in SEGMENT_ARRAYS
+    ):
+        return "per-token or per-segment arrays have different lengths"
+    for name, off, end in (("row_offsets", ro, n_tok), ("row_segments", rs, n_seg)):
+        if off[0] != 0 or off[-1] != end or np.any(np.diff(off) < 0):
+            return f"{name} do not run from 0 to {end}"
+    lens = rows["seq_lens"].astype(np.int64)
+    if np.any(lens <= 0):
+        return "a segment has no tokens"
+    bounds = np.concatenate([[0], np.cumsum(lens)])
+    if not np.array_equal(bounds[rs], ro):
+        return "segment lengths do not add up to the row lengths"
+    return None
+
+
 def unpack_row(rows: dict[str, np.ndarray], r: int) -> dict[str, np.ndarray]:
     """Row r of flat `PackedRows` arrays as the reader's dict.
 

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from rolltool.errors import RolltoolError
-from rolltool.packing import unpack_row
+from rolltool.packing import check_rows, unpack_row
 from rolltool.shards import FORMAT, FORMAT_VERSION, read_shard
 
 SUPPORTED_VERSIONS = (FORMAT_VERSION,)
@@ -81,6 +81,14 @@ class PackedDataset:
         rows: list[dict[str, Any]] = []
         for f in self.manifest["steps"][step]["ranks"][rank]["files"]:
             arrays = read_shard(self.path / f["path"])
+            broken = check_rows(arrays)
+            if broken is None and len(arrays["row_offsets"]) - 1 != int(f["rows"]):
+                broken = f"{len(arrays['row_offsets']) - 1} rows, the manifest says {f['rows']}"
+            if broken is not None:
+                raise RolltoolError(
+                    f"{self.path / f['path']}: corrupt shard ({broken})",
+                    hint="run `rolltool verify` on the directory; pack again if files changed",
+                )
             rows.extend(unpack_row(arrays, r) for r in range(int(f["rows"])))
         if torch:
             import torch as _torch

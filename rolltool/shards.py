@@ -112,10 +112,15 @@ def read_shard(path: Path) -> dict[str, np.ndarray]:
         raise RolltoolError(f"{path}: not a readable safetensors shard ({e})") from None
     base = 8 + n
     out: dict[str, np.ndarray] = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        a, b = info["data_offsets"]
-        dtype = _DTYPES[info["dtype"]]
-        out[name] = mm[base + a : base + b].view(dtype).reshape(info["shape"])
+    try:
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            a, b = info["data_offsets"]
+            if not 0 <= a <= b <= len(mm) - base:
+                raise ValueError(f"tensor {name!r} lies outside the file")
+            dtype = _DTYPES[info["dtype"]]
+            out[name] = mm[base + a : base + b].view(dtype).reshape(info["shape"])
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise RolltoolError(f"{path}: corrupt safetensors header ({e!r})") from None
     return out

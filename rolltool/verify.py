@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
+from rolltool.errors import RolltoolError
 from rolltool.reader import open_packed
 from rolltool.shards import file_record
 
@@ -75,7 +76,11 @@ def verify(path: str | os.PathLike[str], *, hashes: bool = True) -> dict[str, An
         seen = np.zeros(len(s_step), dtype=np.int64)
         weight_sum = 0.0
         for rank in range(ds.dp):
-            rows = ds.micro_batches(step, rank)
+            try:
+                rows = ds.micro_batches(step, rank)
+            except RolltoolError as e:  # a shard that cannot be read or is inconsistent
+                problem(f"step {step} rank {rank}: {e.message}")
+                continue
             if len(rows) != counts[rank]:
                 problem(
                     f"step {step} rank {rank}: {len(rows)} rows in files, manifest says {counts[rank]}"

@@ -21,6 +21,8 @@ import pytest
 from pack_helpers import cli, grpo_reference, input_samples, pack, placements, samples
 from safetensors.numpy import load_file, save_file
 
+import rolltool
+from rolltool.errors import RolltoolError
 from rolltool.shards import file_record
 from rolltool.synth import SynthConfig, generate
 
@@ -193,6 +195,50 @@ def test_verify_checks_invariants_not_just_hashes(
     result = cli("verify", out)
     assert result.exit_code == 1, result.stdout
     assert "FAILED" in result.stdout and words in result.stdout, result.stdout
+
+
+def _flip_in(tensor: str) -> Any:
+    def edit(data: bytearray) -> None:
+        n = int.from_bytes(data[:8], "little")
+        a, _ = json.loads(data[8 : 8 + n])[tensor]["data_offsets"]
+        data[8 + n + a] ^= 0x10
+
+    return edit
+
+
+def _header(old: bytes, new: bytes) -> Any:
+    def edit(data: bytearray) -> None:
+        n = int.from_bytes(data[:8], "little")
+        assert len(old) == len(new) and old in data[8 : 8 + n]
+        data[8 : 8 + n] = data[8 : 8 + n].replace(old, new, 1)
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        _flip_in("seq_lens"),
+        _flip_in("row_offsets"),
+        _flip_in("row_segments"),
+        _header(b'"I32"', b'"X32"'),
+        _header(b'"data_offsets":[0,', b'"data_offsets":[9,'),
+    ],
+)
+def test_verify_without_hashes_reports_corrupt_shards(
+    e2e: dict[str, Any], tmp_path: Path, edit: Any
+) -> None:
+    out = tmp_path / "packed"
+    shutil.copytree(e2e["out"], out)
+    shard = _shards(out)[0]
+    data = bytearray(shard.read_bytes())
+    edit(data)
+    shard.write_bytes(bytes(data))
+    result = cli("verify", out, "--no-hash")  # raises if anything escapes as a traceback
+    assert result.exit_code == 1, result.stdout
+    assert "FAILED" in result.stdout and shard.name in result.stdout
+    with pytest.raises(RolltoolError, match=shard.name):
+        rolltool.open_packed(out).micro_batches(0, 0)
 
 
 def test_verify_of_a_directory_without_manifest_is_an_error(tmp_path: Path) -> None:
