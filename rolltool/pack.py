@@ -345,6 +345,12 @@ def run_pack(
     in_group = _by_group(ro)
     for g in assembly.unweighted:
         status[in_group[g]] = "env_unweighted"
+    # Outside kept steps, a sample that could never train says why rather than "leftover":
+    # over-long anywhere, or in a uniform group the dropped partial step skipped.
+    if assembly.partial_dropped is not None:
+        for g in assembly.partial_dropped.dropped:
+            status[in_group[g]] = "uniform_dropped"
+    status[too_long & (status == "leftover")] = "overlong_dropped"
 
     max_bytes = int(config.shard_mb * 1e6)
     steps_meta: list[dict[str, Any]] = []
