@@ -350,6 +350,25 @@ def test_overlong_drop_removes_only_that_sample(run: Any) -> None:
         assert np.allclose(placed[i][0].arrays["advantages"], ref[i], atol=1e-6)
 
 
+def test_samples_outside_kept_steps_say_why_they_could_not_train(run: Any) -> None:
+    groups = [
+        _mixed("math", 2),
+        _uniform("math", 2),  # dropped while filling the final, partial step
+        G("math", [0, 1], [20, 2000]),  # one over-long sample; the other is left over
+        G("math", [0, 1], [2000, 2000]),  # nothing trainable
+    ]
+    r = run(groups, "--batch-size", 2, "--uniform", "drop", "--overlong", "drop")
+    assert r.step_groups() == [{0}]
+    expected = ["trained"] * 2 + ["uniform_dropped"] * 2 + ["leftover"] + ["overlong_dropped"] * 3
+    assert r.samples["status"].tolist() == expected
+    assert r.samples["step"].tolist() == [0, 0] + [-1] * 6
+    counts = r.manifest["samples"]
+    assert (counts["uniform_dropped"], counts["overlong_dropped"], counts["leftover"]) == (2, 3, 1)
+
+
+# --- advantages ----------------------------------------------------------------------------
+
+
 def _whitened_reference(r: Run) -> dict[int, float]:
     """reinforce_pp_baseline per step by hand: a = r - group mean over the whole group (over-long
     samples included), whitened over the trainable tokens of the samples trained in the step."""
