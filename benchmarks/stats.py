@@ -36,14 +36,17 @@ from rolltool.synth import SynthConfig
 LIGHT = ["group_id", "rollout_id", "env", "reward", "finished_at"]
 
 
-def _time(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm the page cache and imports: every contender reads a hot file
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def _interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median seconds of each function, run round-robin so that load on a shared machine hits
+    every contender alike; one warm-up round first (page cache, imports)."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for r in range(repeats + 1):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            if r:
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main() -> None:
@@ -76,12 +79,16 @@ def main() -> None:
     def validate() -> None:
         scan(resolve_inputs([cache]))
 
-    rows = [
-        ("polars scan (floor)", _time(polars_scan, args.repeats)),
-        ("rollout_stats (API)", _time(api, args.repeats)),
-        ("rolltool stats --json (CLI)", _time(cli, args.repeats)),
-        ("schema.scan (pack's validation)", _time(validate, args.repeats)),
-    ]
+    medians = _interleaved(
+        {
+            "polars scan (floor)": polars_scan,
+            "rollout_stats (API)": api,
+            "rolltool stats --json (CLI)": cli,
+            "schema.scan (pack's validation)": validate,
+        },
+        args.repeats,
+    )
+    rows = list(medians.items())
     size = cache.stat().st_size / 1e6
     print(f"input: {meta.num_rows:,} samples, {size:,.0f} MB ({cache}), {args.repeats} repeats")
     print()
