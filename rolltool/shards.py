@@ -77,6 +77,8 @@ def write_shards(root: Path, step: int, rank: int, rows: PackedRows, max_bytes: 
         name = shard_name(step, rank, part)
         path = root / name
         path.parent.mkdir(parents=True, exist_ok=True)
+        # Shards are 0644; their folder must be traversable by others too, whatever the umask.
+        os.chmod(path.parent, 0o755)
         data = save(
             _slice(rows, a, b), metadata={"step": str(step), "rank": str(rank), "first_row": str(a)}
         )

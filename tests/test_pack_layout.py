@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import stat
 from collections.abc import Callable
@@ -158,6 +159,22 @@ def test_files_modes_names_and_manifest(packed: dict[str, Any]) -> None:
         for env in step["envs"].values():
             assert {"reward_mean", "advantage_mean", "advantage_std", "samples"} <= set(env)
     assert stat.S_IMODE(out.stat().st_mode) == 0o755
+
+
+def test_outputs_are_readable_by_others_under_a_strict_umask(
+    packed: dict[str, Any], tmp_path: Path
+) -> None:
+    old = os.umask(0o077)
+    try:
+        pack(packed["dir"] / "in.parquet", tmp_path / "out", *packed["args"])
+    finally:
+        os.umask(old)
+    out = tmp_path / "out"
+    folders = [out, *(p for p in out.rglob("*") if p.is_dir())]
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert len(folders) == 5 and len(files) > 8
+    assert {stat.S_IMODE(p.stat().st_mode) for p in folders} == {0o755}
+    assert {stat.S_IMODE(p.stat().st_mode) for p in files} == {0o644}
 
 
 def test_shard_size_does_not_change_rows(packed: dict[str, Any], tmp_path: Path) -> None:
