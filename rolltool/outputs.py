@@ -1,7 +1,8 @@
 """Atomic outputs: write into a temporary sibling, rename into place when complete.
 
 An existing output is refused unless ``force``; a run that dies midway leaves only a hidden
-``.<name>.tmp-*`` sibling, never something that looks complete.
+``.<name>.tmp-<pid>-*`` sibling, never something that looks complete. The next run for the same
+output removes such leftovers of processes that are no longer alive.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from glob import escape as glob_escape
 from pathlib import Path
 
 from rolltool.errors import RolltoolError
@@ -24,6 +26,27 @@ def check_target(path: Path, force: bool) -> None:
         raise RolltoolError(f"{path.parent}: output folder does not exist")
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def remove_stale(target: Path) -> list[Path]:
+    """Delete temporary siblings of `target` left by runs that died (their pid is gone)."""
+    removed = []
+    for p in target.parent.glob(f".{glob_escape(target.name)}.tmp-*"):
+        pid = p.name[len(f".{target.name}.tmp-") :].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+            removed.append(p)
+    return removed
+
+
 @contextmanager
 def atomic_path(path: str | os.PathLike[str], *, force: bool, directory: bool) -> Iterator[Path]:
     """Yield a temporary path next to `path`; on success move it to `path`.
@@ -34,7 +57,8 @@ def atomic_path(path: str | os.PathLike[str], *, force: bool, directory: bool) -
     target = Path(path)
     check_target(target, force)
     try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        remove_stale(target)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-{os.getpid()}-", dir=target.parent))
     except OSError as e:
         raise RolltoolError(f"{target}: cannot write here ({e.strerror})") from None
     work = tmp if directory else tmp / target.name

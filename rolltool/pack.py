@@ -395,6 +395,12 @@ def run_pack(
             )
             advantage[members] = step_adv
         weights = sample_weights(config.loss_agg, ro.trainable[members], config.loss_scale_factor)
+        if config.equal_count and len(members) % config.dp:
+            raise RolltoolError(
+                f"--equal-count: step {step.index} trains {len(members)} samples, not a multiple of "
+                f"--dp {config.dp}",
+                hint="use --batch-unit samples with a --batch-size divisible by dp, or drop --equal-count",
+            )
         plan = plan_step(
             ro.length[members],
             dp=config.dp,

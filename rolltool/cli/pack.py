@@ -176,6 +176,8 @@ def pack(inputs: tuple[str, ...], output: str, dp: int, batch_unit: str, batch_s
 
     if model and model_config:
         raise click.UsageError("give --model or --model-config, not both")
+    if micro_batch_tokens is not None and micro_batch_size is not None:
+        raise click.UsageError("give --micro-batch-tokens or --micro-batch-size, not both")
     if micro_batch_tokens is None and micro_batch_size is None:
         micro_batch_tokens = 32_768 if row_len is None else row_len
     config = PackConfig(
