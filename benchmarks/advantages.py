@@ -36,7 +36,9 @@ def _time(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--groups", type=int, default=4000)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
@@ -57,7 +59,17 @@ def main() -> None:
 
     def cli() -> None:
         subprocess.run(
-            [sys.executable, "-m", "rolltool", "advantages", str(cache), "-o", str(out), "--force", "--json"],
+            [
+                sys.executable,
+                "-m",
+                "rolltool",
+                "advantages",
+                str(cache),
+                "-o",
+                str(out),
+                "--force",
+                "--json",
+            ],
             check=True,
             stdout=subprocess.DEVNULL,
         )
