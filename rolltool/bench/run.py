@@ -65,17 +65,16 @@ def load_all(paths: Sequence[str | Path], steps: Sequence[int] | None) -> list[P
     return [load_rows(p, steps) for p in paths]
 
 
-def bench_one(
+def report_one(
     torch: Any,
     backend: Backend,
     packed: PackedRows,
+    times: np.ndarray,
     config: BenchConfig,
     dev_name: str,
-    progress: Progress | None = None,
 ) -> tuple[dict[str, Any], np.ndarray]:
-    """Time one directory's rows and build its report; also returns [n, 3] fit inputs + time."""
+    """One directory's report from its rows' ``[repeats, n]`` times; also [n, 3] fit inputs."""
     rows = packed.rows
-    times = time_rows(torch, backend, rows, config, progress=progress, label=packed.path.name)
     seconds = np.median(times, axis=0)
     step = np.array([r.step for r in rows])
     rank = np.array([r.rank for r in rows])
@@ -152,8 +151,9 @@ def run_bench(
 ) -> dict[str, Any]:
     """Replay every row of each packed directory in ``paths`` and report (see ``rolltool bench``).
 
-    Several directories are benched with the same configuration and compared; the fit and the
-    calibration pool all their rows (more length variety, a better-determined fit).
+    Several directories are benched with the same configuration, their rows timed together in
+    one shuffled order per pass, and compared; the fit and the calibration pool all their rows
+    (more length variety, a better-determined fit).
     ``calibrate`` names a JSON file to write the calibration to (refused if it exists unless
     ``force``; not written when ``check`` rows were compared and one failed).
     """
@@ -171,9 +171,17 @@ def run_bench(
                          seed=seed, steps=tuple(steps) if steps is not None else None,
                          check_rows=check, shape_source=shape_source)  # fmt: skip
     dev_name = device_name(torch, device)
+    # All directories' rows are timed together, shuffled across directories in every pass, so
+    # a drift of the machine (clocks, other jobs) hits every directory alike.
+    all_rows = [row for p in packed for row in p.rows]
+    label = packed[0].path.name if len(packed) == 1 else f"{len(packed)} directories"
+    times = time_rows(torch, be, all_rows, config, progress=progress, label=label)
     runs, fit_rows = [], []
+    start = 0
     for p in packed:
-        rep, xs = bench_one(torch, be, p, config, dev_name, progress)
+        n = len(p.rows)
+        rep, xs = report_one(torch, be, p, times[:, start : start + n], config, dev_name)
+        start += n
         runs.append(rep)
         fit_rows.append(xs)
     pooled = np.concatenate(fit_rows)
