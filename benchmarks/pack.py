@@ -4,7 +4,8 @@
 
 For each synth dataset (cached under /tmp), in one run and on the same file:
   floor  read the input Parquet (pyarrow.parquet.read_table) + write as many bytes as pack's
-         output holds, as raw arrays (numpy tofile) - what any packer must at least do
+         output holds, as raw arrays (numpy tofile) - what any packer must at least do; in a
+         subprocess like pack, so both pay interpreter start-up
   pack   `rolltool pack IN --dp 8 -o OUT --force --json` in a subprocess
 Prints medians, tokens/s, the ratio to the floor, and the peak RSS of the pack process: with the
 same step size, a dataset twice as large should not need more memory (bounded by one step).
@@ -21,9 +22,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-import numpy as np
-import pyarrow.parquet as pq
 
 from rolltool.jobs import run_synth
 from rolltool.synth import SynthConfig
@@ -51,10 +49,17 @@ def _pack(src: Path, out: Path, dp: int) -> tuple[float, int, dict]:
     return dt, max(peak, before) // 1024, json.loads(res.stdout)
 
 
+FLOOR = """
+import sys, numpy as np, pyarrow.parquet as pq
+pq.read_table(sys.argv[1])
+np.zeros(int(sys.argv[2]), dtype=np.uint8).tofile(sys.argv[3])
+"""
+
+
 def _floor(src: Path, nbytes: int, scratch: Path) -> float:
+    """The floor in a fresh process too, so both sides pay interpreter start-up and imports."""
     t0 = time.perf_counter()
-    pq.read_table(src)
-    np.zeros(nbytes, dtype=np.uint8).tofile(scratch)
+    subprocess.run([sys.executable, "-c", FLOOR, str(src), str(nbytes), str(scratch)], check=True)
     return time.perf_counter() - t0
 
 

@@ -432,22 +432,31 @@ def run_pack(
     # tokens are read, and the previous rows written and hashed, on worker threads meanwhile.
     with atomic_path(output, force=force, directory=True) as root:
         root.mkdir(parents=True, exist_ok=True)
-        with ThreadPoolExecutor(max_workers=2) as pool:
-            fetch = pool.submit(reader.fetch, works[0].members)
+        with ThreadPoolExecutor(max_workers=3) as pool:
+            fetch = pool.submit(reader.fetch, works[0].members[works[0].order])
             writes: list[tuple[_StepWork, list[Future[list[dict]]]]] = []
             for i, work in enumerate(wrap(works, len(works), "packing steps")):
                 tokens = fetch.result()
                 if i + 1 < len(works):
-                    fetch = pool.submit(reader.fetch, works[i + 1].members)
+                    nxt = works[i + 1]
+                    fetch = pool.submit(reader.fetch, nxt.members[nxt.order])
                 futures = []
                 ranks = []
+                # Tokens come in row order (rank by rank, micro-batch by micro-batch), so each
+                # row is one run of consecutive positions in `tokens`.
+                order = work.order
+                start = 0
                 for r, mbs in enumerate(work.plan.micro_batches):
+                    spans = []
+                    for m in mbs:
+                        spans.append(np.arange(start, start + len(m)))
+                        start += len(m)
                     rows = pack_rows(
                         tokens,
-                        mbs,
-                        sample_index=work.members,
-                        advantage=work.advantage,
-                        weight=work.weights,
+                        spans,
+                        sample_index=work.members[order],
+                        advantage=work.advantage[order],
+                        weight=work.weights[order],
                         row_len=config.row_len,
                         pad_id=config.pad_id,
                     )
@@ -521,7 +530,7 @@ def run_pack(
             "steps": steps_meta,
             "files": file_records,
         }
-        (root / "manifest.json").write_text(json.dumps(jsonable(manifest), indent=1))
+        (root / "manifest.json").write_text(json.dumps(jsonable(manifest), separators=(",", ":")))
         (root / "manifest.json").chmod(0o644)
     return manifest
 
@@ -536,6 +545,12 @@ class _StepWork:
     weights: np.ndarray  # [n] float64 loss weight per trainable token
     plan: StepPlan
     meta: dict[str, Any]
+
+    @property
+    def order(self) -> np.ndarray:
+        """Plan positions in row order: rank 0's micro-batches first, each in plan order."""
+        parts = [m for mbs in self.plan.micro_batches for m in mbs]
+        return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
 
 
 def _collect(

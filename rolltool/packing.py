@@ -119,14 +119,24 @@ def pack_rows(
     input_ids = np.full(total, pad_id, dtype=np.int32)
     loss_mask = np.zeros(total, dtype=np.uint8)
     logprobs = np.zeros(total, dtype=np.float32)
+    # Copy runs of segments whose tokens are consecutive in `tokens` with one slice each (the
+    # packer fetches a rank's tokens in row order, so a run is usually a whole row).
     pos = 0
+    run_dst = run_src = run_len = 0
+    prev = -2
     for k, n in zip(src.tolist(), lens.tolist(), strict=True):
-        if k >= 0:
-            a = int(tokens.offsets[k])
-            input_ids[pos : pos + n] = tokens.input_ids[a : a + n]
-            loss_mask[pos : pos + n] = tokens.loss_mask[a : a + n]
-            logprobs[pos : pos + n] = tokens.logprobs[a : a + n]
+        if k >= 0 and k == prev + 1:
+            run_len += n
+        else:
+            if run_len:
+                _copy(tokens, run_src, run_dst, run_len, input_ids, loss_mask, logprobs)
+            run_len = 0
+            if k >= 0:
+                run_dst, run_src, run_len = pos, int(tokens.offsets[k]), n
+        prev = k
         pos += n
+    if run_len:
+        _copy(tokens, run_src, run_dst, run_len, input_ids, loss_mask, logprobs)
     return PackedRows(
         input_ids=input_ids,
         loss_mask=loss_mask,
@@ -138,6 +148,20 @@ def pack_rows(
         seg_weight=np.where(real_seg, weight[src_safe], 0).astype(np.float32),
         row_segments=row_segments,
     )
+
+
+def _copy(
+    tokens: SampleTokens,
+    src: int,
+    dst: int,
+    n: int,
+    ids: np.ndarray,
+    mask: np.ndarray,
+    logp: np.ndarray,
+) -> None:
+    ids[dst : dst + n] = tokens.input_ids[src : src + n]
+    mask[dst : dst + n] = tokens.loss_mask[src : src + n]
+    logp[dst : dst + n] = tokens.logprobs[src : src + n]
 
 
 def _ranks(lens: np.ndarray, starts: np.ndarray) -> np.ndarray:

@@ -145,9 +145,18 @@ def _list_parts(arr: pa.Array) -> tuple[np.ndarray, pa.Array]:
 
 
 def _row_sums(offsets: np.ndarray, values: np.ndarray) -> np.ndarray:
-    csum = np.zeros(len(values) + 1, dtype=np.int64)
-    np.cumsum(values, out=csum[1:])
-    return csum[offsets[1:]] - csum[offsets[:-1]]
+    """Sum of `values` (bool or int) over each row [offsets[i], offsets[i+1]); 0 for empty rows.
+
+    One pass with np.add.reduceat over the non-empty rows: their starts increase strictly and
+    each one's span ends where the next non-empty row starts (empty rows hold no values).
+    """
+    n = len(offsets) - 1
+    sums = np.zeros(n, dtype=np.int64)
+    full = np.flatnonzero(offsets[1:] > offsets[:-1])
+    if len(full):
+        vals = values.view(np.uint8) if values.dtype == np.bool_ else values
+        sums[full] = np.add.reduceat(vals, offsets[:-1][full], dtype=np.int64)
+    return sums
 
 
 def _lengths(arr: pa.Array) -> np.ndarray:
@@ -255,7 +264,9 @@ def _scan_batch(
             )
         offsets, values = _list_parts(mask)
         if pa.types.is_boolean(values.type) and values.null_count == 0:
-            ones = values.to_numpy(zero_copy_only=False)  # bool: always 0/1
+            # bool: always 0/1; polars counts set bits per list without unpacking them.
+            counts = pl.Series(mask.cast(pa.large_list(pa.bool_()))).list.sum()
+            trainable = counts.fill_null(0).to_numpy().astype(np.int64)
         else:
             mvals = pc.cast(values, pa.int64()).fill_null(-1).to_numpy(zero_copy_only=False)
             bad = (mvals != 0) & (mvals != 1)
@@ -265,8 +276,7 @@ def _scan_batch(
                     problems.add(
                         "mask", f"{name(i)}: column 'loss_mask' holds values other than 0/1"
                     )
-            ones = mvals == 1
-        trainable = _row_sums(offsets, ones)
+            trainable = _row_sums(offsets, mvals == 1)
         tok_arrays = [("input_ids", ids)]
     else:
         p, r = cols["prompt_ids"], cols["response_ids"]

@@ -20,7 +20,6 @@ import os
 from pathlib import Path
 
 import numpy as np
-from safetensors.numpy import save
 
 from rolltool.errors import RolltoolError
 from rolltool.packing import PackedRows
@@ -29,6 +28,7 @@ FORMAT = "rolltool-packed"
 FORMAT_VERSION = 1
 
 _DTYPES = {"I32": np.int32, "I64": np.int64, "U8": np.uint8, "F32": np.float32, "F64": np.float64}
+_CODES = {np.dtype(v): k for k, v in _DTYPES.items()}
 
 
 def shard_name(step: int, rank: int, part: int) -> str:
@@ -79,19 +79,47 @@ def write_shards(root: Path, step: int, rank: int, rows: PackedRows, max_bytes: 
         path.parent.mkdir(parents=True, exist_ok=True)
         # Shards are 0644; their folder must be traversable by others too, whatever the umask.
         os.chmod(path.parent, 0o755)
-        data = save(
-            _slice(rows, a, b), metadata={"step": str(step), "rank": str(rank), "first_row": str(a)}
-        )
-        with open(path, "wb") as f:
-            f.write(data)
-        os.chmod(
-            path, 0o644
-        )  # safetensors and mkstemp-style defaults are 0600; readers may be other users
-        digest = hashlib.sha256(data).hexdigest()
+        meta = {"step": str(step), "rank": str(rank), "first_row": str(a)}
+        size, digest = save_safetensors(path, _slice(rows, a, b), meta)
+        os.chmod(path, 0o644)  # readers may be other users
         records.append(
-            {"path": name, "first_row": a, "rows": b - a, "bytes": len(data), "sha256": digest}
+            {"path": name, "first_row": a, "rows": b - a, "bytes": size, "sha256": digest}
         )
     return records
+
+
+def save_safetensors(
+    path: Path, arrays: dict[str, np.ndarray], metadata: dict[str, str]
+) -> tuple[int, str]:
+    """Write a safetensors file straight from the arrays (no serialized copy in memory).
+
+    Layout per the safetensors format: u64 little-endian header size, a JSON header (padded with
+    spaces to a multiple of 8) mapping names to dtype, shape and byte offsets, then the raw
+    little-endian data, wider dtypes first so every tensor stays aligned. Returns (bytes, sha256).
+    """
+    order = sorted(arrays, key=lambda k: (-arrays[k].dtype.itemsize, k))
+    header: dict[str, object] = {"__metadata__": metadata}
+    offset = 0
+    for name in order:
+        arr = arrays[name]
+        header[name] = {
+            "dtype": _CODES[arr.dtype],
+            "shape": list(arr.shape),
+            "data_offsets": [offset, offset + arr.nbytes],
+        }
+        offset += arr.nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    h = hashlib.sha256()
+    with open(path, "wb") as f:
+        for chunk in (len(head).to_bytes(8, "little"), head):
+            f.write(chunk)
+            h.update(chunk)
+        for name in order:
+            view = np.ascontiguousarray(arrays[name]).reshape(-1).view(np.uint8).data
+            f.write(view)
+            h.update(view)
+    return 8 + len(head) + offset, h.hexdigest()
 
 
 def file_record(path: Path) -> dict:

@@ -63,7 +63,7 @@ class TokenReader:
         self.files = list(files)
         self.rename = dict(rename)
         self.cache_bytes = cache_bytes
-        self._cache: OrderedDict[int, _Block] = OrderedDict()
+        self._cache: OrderedDict[int, _Block | pa.Table] = OrderedDict()
         self._cached = 0
         self.hits = self.misses = 0
         # Global row number where each (file, row group) starts; block b = (file, row group).
@@ -97,11 +97,12 @@ class TokenReader:
             return
         if not set(self._columns[file_index]) <= set(table.column_names):
             return  # a malformed file: the scan reports it
-        block = _to_block(table.select(self._columns[file_index]))
-        if self._cached + block.nbytes <= self.cache_bytes:
-            self._insert(b, block)
+        # Kept as Arrow and converted on first use, on the fetching thread, off the scan's path.
+        kept = table.select(self._columns[file_index])
+        if self._cached + kept.nbytes <= self.cache_bytes:
+            self._insert(b, kept)
 
-    def _insert(self, b: int, block: _Block) -> None:
+    def _insert(self, b: int, block: _Block | pa.Table) -> None:
         self._cache[b] = block
         self._cached += block.nbytes
         while self._cached > self.cache_bytes and len(self._cache) > 1:
@@ -112,7 +113,13 @@ class TokenReader:
         if b in self._cache:
             self.hits += 1
             self._cache.move_to_end(b)
-            return self._cache[b]
+            cached = self._cache[b]
+            if isinstance(cached, _Block):
+                return cached
+            block = _to_block(cached)
+            self._cached += block.nbytes - cached.nbytes
+            self._cache[b] = block
+            return block
         self.misses += 1
         fi, rg = self._where[b]
         _, table = next(iter_row_groups(self.files[fi], self.rename, self._columns[fi], only=rg))
