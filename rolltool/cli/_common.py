@@ -21,7 +21,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 out = Console(highlight=False)
 if not out.is_terminal:  # piped or captured: do not squeeze tables into 80 columns
     out = Console(highlight=False, width=160)
-err = Console(stderr=True, highlight=False)
+err = Console(stderr=True, highlight=False, soft_wrap=True)  # log lines: never wrapped
 
 
 def handle_errors(fn: F) -> F:
