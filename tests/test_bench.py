@@ -1,9 +1,11 @@
 """rolltool bench on CPU with the sdpa backend at small sizes (GPU paths skip without CUDA).
 
 Invariants: every segment of a packed row equals attention over that sequence alone (against a
-naive softmax reference); a kernel that leaks across segments fails --check; the report's
-arithmetic matches hand-made tables; the fit recovers known coefficients; the JSON carries the
-documented keys; several directories compare with the best marked.
+naive softmax reference), and a whole layer's output and gradients for a segment equal the layer
+run on that sequence alone (against a naive float64 layer); a kernel that leaks across segments
+fails --check; the report's arithmetic matches hand-made tables; layer FLOPs match the ``flops``
+workload; the fit recovers known coefficients in both modes; the JSON carries the documented
+keys; several directories compare with the best marked.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -21,17 +24,19 @@ import pytest
 from rolltool.bench import report as rp
 from rolltool.bench.backends import Backend, make_backend
 from rolltool.bench.check import check_row, sample_rows
-from rolltool.bench.config import AttentionShape, BenchConfig, resolve_shape
+from rolltool.bench.config import BenchConfig, LayerShape, resolve_shape
+from rolltool.bench.layer import LayerWeights, layer_forward, make_weights
 from rolltool.bench.rows import Row
 from rolltool.errors import RolltoolError
 from rolltool.synth import SynthConfig, generate
-from rolltool.workload import make_workload
+from rolltool.workload import MODEL_PRESETS, make_workload
 
 torch = pytest.importorskip("torch")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-TINY = ("--backend", "sdpa", "--heads", "2", "--kv-heads", "1", "--head-dim", "8",
-        "--repeats", "1", "--warmup", "0")  # fmt: skip
+TINY = ("--backend", "sdpa", "--heads", "2", "--kv-heads", "1", "--head-dim", "16",
+        "--hidden", "32", "--intermediate", "64", "--repeats", "1", "--warmup", "0")  # fmt: skip
+TINY_SHAPE = LayerShape(heads=2, kv_heads=1, head_dim=16, hidden=32, intermediate=64)
 STEP_KEYS = {
     "step",
     "dp_time",
@@ -98,6 +103,81 @@ def test_sdpa_row_equals_each_sequence_alone(seed: int) -> None:
     assert compared == len(lengths)
 
 
+def naive_layer(w: LayerWeights, x: Any) -> Any:
+    """The documented layer over ONE sequence, written out in float64: [L, hidden] -> same."""
+    s = w.shape
+    wq, wk, wv, wo, wgate, wup, wdown = (m.double() for m in w.matmuls)
+
+    def rms(x: Any, g: Any) -> Any:
+        return x / (x.pow(2).mean(-1, keepdim=True) + torch.finfo(x.dtype).eps).sqrt() * g.double()
+
+    x = x.double()
+    h = rms(x, w.norms[0])
+    n = x.shape[0]
+    q = (h @ wq.T).view(n, s.heads, s.head_dim)
+    k, v = ((h @ m.T).view(n, s.kv_heads, s.head_dim) for m in (wk, wv))
+    x = x + naive_attention(q, k, v).reshape(n, -1) @ wo.T
+    h = rms(x, w.norms[1])
+    return x + (torch.nn.functional.silu(h @ wgate.T) * (h @ wup.T)) @ wdown.T
+
+
+@pytest.mark.parametrize(("kv_heads", "gqa", "layers"), [(1, True, 1), (1, False, 2), (2, True, 2)])
+def test_layer_row_equals_each_sequence_alone(kv_heads: int, gqa: bool, layers: int) -> None:
+    """Projections and MLP work per token, attention per segment: a packed row's outputs and
+    input gradients per segment equal the layer run on each sequence alone; the weights'
+    gradients are the sums of the sequences' gradients (what a trainer accumulates)."""
+    shape = LayerShape(heads=2, kv_heads=kv_heads, head_dim=16, hidden=32, intermediate=64)
+    w = make_weights(torch, shape, device="cpu", dtype=torch.float32, seed=3, grad=True)
+    row = make_row([7, 1, 23, 12])
+    gen = torch.Generator().manual_seed(layers)
+    x = torch.randn(row.tokens, shape.hidden, generator=gen, requires_grad=True)
+    go = torch.randn(row.tokens, shape.hidden, generator=gen)
+    attend = sdpa().attend
+
+    def stack(x: Any, bounds: list[int]) -> Any:
+        cu = torch.tensor(bounds, dtype=torch.int32)
+        max_len = max(e - s for s, e in pairwise(bounds))
+        for _ in range(layers):
+            x = layer_forward(torch, w, x, attend, cu, max_len, bounds, gqa=gqa)
+        return x
+
+    out = stack(x, row.cu_seqlens.tolist())
+    assert out.shape == x.shape
+    grads = torch.autograd.grad(out, (x, *w.params), go)
+    summed = [torch.zeros_like(p) for p in w.params]
+    for s, e in zip(row.cu_seqlens[:-1].tolist(), row.cu_seqlens[1:].tolist(), strict=True):
+        alone = x[s:e].detach().clone().requires_grad_()
+        ref = stack(alone, [0, e - s])
+        torch.testing.assert_close(out[s:e], ref, atol=1e-5, rtol=1e-5)
+        ref_grads = torch.autograd.grad(ref, (alone, *w.params), go[s:e])
+        torch.testing.assert_close(grads[0][s:e], ref_grads[0], atol=1e-5, rtol=1e-5)
+        summed = [a + b for a, b in zip(summed, ref_grads[1:], strict=True)]
+        if layers == 1:  # the layer is the documented one
+            torch.testing.assert_close(ref.double(), naive_layer(w, alone), atol=1e-5, rtol=1e-5)
+    for g, want in zip(grads[1:], summed, strict=True):
+        torch.testing.assert_close(g, want, atol=1e-4, rtol=1e-4)
+
+
+def test_layer_weights_are_made_once_and_rows_are_timed(monkeypatch) -> None:
+    from rolltool.bench import timing
+
+    made: list[LayerShape] = []
+
+    def counting(*args: Any, **kwargs: Any) -> LayerWeights:
+        made.append(args[1])
+        return make_weights(*args, **kwargs)
+
+    monkeypatch.setattr(timing, "make_weights", counting)
+    rows = [make_row([40, 9]), make_row([60], mb=1), make_row([5, 5, 5], rank=1)]
+    for backward in (False, True):
+        config = BenchConfig(backend="sdpa", shape=TINY_SHAPE, backward=backward, repeats=2)
+        times = timing.time_rows(torch, sdpa(), rows, config)
+        assert times.shape == (2, 3) and np.all(times > 0)
+    assert made == [TINY_SHAPE, TINY_SHAPE]  # once per run (shape), not per row or pass
+    st = timing.stage(torch, sdpa(), rows, BenchConfig(backend="sdpa", shape=TINY_SHAPE))
+    assert st.x.shape == (60, 32) and st.q is None and st.weights is not None
+
+
 def _leaky(torch: Any) -> Backend:
     """A broken kernel: causal attention over the whole row, ignoring the boundaries."""
 
@@ -109,7 +189,8 @@ def _leaky(torch: Any) -> Backend:
 
 @pytest.mark.parametrize("backward", [False, True])
 def test_check_passes_sdpa_and_catches_cross_contamination(backward: bool) -> None:
-    shape = AttentionShape(heads=4, kv_heads=2, head_dim=8)
+    # --check compares attention per segment in either mode (attention is what mixes tokens).
+    shape = LayerShape(heads=4, kv_heads=2, head_dim=8, hidden=32, intermediate=64)
     config = BenchConfig(backend="sdpa", shape=shape, backward=backward, check_rows=1)
     row = make_row([5, 17, 1, 30])
     good = check_row(torch, sdpa(), row, config)
@@ -175,8 +256,8 @@ def test_torch_varlen_handles_both_signatures(monkeypatch, signature: str, expec
 @pytest.mark.parametrize("name", ["torch-varlen", "auto"])
 def test_cuda_backend_matches_sequences_alone(name: str) -> None:
     backend, _ = make_backend(name, torch, device="cuda", dtype="bf16")
-    config = BenchConfig(backend=backend.name, shape=AttentionShape(heads=8, kv_heads=2, head_dim=64),
-                         dtype="bf16", device="cuda", backward=True, check_rows=1)  # fmt: skip
+    config = BenchConfig(backend=backend.name, shape=LayerShape(heads=8, kv_heads=2, head_dim=64),
+                         what="attention", dtype="bf16", device="cuda", backward=True, check_rows=1)  # fmt: skip
     assert check_row(torch, backend, make_row([100, 1, 700, 33]), config)["ok"]
 
 
@@ -223,6 +304,36 @@ def test_attention_flops_and_peak_share() -> None:
     assert rp.peak_tflops("NVIDIA H100 80GB HBM3", "fp32") is None
 
 
+def test_layer_flops_formula() -> None:
+    # TINY_SHAPE: q, o 32x32 each, k, v 32x16 each, gate, up, down 32x64 each.
+    assert TINY_SHAPE.matmul_params == 2 * 32 * 32 + 2 * 32 * 16 + 3 * 32 * 64 == 9216
+    kw = {"matmul_params": 9216, "heads": 2, "head_dim": 16}
+    assert rp.layer_flops(np.array([3, 4]), **kw) == 2 * 7 * 9216 + 2 * 25 * 16 * 2
+    assert rp.layer_flops(np.array([3, 4]), **kw, layers=2, backward=True) == 2 * (
+        3 * 2 * 7 * 9216 + 3.5 * 2 * 25 * 16 * 2
+    )
+    # dense-7b: 233.0 M matmul parameters per layer; 2.03 TFLOP forward for 4,096 tokens.
+    shape, _ = resolve_shape(model="dense-7b")
+    assert shape.matmul_params == 233_046_016
+    f = rp.layer_flops(np.array([4096]), matmul_params=shape.matmul_params, heads=28, head_dim=128)
+    assert f == pytest.approx(2.029e12, rel=1e-3)
+    # All layers with backward = the flops workload, but for the output projection (h·vocab,
+    # once per model) and attention's backward: bench counts the scores' recomputation
+    # (FlashAttention's convention, 2.5x forward), the workload 2x forward.
+    for name in ("dense-7b", "dense-8b"):
+        shape, _ = resolve_shape(model=name)
+        w, model = make_workload("flops", model=name), MODEL_PRESETS[name]
+        lengths = np.array([1, 700, 9000])
+        got = sum(
+            rp.layer_flops(np.array([n]), matmul_params=shape.matmul_params, heads=shape.heads,
+                           head_dim=shape.head_dim, layers=model.num_layers, backward=True)
+            + 6.0 * model.hidden_size * model.vocab_size * n
+            - 0.5 * 2 * n * n * shape.heads * shape.head_dim * model.num_layers
+            for n in lengths
+        )  # fmt: skip
+        assert got == pytest.approx(float(w.cost(lengths).sum()), rel=1e-12)
+
+
 def test_fit_recovers_known_coefficients() -> None:
     rng = np.random.default_rng(1)
     a, b = 3e-7, 2e-11
@@ -256,10 +367,20 @@ def test_calibration_file_is_what_pack_reads(tmp_path: Path) -> None:
 def test_shape_resolution() -> None:
     shape, source = resolve_shape(model="dense-8b")
     assert (shape.heads, shape.kv_heads, shape.head_dim, shape.layers) == (32, 8, 128, 1)
+    assert (shape.hidden, shape.intermediate) == (4096, 14_336) and "overrides" not in source
     shape, source = resolve_shape(model="dense-8b", heads=16)
-    assert (shape.heads, shape.kv_heads) == (16, 4) and "overrides" in source
+    assert (shape.heads, shape.kv_heads, shape.hidden) == (16, 4, 4096) and "overrides" in source
+    shape, source = resolve_shape(hidden=32, intermediate=64)
+    assert (shape.heads, shape.hidden, shape.intermediate) == (28, 32, 64) and "dense-7b" in source
     with pytest.raises(RolltoolError, match="multiple"):
         resolve_shape(heads=6, kv_heads=4)
+    # Layer mode needs both widths; attention mode does not.
+    bare = LayerShape(heads=2, kv_heads=1, head_dim=16)
+    with pytest.raises(RolltoolError, match="--hidden"):
+        BenchConfig(backend="sdpa", shape=bare)
+    assert BenchConfig(backend="sdpa", shape=bare, what="attention").what == "attention"
+    with pytest.raises(RolltoolError, match="--what"):
+        BenchConfig(backend="sdpa", shape=bare, what="mlp")
 
 
 # --- the command ------------------------------------------------------------------------------
@@ -287,10 +408,18 @@ def packed_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def test_json_schema_and_arithmetic(run_cli, packed_dirs, tmp_path: Path) -> None:
     cal = tmp_path / "cal.json"
-    result = run_cli("bench", packed_dirs["flops"], *TINY, "--check", "--calibrate", cal, "--json")
+    result = run_cli("bench", packed_dirs["flops"], *TINY, "--backward", "--check", "--calibrate",
+                     cal, "--json")  # fmt: skip
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
     assert doc["backend"] == "sdpa" and doc["check_ok"] is True and doc["check"]["ok"]
+    c = doc["config"]
+    assert (c["what"], c["hidden"], c["intermediate"], c["matmul_params"]) == (
+        "layer",
+        32,
+        64,
+        9216,
+    )
     import rolltool
 
     ds = rolltool.open_packed(packed_dirs["flops"])
@@ -311,6 +440,71 @@ def test_json_schema_and_arithmetic(run_cli, packed_dirs, tmp_path: Path) -> Non
     assert {"a", "b", "r2"} <= set(doc["fit"])
     w = make_workload("calibrated", calibration=cal)
     assert w.a == doc["fit"]["a"] and w.b == doc["fit"]["b"] and w.notes["backend"] == "sdpa"
+    assert w.notes["what"] == "layer" and w.notes["shape"]["hidden"] == 32
+    assert "forward + backward" in w.notes["measures"]
+    for key in ("workload_fit", "flops_fit", "tokens_fit", "sum_sq_fit"):
+        assert {"r2", "rel_rmse", "seconds_per_unit"} <= set(doc[key])
+
+
+def test_attention_mode_still_works(run_cli, packed_dirs, tmp_path: Path) -> None:
+    cal = tmp_path / "cal.json"
+    result = run_cli("bench", packed_dirs["count"], *TINY, "--what", "attention", "--backward",
+                     "--calibrate", cal, "--json")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["config"]["what"] == "attention" and doc["config"]["matmul_params"] is None
+    notes = json.loads(cal.read_text())
+    assert notes["what"] == "attention" and "hidden" not in notes["shape"]
+    table = run_cli("bench", packed_dirs["count"], *TINY, "--what", "attention")
+    assert table.exit_code == 0 and "attention only" in table.stderr
+    assert "attention:" in table.stdout and "R²" in table.stdout
+
+
+def _synthetic_device(monkeypatch, seconds_per_flop: float) -> None:
+    """Replace timing by a device whose row time is exactly its FLOPs (as bench counts them)
+    times ``seconds_per_flop``."""
+    from rolltool.bench import run
+
+    def fake_time_rows(torch: Any, backend: Any, rows: Any, config: Any, **_: Any) -> np.ndarray:
+        return np.array([[seconds_per_flop * run.row_flops(r.lengths, config) for r in rows]])
+
+    monkeypatch.setattr(run, "time_rows", fake_time_rows)
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_layer_calibration_recovers_known_coefficients(
+    monkeypatch, packed_dirs, tmp_path: Path, backward: bool
+) -> None:
+    """On a device whose time is proportional to FLOPs, layer mode's fit is the layer's FLOPs
+    per token and per token² (linear term included), and pack can balance on it."""
+    from rolltool.bench.run import run_bench
+
+    k = 1e-12
+    _synthetic_device(monkeypatch, k)
+    cal = tmp_path / "cal.json"
+    dirs = [packed_dirs[b] for b in ("flops", "tokens", "count")]
+    doc = run_bench(dirs, backend="sdpa", device="cpu", model="dense-7b", backward=backward,
+                    repeats=1, warmup=0, calibrate=cal)  # fmt: skip
+    shape, _ = resolve_shape(model="dense-7b")
+    a = k * 2 * shape.matmul_params * (3 if backward else 1)
+    b = k * 2 * shape.heads * shape.head_dim * (3.5 if backward else 1)
+    written = json.loads(cal.read_text())
+    assert written["a"] == pytest.approx(a, rel=1e-6) and written["b"] == pytest.approx(b, rel=1e-6)
+    assert written["r2"] == pytest.approx(1.0) and written["what"] == "layer"
+    assert written["shape"] == {**shape.to_dict()} and written["shape"]["intermediate"] == 18_944
+    assert make_workload("calibrated", calibration=cal).a == written["a"]
+    for run in doc["runs"]:
+        assert run["flops_fit"]["r2"] == pytest.approx(1.0)
+        assert run["flops_fit"]["rel_rmse"] == pytest.approx(0.0, abs=1e-9)
+    flops_run = doc["runs"][0]
+    assert flops_run["workload"]["kind"] == "flops"
+    # The packed cost model (dense-7b flops) predicts layer-mode times: bench now measures what
+    # pack balanced (R² short of 1 by the output projection and the backward's attention
+    # convention only). Attention-only times on the same device it does not predict.
+    assert flops_run["workload_fit"]["r2"] > 0.999 and flops_run["workload_fit"]["rel_rmse"] < 0.01
+    attn = run_bench(dirs[:1], backend="sdpa", device="cpu", model="dense-7b", what="attention",
+                     backward=backward, repeats=1, warmup=0)  # fmt: skip
+    assert attn["workload_fit"]["rel_rmse"] > 0.05
 
 
 def test_steps_subset_and_table(run_cli, packed_dirs) -> None:

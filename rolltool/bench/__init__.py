@@ -1,9 +1,14 @@
-"""``rolltool bench``: replay packed rows through variable-length attention and measure balance.
+"""``rolltool bench``: replay packed rows through transformer layers and measure balance.
+
+A row's timed work is a whole decoder layer (``--what layer``, the default: projections,
+variable-length attention, MLP, so the linear and quadratic cost terms are both real) or its
+attention alone (``--what attention``).
 
 Data flow, one module per stage::
 
     rows.py      packed directory -> Row (step, rank, micro-batch, cu_seqlens)
     backends.py  flash-attn / torch-varlen / sdpa, chosen by name (``auto``: best available)
+    layer.py     one decoder layer around a backend's attention; weights made once per shape
     timing.py    staged inputs, warm-up, shuffled repeats, CUDA events or perf_counter, median
     check.py     --check: every segment equals its sequence run alone
     report.py    pure arithmetic: dp / lockstep / ideal step times, TFLOP/s, a·L + b·L² fit

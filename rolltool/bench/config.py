@@ -1,7 +1,16 @@
-"""What `rolltool bench` runs: the attention shape, the backend, and how it times.
+"""What `rolltool bench` runs: the layer shape, what of it is timed, the backend, and how it times.
 
 A ``BenchConfig`` is resolved (no "auto" left) before any row is timed and goes into the report,
 so every measurement says how it was made.
+
+``what`` chooses a row's work (see ``rolltool.bench.layer``):
+
+=============  ==============================================================================
+``layer``      a whole dense decoder layer (q/k/v projections, varlen attention, output
+               projection, SiLU-gated MLP, RMSNorms, residuals): what a trainer's layer costs,
+               linear term (matmuls) and quadratic term (attention) together. The default.
+``attention``  the varlen attention call only (random q, k, v): the L² term alone.
+=============  ==============================================================================
 """
 
 from __future__ import annotations
@@ -10,6 +19,9 @@ from dataclasses import dataclass, field
 
 from rolltool.errors import RolltoolError
 from rolltool.workload import DEFAULT_PRESET, MODEL_PRESETS, ModelShape
+
+WHATS = ("layer", "attention")
+"""Names accepted by ``--what``: a whole transformer layer per row, or its attention only."""
 
 DTYPES = ("bf16", "fp16", "fp32")
 """Names accepted by ``--dtype`` (besides ``auto``: bf16 on CUDA, fp32 on CPU)."""
@@ -26,8 +38,12 @@ TOLERANCES: dict[str, tuple[float, float]] = {
 
 
 @dataclass(frozen=True, kw_only=True)
-class AttentionShape:
-    """One attention layer's shape: q is ``[T, heads, head_dim]``, k and v ``[T, kv_heads, head_dim]``."""
+class LayerShape:
+    """One decoder layer's shape, and the layer count.
+
+    Attention: q is ``[T, heads, head_dim]``, k and v ``[T, kv_heads, head_dim]``. Layer mode
+    adds the residual stream ``[T, hidden]`` and the gated MLP's ``intermediate`` width.
+    """
 
     heads: int
     """Query heads."""
@@ -35,17 +51,48 @@ class AttentionShape:
     """Key/value heads (fewer than ``heads`` with grouped-query attention; must divide it)."""
     head_dim: int
     """Width of one head."""
+    hidden: int = 0
+    """Width of the residual stream (layer mode; 0: unknown, attention mode only)."""
+    intermediate: int = 0
+    """Width of the SiLU-gated MLP (layer mode; 0: unknown, attention mode only)."""
     layers: int = 1
-    """Attention calls per row, emulating depth (times and FLOPs scale with it)."""
+    """Layers (or attention calls) per row, emulating depth (times and FLOPs scale with it)."""
 
     def __post_init__(self) -> None:
         for name in ("heads", "kv_heads", "head_dim", "layers"):
             if getattr(self, name) < 1:
                 raise RolltoolError(f"bench: --{name.replace('_', '-')} must be at least 1")
+        for name in ("hidden", "intermediate"):
+            if getattr(self, name) < 0:
+                raise RolltoolError(f"bench: --{name} must not be negative")
         if self.heads % self.kv_heads:
             raise RolltoolError(
                 f"bench: --heads ({self.heads}) must be a multiple of --kv-heads ({self.kv_heads})"
             )
+
+    @property
+    def matmul_params(self) -> int:
+        """Weights of one layer's matmuls: q, o (hidden x heads·head_dim), k, v (hidden x
+        kv_heads·head_dim), gate, up, down (hidden x intermediate). Each is used once per token.
+
+        Example, dense-7b (hidden 3,584, 28 heads / 4 kv of 128, MLP 18,944): 233.0 M.
+        """
+        h = self.hidden
+        return (
+            2 * h * self.heads * self.head_dim
+            + 2 * h * self.kv_heads * self.head_dim
+            + (3 * h * self.intermediate)
+        )
+
+    def to_dict(self) -> dict[str, int]:
+        return {
+            "heads": self.heads,
+            "kv_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "hidden": self.hidden,
+            "intermediate": self.intermediate,
+            "layers": self.layers,
+        }
 
 
 def resolve_shape(
@@ -55,15 +102,19 @@ def resolve_shape(
     heads: int | None = None,
     kv_heads: int | None = None,
     head_dim: int | None = None,
+    hidden: int | None = None,
+    intermediate: int | None = None,
     layers: int = 1,
-) -> tuple[AttentionShape, str]:
-    """The attention shape and where it came from.
+) -> tuple[LayerShape, str]:
+    """The layer shape and where it came from.
 
     Base shape: the preset ``model``, else the model the packed directory was balanced for
-    (``manifest_model``), else ``DEFAULT_PRESET``; explicit ``heads``/``kv_heads``/``head_dim``
-    override it. ``kv_heads`` defaults to the base's ratio when only ``heads`` is given and the
-    ratio divides it, else to ``heads``. ``layers`` never comes from the model: time is linear in
-    it, so one layer (the default) measures balance at a fraction of the cost.
+    (``manifest_model``), else ``DEFAULT_PRESET``; explicit ``heads``/``kv_heads``/``head_dim``/
+    ``hidden``/``intermediate`` override it, each on its own (``--heads 2 --head-dim 16`` keeps
+    the base's hidden and MLP widths). ``kv_heads`` defaults to the base's ratio when only
+    ``heads`` is given and the ratio divides it, else to ``heads``. ``layers`` never comes from
+    the model: time is linear in it, so one layer (the default) measures balance at a fraction of
+    the cost.
     """
     if model is not None:
         if model not in MODEL_PRESETS:
@@ -84,10 +135,15 @@ def resolve_shape(
     else:
         group = base.num_heads // base.num_kv_heads
         kv = h // group if h % group == 0 else h
-    if heads is not None or kv_heads is not None or head_dim is not None:
+    if any(x is not None for x in (heads, kv_heads, head_dim, hidden, intermediate)):
         source += " with overrides"
-    shape = AttentionShape(
-        heads=h, kv_heads=kv, head_dim=head_dim if head_dim is not None else base_dim, layers=layers
+    shape = LayerShape(
+        heads=h,
+        kv_heads=kv,
+        head_dim=head_dim if head_dim is not None else base_dim,
+        hidden=hidden if hidden is not None else base.hidden_size,
+        intermediate=intermediate if intermediate is not None else base.intermediate_size,
+        layers=layers,
     )
     return shape, source
 
@@ -98,14 +154,17 @@ class BenchConfig:
 
     backend: str
     """Name in ``rolltool.bench.backends.BACKENDS``."""
-    shape: AttentionShape
-    """Attention shape per layer, and the layer count."""
+    shape: LayerShape
+    """Layer shape, and the layer count."""
+    what: str = "layer"
+    """One of ``WHATS``: a whole layer per row, or attention only."""
     dtype: str = "fp32"
     """One of ``DTYPES``."""
     device: str = "cpu"
     """A torch device string: ``cpu``, ``cuda``, ``cuda:1``."""
     backward: bool = False
-    """Time forward and backward (gradients of q, k, v) instead of forward only."""
+    """Time forward and backward instead of forward only (layer: gradients of the input and of
+    every weight; attention: gradients of q, k, v)."""
     repeats: int = 5
     """Timed passes over all rows; each row's time is the median over them."""
     warmup: int = 1
@@ -113,7 +172,7 @@ class BenchConfig:
     flush_l2: bool = False
     """Overwrite a buffer larger than the L2 cache before each timed row (CUDA only)."""
     seed: int = 0
-    """Seed of the random q, k, v and of the row order of each pass."""
+    """Seed of the random inputs and weights, and of the row order of each pass."""
     steps: tuple[int, ...] | None = None
     """Steps to replay; ``None`` for all."""
     check_rows: int = 0
@@ -122,6 +181,14 @@ class BenchConfig:
     """Where the shape came from, for the report."""
 
     def __post_init__(self) -> None:
+        if self.what not in WHATS:
+            raise RolltoolError(f"bench: unknown --what {self.what!r}", hint=f"one of {WHATS}")
+        if self.what == "layer" and (self.shape.hidden < 1 or self.shape.intermediate < 1):
+            raise RolltoolError(
+                "bench: layer mode needs the hidden and MLP widths "
+                f"(got hidden {self.shape.hidden}, intermediate {self.shape.intermediate})",
+                hint="give --hidden and --intermediate, or --what attention",
+            )
         if self.dtype not in DTYPES:
             raise RolltoolError(f"bench: unknown dtype {self.dtype!r}", hint=f"one of {DTYPES}")
         if self.repeats < 1:

@@ -1,7 +1,7 @@
 """Read a packed directory into the rows bench replays: one per (step, rank, micro-batch).
 
-Only ``cu_seqlens`` and ``sample_index`` are read; the token values do not matter to attention
-timing (q, k, v are random).
+Only ``cu_seqlens`` and ``sample_index`` are read; the token values do not matter to the timing
+(the layer input, or q, k, v, are random).
 """
 
 from __future__ import annotations

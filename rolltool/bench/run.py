@@ -1,5 +1,8 @@
 """The bench job: packed directories -> rows -> timings (+ check) -> report (+ calibration).
 
+A row's work is a whole decoder layer (``what="layer"``, the default) or its attention only
+(``what="attention"``); see ``rolltool.bench.config``.
+
 ``run_bench`` is the Python API behind ``rolltool bench``; it returns one JSON-able report and
 raises RolltoolError for what a user can fix (no torch, no CUDA for a CUDA backend, a bad step).
 """
@@ -19,7 +22,7 @@ from rolltool.bench import report as rp
 from rolltool.bench.backends import Backend, make_backend
 from rolltool.bench.check import check_rows
 from rolltool.bench.compare import compare
-from rolltool.bench.config import AttentionShape, BenchConfig, resolve_shape
+from rolltool.bench.config import BenchConfig, resolve_shape
 from rolltool.bench.rows import PackedRows, load_rows
 from rolltool.bench.timing import Progress, time_rows
 from rolltool.errors import RolltoolError
@@ -82,12 +85,7 @@ def report_one(
     tokens = np.array([r.tokens for r in rows], dtype=np.float64)
     sum_sq = np.array([float(np.sum(r.lengths.astype(np.float64) ** 2)) for r in rows])
     predicted = np.array([r.predicted for r in rows])
-    shape = config.shape
-    flops = np.array([
-        rp.attention_flops(r.lengths, heads=shape.heads, head_dim=shape.head_dim,
-                           layers=shape.layers, backward=config.backward)
-        for r in rows
-    ])  # fmt: skip
+    flops = np.array([row_flops(r.lengths, config) for r in rows])
     steps = rp.step_times(step, rank, mb, seconds, packed.dp)
     real_samples = sum(int(np.sum(r.sample_index >= 0)) for r in rows)
     row_table = [
@@ -119,6 +117,8 @@ def report_one(
         ),
         "fit": rp.fit_quadratic(tokens, sum_sq, seconds),
         "workload_fit": rp.proportional_fit(predicted, seconds),
+        "flops_fit": rp.proportional_fit(flops, seconds),
+        "tokens_fit": rp.proportional_fit(tokens, seconds),
         "sum_sq_fit": rp.proportional_fit(sum_sq, seconds),
         "rows": row_table,
     }
@@ -127,16 +127,29 @@ def report_one(
     return report, np.stack([tokens, sum_sq, seconds], axis=1)
 
 
+def row_flops(lengths: np.ndarray, config: BenchConfig) -> float:
+    """FLOPs of one row's timed work: whole layers (matmuls + causal attention) or attention."""
+    s = config.shape
+    if config.what == "layer":
+        return rp.layer_flops(lengths, matmul_params=s.matmul_params, heads=s.heads,
+                              head_dim=s.head_dim, layers=s.layers, backward=config.backward)  # fmt: skip
+    return rp.attention_flops(lengths, heads=s.heads, head_dim=s.head_dim, layers=s.layers,
+                              backward=config.backward)  # fmt: skip
+
+
 def run_bench(
     paths: Sequence[str | Path],
     *,
     backend: str = "auto",
+    what: str = "layer",
     device: str = "auto",
     dtype: str = "auto",
     model: str | None = None,
     heads: int | None = None,
     kv_heads: int | None = None,
     head_dim: int | None = None,
+    hidden: int | None = None,
+    intermediate: int | None = None,
     layers: int = 1,
     backward: bool = False,
     repeats: int = 5,
@@ -151,6 +164,8 @@ def run_bench(
 ) -> dict[str, Any]:
     """Replay every row of each packed directory in ``paths`` and report (see ``rolltool bench``).
 
+    ``what``: ``layer`` (a whole decoder layer per row) or ``attention`` (attention only).
+
     Several directories are benched with the same configuration, their rows timed together in
     one shuffled order per pass, and compared; the fit and the calibration pool all their rows
     (more length variety, a better-determined fit).
@@ -164,9 +179,10 @@ def run_bench(
     device, dtype = resolve_device(torch, device, dtype)
     manifest_model = packed[0].workload.model if packed[0].workload else None
     shape, shape_source = resolve_shape(model=model, manifest_model=manifest_model, heads=heads,
-                                        kv_heads=kv_heads, head_dim=head_dim, layers=layers)  # fmt: skip
+                                        kv_heads=kv_heads, head_dim=head_dim, hidden=hidden,
+                                        intermediate=intermediate, layers=layers)  # fmt: skip
     be, reason = make_backend(backend, torch, device=device, dtype=dtype)
-    config = BenchConfig(backend=be.name, shape=shape, dtype=dtype, device=device,
+    config = BenchConfig(backend=be.name, shape=shape, what=what, dtype=dtype, device=device,
                          backward=backward, repeats=repeats, warmup=warmup, flush_l2=flush_l2,
                          seed=seed, steps=tuple(steps) if steps is not None else None,
                          check_rows=check, shape_source=shape_source)  # fmt: skip
@@ -215,13 +231,11 @@ def write_json(path: str | Path, doc: dict[str, Any], *, force: bool) -> None:
 
 
 def _config_dict(config: BenchConfig) -> dict[str, Any]:
-    s: AttentionShape = config.shape
     return {
         "backend": config.backend,
-        "heads": s.heads,
-        "kv_heads": s.kv_heads,
-        "head_dim": s.head_dim,
-        "layers": s.layers,
+        "what": config.what,
+        **config.shape.to_dict(),
+        "matmul_params": config.shape.matmul_params if config.what == "layer" else None,
         "shape_source": config.shape_source,
         "dtype": config.dtype,
         "device": config.device,
@@ -239,19 +253,23 @@ def _notes(
     config: BenchConfig, be: Backend, dev_name: str, torch: Any, paths: Sequence[str | Path]
 ) -> dict[str, Any]:
     s = config.shape
+    passes = "forward + backward" if config.backward else "forward"
+    if config.what == "layer":
+        measures = (f"{s.layers} whole decoder layer(s) (projections, causal attention, "
+                    f"SiLU-gated MLP), {passes}")  # fmt: skip
+        shape = s.to_dict()
+    else:
+        measures = f"causal attention only ({s.layers} call(s)), {passes}"
+        shape = {k: v for k, v in s.to_dict().items() if k not in ("hidden", "intermediate")}
     return {
         "units": "seconds (a per token, b per token squared)",
-        "measures": "causal attention only, "
-        + ("forward + backward" if config.backward else "forward"),
+        "what": config.what,
+        "measures": measures,
         "device": dev_name,
         "backend": be.name,
         "dtype": config.dtype,
-        "shape": {
-            "heads": s.heads,
-            "kv_heads": s.kv_heads,
-            "head_dim": s.head_dim,
-            "layers": s.layers,
-        },
+        "shape": shape,
+        "shape_source": config.shape_source,
         "torch": str(torch.__version__),
         "rolltool_version": __version__,
         "sources": [str(p) for p in paths],

@@ -2,10 +2,12 @@
 
 The protocol, in order:
 
-1. **Stage** everything on the device before any timing: one random q, k, v (and output
-   gradient) buffer as long as the longest row, seeded, in the chosen dtype; each row's
-   ``cu_seqlens`` as a device tensor. Row i uses the first T_i tokens of the buffers, so nothing
-   is allocated or copied for inputs inside a timed region.
+1. **Stage** everything on the device before any timing: one random input buffer as long as
+   the longest row (layer mode: x ``[T, hidden]``; attention mode: q, k, v), and the output
+   gradient for ``--backward``, seeded, in the chosen dtype; layer mode's weights, made once for
+   the shape (``rolltool.bench.layer.make_weights``); each row's ``cu_seqlens`` as a device
+   tensor. Row i uses the first T_i tokens of the buffers, so nothing is allocated or copied for
+   inputs inside a timed region.
 2. **Warm up**: ``warmup`` untimed passes over all rows (kernel loading, allocator, autotuning;
    nothing here compiles, so no timed pass follows a compilation).
 3. **Repeat** ``repeats`` timed passes, each over all rows in a fresh random order (so a row's
@@ -14,7 +16,9 @@ The protocol, in order:
    buffer larger than the cache) precedes each row outside its events. CPU: ``perf_counter``.
 4. Each row's time is the **median** over its repeats.
 
-One row's timed work is ``layers`` attention calls (forward, or forward + backward of q, k, v).
+One row's timed work is ``layers`` decoder layers chained (``--what layer``: forward, or forward +
+backward of the input and all weights) or ``layers`` attention calls (``--what attention``:
+forward, or forward + backward of q, k, v).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import numpy as np
 
 from rolltool.bench.backends import Backend
 from rolltool.bench.config import BenchConfig
+from rolltool.bench.layer import LayerWeights, layer_forward, make_weights
 from rolltool.bench.rows import Row
 
 TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -46,17 +51,23 @@ class Staged:
     """Device-side inputs shared by all rows, and each row's boundaries."""
 
     q: Any
-    """[T_max, heads, head_dim] in the bench dtype."""
+    """Attention mode: [T_max, heads, head_dim] in the bench dtype (None in layer mode)."""
     k: Any
-    """[T_max, kv_heads, head_dim] (heads if the backend has no GQA: repeated beforehand)."""
+    """Attention mode: [T_max, kv_heads, head_dim] (heads if the backend has no GQA: repeated
+    beforehand)."""
     v: Any
     grad_out: Any
-    """[T_max, heads, head_dim], the upstream gradient for --backward (None otherwise)."""
+    """The upstream gradient for --backward (None otherwise): [T_max, heads, head_dim] in
+    attention mode, [T_max, hidden] in layer mode."""
     cu: list[Any]
     """Per row: int32 ``cu_seqlens`` on the device."""
     bounds: list[list[int]]
     max_len: list[int]
     tokens: list[int]
+    x: Any = None
+    """Layer mode: the layer input [T_max, hidden] (None in attention mode)."""
+    weights: LayerWeights | None = None
+    """Layer mode: the layer's weights (None in attention mode)."""
 
 
 def stage(torch: Any, backend: Backend, rows: Sequence[Row], config: BenchConfig) -> Staged:
@@ -66,39 +77,53 @@ def stage(torch: Any, backend: Backend, rows: Sequence[Row], config: BenchConfig
     t_max = max(r.tokens for r in rows)
     gen = torch.Generator(device="cpu").manual_seed(config.seed)
 
-    def rand(heads: int) -> Any:
-        x = torch.randn(t_max, heads, shape.head_dim, generator=gen, dtype=torch.float32)
+    def rand(*dims: int) -> Any:
+        x = torch.randn(t_max, *dims, generator=gen, dtype=torch.float32)
         return x.to(device=device, dtype=dtype)
 
-    q, k, v = rand(shape.heads), rand(shape.kv_heads), rand(shape.kv_heads)
+    boundaries: dict[str, Any] = {
+        "cu": [torch.from_numpy(r.cu_seqlens).to(device=device, dtype=torch.int32) for r in rows],
+        "bounds": [[int(x) for x in r.cu_seqlens] for r in rows],
+        "max_len": [r.max_len for r in rows],
+        "tokens": [r.tokens for r in rows],
+    }
+    if config.what == "layer":
+        weights = make_weights(torch, shape, device=config.device, dtype=dtype,
+                               seed=config.seed + 2, grad=config.backward)  # fmt: skip
+        grad_out = rand(shape.hidden) if config.backward else None
+        return Staged(q=None, k=None, v=None, grad_out=grad_out, x=rand(shape.hidden),
+                      weights=weights, **boundaries)  # fmt: skip
+    q = rand(shape.heads, shape.head_dim)
+    k, v = rand(shape.kv_heads, shape.head_dim), rand(shape.kv_heads, shape.head_dim)
     if not backend.gqa and shape.kv_heads != shape.heads:
         group = shape.heads // shape.kv_heads
         k = k.repeat_interleave(group, dim=1).contiguous()
         v = v.repeat_interleave(group, dim=1).contiguous()
-    grad_out = rand(shape.heads) if config.backward else None
-    return Staged(
-        q=q,
-        k=k,
-        v=v,
-        grad_out=grad_out,
-        cu=[torch.from_numpy(r.cu_seqlens).to(device=device, dtype=torch.int32) for r in rows],
-        bounds=[[int(x) for x in r.cu_seqlens] for r in rows],
-        max_len=[r.max_len for r in rows],
-        tokens=[r.tokens for r in rows],
-    )
+    grad_out = rand(shape.heads, shape.head_dim) if config.backward else None
+    return Staged(q=q, k=k, v=v, grad_out=grad_out, **boundaries)
 
 
 def run_row(torch: Any, backend: Backend, st: Staged, i: int, config: BenchConfig) -> None:
-    """Row i's work: ``layers`` attention calls, with backward when configured."""
+    """Row i's work: ``layers`` layers or attention calls, with backward when configured."""
     t = st.tokens[i]
     args = (st.cu[i], st.max_len[i], st.bounds[i])
+    layers = config.shape.layers
+    if st.weights is not None:
+        w = st.weights
+        x0 = st.x[:t].detach().requires_grad_(config.backward)
+        x = x0
+        for _ in range(layers):
+            x = layer_forward(torch, w, x, backend.attend, *args, gqa=backend.gqa)
+        if config.backward:
+            torch.autograd.grad(x, (x0, *w.params), st.grad_out[:t])
+        return
     if not config.backward:
-        for _ in range(config.shape.layers):
+        for _ in range(layers):
             backend.attend(st.q[:t], st.k[:t], st.v[:t], *args)
         return
     # Leaf views of the staged buffers (no copy): autograd returns fresh gradients per call.
     q, k, v = (x[:t].detach().requires_grad_() for x in (st.q, st.k, st.v))
-    for _ in range(config.shape.layers):
+    for _ in range(layers):
         out = backend.attend(q, k, v, *args)
         torch.autograd.grad(out, (q, k, v), st.grad_out[:t])
 

@@ -1,4 +1,5 @@
-"""`rolltool bench`: replay packed directories through varlen attention and report balance.
+"""`rolltool bench`: replay packed directories through decoder layers (or varlen attention only)
+and report balance.
 
 torch is imported inside the command only (through rolltool.bench.run), never at CLI import.
 """
@@ -11,7 +12,7 @@ import click
 from rich.table import Table
 
 from rolltool.bench.backends import BACKENDS
-from rolltool.bench.config import DTYPES
+from rolltool.bench.config import DTYPES, WHATS
 from rolltool.cli._common import err, handle_errors, out, print_json, progress
 from rolltool.errors import RolltoolError
 from rolltool.workload import MODEL_PRESETS
@@ -46,20 +47,29 @@ def parse_steps(text: str | None) -> list[int] | None:
     help="Attention kernel; auto: flash-attn, else torch-varlen (CUDA), else sdpa.",
 )
 @click.option(
+    "--what",
+    type=click.Choice(list(WHATS)),
+    default="layer",
+    show_default=True,
+    help="Per row: a whole decoder layer (projections, attention, MLP) or attention only.",
+)
+@click.option(
     "--model",
     type=click.Choice(list(MODEL_PRESETS)),
     default=None,
-    help="Take heads, kv-heads and head-dim from a preset [default: the packed model].",
+    help="Take the layer shape from a preset [default: the packed model, else dense-7b].",
 )
 @click.option("--heads", type=click.IntRange(min=1), default=None, help="Query heads.")
 @click.option("--kv-heads", type=click.IntRange(min=1), default=None, help="Key/value heads (GQA).")
 @click.option("--head-dim", type=click.IntRange(min=1), default=None, help="Width of one head.")
+@click.option("--hidden", type=click.IntRange(min=1), default=None, help="Residual stream width.")
+@click.option("--intermediate", type=click.IntRange(min=1), default=None, help="Gated MLP width.")
 @click.option(
     "--layers",
     type=click.IntRange(min=1),
     default=1,
     show_default=True,
-    help="Attention calls per row, emulating depth.",
+    help="Layers (or attention calls) per row, chained, emulating depth.",
 )
 @click.option("--backward", is_flag=True, help="Time forward + backward, not forward only.")
 @click.option(
@@ -112,23 +122,28 @@ def parse_steps(text: str | None) -> list[int] | None:
 @click.option("--rows", "show_rows", is_flag=True, help="Also print the per-row table.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
 @handle_errors
-def bench(packed: tuple[str, ...], backend: str, model: str | None, heads: int | None,
-          kv_heads: int | None, head_dim: int | None, layers: int, backward: bool, dtype: str,
+def bench(packed: tuple[str, ...], backend: str, what: str, model: str | None, heads: int | None,
+          kv_heads: int | None, head_dim: int | None, hidden: int | None,
+          intermediate: int | None, layers: int, backward: bool, dtype: str,
           device: str, repeats: int, warmup: int, flush_l2: bool, seed: int, steps: str | None,
           check: bool, check_rows: int, calibrate: str | None, force: bool, show_rows: bool,
           as_json: bool) -> None:  # fmt: skip
-    """Replay PACKED directories through variable-length attention and measure balance.
+    """Replay PACKED directories through transformer layers and measure balance.
 
-    Every (step, rank, micro-batch) row runs causal attention over its segments (random q, k, v;
-    the row's cu_seqlens), timed; the report gives per step the plain data-parallel time
-    (max over ranks of their sums), the lockstep time (sum over micro-batches of the slowest
-    rank: FSDP/ZeRO-3/TP) and the ideal, with efficiencies; attention TFLOP/s; and a fit of
-    a·L + b·L² per segment. Several directories are compared side by side, the best marked.
+    Every (step, rank, micro-batch) row runs, timed, a whole decoder layer over its tokens
+    (q/k/v projections, causal varlen attention over the row's cu_seqlens, output projection,
+    SiLU-gated MLP; random input and weights) -- or, with --what attention, the attention call
+    only. The report gives per step the plain data-parallel time (max over ranks of their sums),
+    the lockstep time (sum over micro-batches of the slowest rank: FSDP/ZeRO-3/TP) and the ideal,
+    with efficiencies; TFLOP/s; how well the packed cost model explains row times; and a fit of
+    a·L + b·L² per segment (--calibrate writes it for pack --balance calibrated). Several
+    directories are compared side by side, the best marked.
     """
     from rolltool.bench.run import run_bench
 
-    doc = run_bench(packed, backend=backend, device=device, dtype=dtype, model=model, heads=heads,
-                    kv_heads=kv_heads, head_dim=head_dim, layers=layers, backward=backward,
+    doc = run_bench(packed, backend=backend, what=what, device=device, dtype=dtype, model=model,
+                    heads=heads, kv_heads=kv_heads, head_dim=head_dim, hidden=hidden,
+                    intermediate=intermediate, layers=layers, backward=backward,
                     repeats=repeats, warmup=warmup, flush_l2=flush_l2, seed=seed,
                     steps=parse_steps(steps), check=check_rows if check else 0,
                     calibrate=calibrate, force=force, progress=progress)  # fmt: skip
@@ -148,15 +163,20 @@ def bench(packed: tuple[str, ...], backend: str, model: str | None, heads: int |
 def _render(doc: dict[str, Any], show_rows: bool) -> None:
     c = doc["config"]
     err.print(f"backend {doc['backend']} ({doc['backend_choice']}): {doc['backend_detail']}")
-    err.print(f"device {doc['device']}, torch {doc['torch']}, {c['dtype']}, {c['heads']} heads "
-              f"({c['kv_heads']} kv) x {c['head_dim']}, {c['layers']} layer(s), "
-              f"{'forward+backward' if c['backward'] else 'forward'}, median of {c['repeats']}")  # fmt: skip
+    what = (f"layer (hidden {c['hidden']}, MLP {c['intermediate']}, "
+            f"{_count(c['matmul_params'])} matmul params)" if c["what"] == "layer"
+            else "attention only")  # fmt: skip
+    err.print(f"{what}: {c['heads']} heads ({c['kv_heads']} kv) x {c['head_dim']}, "
+              f"{c['layers']} layer(s), {'forward+backward' if c['backward'] else 'forward'}; "
+              f"shape from {c['shape_source']}")  # fmt: skip
+    err.print(f"device {doc['device']}, torch {doc['torch']}, {c['dtype']}, "
+              f"median of {c['repeats']}")  # fmt: skip
     runs = doc.get("runs", [doc])
     for run in runs:
         out.print(_steps_table(run))
         if show_rows:
             out.print(_rows_table(run))
-        out.print(_summary(run))
+        out.print(_summary(run, c["what"]))
     if "comparison" in doc:
         out.print(_comparison_table(doc["comparison"]))
         if not doc["comparison"]["same_input"]:
@@ -167,6 +187,10 @@ def _render(doc: dict[str, Any], show_rows: bool) -> None:
               f"R² {_num(f['r2'], '.4f')} over {f['rows']} rows")  # fmt: skip
     if doc["calibration_file"]:
         err.print(f"wrote {doc['calibration_file']} (pack --balance calibrated --calibration ...)")
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e6:,.1f} M" if n >= 1e6 else f"{n:,}"
 
 
 def _num(x: Any, fmt: str) -> str:
@@ -202,24 +226,31 @@ def _rows_table(run: dict[str, Any]) -> Table:
     return table
 
 
-def _summary(run: dict[str, Any]) -> str:
+def _summary(run: dict[str, Any], what: str) -> str:
     t = run["throughput"]
     peak = (
         "peak unknown"
         if t["peak_share"] is None
         else f"{t['peak_share']:.1%} of {t['peak_tflops']:.0f} peak"
     )
-    w, q = run["workload_fit"], run["sum_sq_fit"]
-    lines = [f"attention: {t['tflops']:.3f} TFLOP/s (causal FLOPs from lengths; {peak})",
-             f"cost model: manifest workload explains R² {_num(w['r2'], '.3f')} of row times; "
-             f"Σ L² alone R² {_num(q['r2'], '.3f')}"]  # fmt: skip
+    counted = "matmuls + causal attention" if what == "layer" else "causal attention"
+    w = run["workload"]
+    model = f"manifest workload ({w['kind']})" if w else "manifest workload (none)"
+    fits = {k: run[k] for k in ("workload_fit", "flops_fit", "tokens_fit", "sum_sq_fit")}
+    r2 = {k: _num(f["r2"], ".3f") for k, f in fits.items()}
+    rms = {k: _num(f["rel_rmse"], ".1%") for k, f in fits.items()}
+    lines = [f"{what}: {t['tflops']:.3f} TFLOP/s ({counted}, FLOPs from lengths; {peak})",
+             f"cost model: {model} explains R² {r2['workload_fit']} of row times "
+             f"(rms error {rms['workload_fit']}); proportional to this run's FLOPs: R² "
+             f"{r2['flops_fit']} ({rms['flops_fit']}), tokens {r2['tokens_fit']} "
+             f"({rms['tokens_fit']}), Σ L² {r2['sum_sq_fit']} ({rms['sum_sq_fit']})"]  # fmt: skip
     if "check" in run:
         ch = run["check"]
         status = "OK" if ch["ok"] else "[red]FAILED[/red]"
         worst = max((r["max_abs_error"] for r in ch["rows"]), default=0.0)
-        lines.append(f"check: {status}, {ch['segments_checked']} segments in {ch['rows_checked']} rows, "
-                     f"max |error| {worst:.2e} (tolerance {ch['tolerance']['atol']:g} + "
-                     f"{ch['tolerance']['rtol']:g}·|ref|)")  # fmt: skip
+        lines.append(f"check (attention): {status}, {ch['segments_checked']} segments in "
+                     f"{ch['rows_checked']} rows, max |error| {worst:.2e} (tolerance "
+                     f"{ch['tolerance']['atol']:g} + {ch['tolerance']['rtol']:g}·|ref|)")  # fmt: skip
     return "\n".join(lines)
 
 
