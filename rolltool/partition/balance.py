@@ -38,7 +38,7 @@ from rolltool.partition.refine import refine
 __all__ = ["METHODS", "balance", "balance_labels", "lower_bound", "part_loads"]
 
 KK_AUTO_MERGES = 1024
-"""``auto`` runs KK when KK needs at most this many merges (about 10 µs each)."""
+"""``auto`` runs KK when KK needs at most this many merges (a few µs each, see ``kk.py``)."""
 
 REFINE_STEPS, REFINE_WORK = 64, 1 << 14
 """``auto`` refines for at most ``2k + REFINE_STEPS`` swaps or moves, and stops once they have
@@ -136,13 +136,20 @@ def balance(
     return split_labels(labels, int(k))
 
 
+STABLE_SORT_MAX = 2048
+"""``descending_order`` sorts up to this many weights with one stable sort (measured faster)."""
+
+
 def descending_order(w: np.ndarray) -> np.ndarray:
     """Indices that sort ``w`` heaviest first, ties by index: a stable sort, done faster.
 
-    A plain (unstable) sort is several times faster than a stable one; ties are then put in
-    index order by sorting unique integer keys (value rank, index), which any sort orders alike.
+    Up to ``STABLE_SORT_MAX`` items a stable sort is fastest. Beyond that a plain (unstable) sort
+    is several times faster than a stable one; ties are then put in index order by sorting unique
+    integer keys (value rank, index), which any sort orders alike.
     """
     n = len(w)
+    if n <= STABLE_SORT_MAX:
+        return np.argsort(-w, kind="stable")
     order = np.argsort(-w)
     s = w[order]
     new = np.empty(n, dtype=bool)
@@ -158,9 +165,11 @@ def descending_order(w: np.ndarray) -> np.ndarray:
 
 def split_labels(labels: np.ndarray, k: int) -> list[np.ndarray]:
     """``[n]`` part per item -> ``k`` ascending index arrays (the inverse of a labelling)."""
-    order = np.argsort(labels, kind="stable")
-    bounds = np.cumsum(np.bincount(labels, minlength=k))[:-1]
-    return [np.ascontiguousarray(p, dtype=np.int64) for p in np.split(order, bounds)]
+    # a stable sort of 16-bit keys is a radix sort: several times faster than on int64
+    keys = labels.astype(np.int16) if k <= np.iinfo(np.int16).max else labels
+    order = np.argsort(keys, kind="stable").astype(np.int64, copy=False)
+    ends = np.cumsum(np.bincount(labels, minlength=k)).tolist()
+    return [order[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]
 
 
 def part_loads(weights: np.ndarray, parts: Sequence[np.ndarray]) -> np.ndarray:

@@ -10,18 +10,40 @@ Example (k = 2, weights 8, 7, 6, 5, 4): merge 8 and 7 -> {8 | 7} (spread 1); mer
 {6 | 5} (1); merge 4 with the older spread-1 pair -> {8 | 7, 4} (3); merge that with {6 | 5}
 -> {8, 6 | 7, 4, 5}: 14 | 16. (LPT gets 17 | 13; the optimum is 15 | 15.)
 
-Ties are broken by creation order (older first), so the result is deterministic. Instead of
-concatenating item lists at every merge, each merge records which slot of one side joins which
-slot of the other (a union-find parent pointer from slot id to slot id; a slot is named after its
-first item), and the final parts are read off the pointers once at the end: O(n·k) work in all,
-O(k) NumPy per merge.
+Ties are broken by creation order (older first), and a merged partition's slots are ordered by a
+stable sort (equal sums keep their slot order), so the result is deterministic and equal to the
+textbook heap-of-lists implementation (the tests compare the two).
+
+How it is fast (plain Python; per merge a few C-level list operations, no NumPy):
+
+* Slots hold no item lists. A slot is named after one of its items (its *representative*); a
+  merge of slots x and y keeps ``max(x, y)`` and records the link ``min -> max``. The parts are
+  read off the links once at the end (NumPy pointer jumping): O(n·k) work in all.
+* Sums are stored negated, so a partition is an ascending tuple (heaviest slot first) and the
+  merged slot order is ``sorted(range(k), key=...)``, applied with one ``itemgetter``.
+* Items waiting alone (singletons) are not in the heap: they come off the sorted weights in order
+  (older and, among equal spreads, always first), compared with the heap's top.
+* A singleton merged into a partition only changes that partition's lightest slot: one
+  ``bisect`` instead of a sort.
+* Without equal counts the items mostly arrive in *blocks*: two singletons merge and the result,
+  whose spread is its heaviest item while it has an empty slot, takes the next singletons one by
+  one into its empty slots (KK's own order). Such a run is built in one slice, when the exact
+  conditions for it hold (strictly decreasing positive weights, each at least the heap's top
+  spread); everything else (ties, zero weights, interruptions) goes through the general merge.
 """
 
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_right
+from operator import add, itemgetter
 
 import numpy as np
+
+_INF = float("inf")
+
+PY_MAX_K = 24
+"""With equal counts and more parts than this, merges use NumPy rows instead of Python tuples."""
 
 
 def kk_sorted(ws: np.ndarray, k: int, equal_count: bool = False) -> np.ndarray:
@@ -32,64 +54,172 @@ def kk_sorted(ws: np.ndarray, k: int, equal_count: bool = False) -> np.ndarray:
     n = len(ws)
     if n == 0:
         return np.empty(0, dtype=np.int64)
-    parent = np.arange(n, dtype=np.int64)
-    sums: list[np.ndarray | None] = []
-    ids: list[np.ndarray | None] = []
-    heap: list[tuple[float, int]] = []
+    if k == 1:
+        return np.zeros(n, dtype=np.int64)
+    nw: list[float] = (-np.asarray(ws, dtype=np.float64)).tolist()  # ascending
+    los: list[int] = []  # link x -> y for each pair of merged slots (x, y) with both >= 0:
+    his: list[int] = []  # los gets one of them, his the other; resolved once at the end
     if equal_count:
-        blocks = ws.reshape(-1, k)
-        for b in range(len(blocks)):
-            sums.append(blocks[b].copy())
-            ids.append(np.arange(b * k, (b + 1) * k, dtype=np.int64))
-            heap.append((-(float(blocks[b, 0]) - float(blocks[b, -1])), b))
+        root = _kk_blocks(nw, k, los, his)
     else:
-        # Singletons are made into arrays lazily: most are merged once and never stored.
-        sums = [None] * n
-        ids = [None] * n
-        heap = [(-float(x), i) for i, x in enumerate(ws.tolist())]
-    heapq.heapify(heap)
-    empty_ids = np.full(k, -1, dtype=np.int64)
-
-    def materialize(pid: int) -> tuple[np.ndarray, np.ndarray]:
-        s, d = sums[pid], ids[pid]
-        if s is None or d is None:  # a singleton: item pid alone in slot 0
-            s = np.zeros(k, dtype=np.float64)
-            s[0] = ws[pid]
-            d = empty_ids.copy()
-            d[0] = pid
-        sums[pid] = ids[pid] = None  # merged away: free it
-        return s, d
-
-    pop, push = heapq.heappop, heapq.heappush
-    while len(heap) > 1:
-        _, pa = pop(heap)
-        _, pb = pop(heap)
-        sa, da = materialize(pa)
-        sb, db = materialize(pb)
-        # heaviest slot of a with lightest slot of b; both are stored heaviest first
-        s = sa + sb[::-1]
-        db = db[::-1]
-        if equal_count:  # no empty slots: every slot of b joins a slot of a
-            parent[db] = da
-            d = da
-        else:
-            both = (da >= 0) & (db >= 0)
-            parent[db[both]] = da[both]
-            d = np.where(da >= 0, da, db)
-        order = np.argsort(-s, kind="stable")
-        s, d = s[order], d[order]
-        pid = len(sums)
-        sums.append(s)
-        ids.append(d)
-        push(heap, (-(float(s[0]) - float(s[-1])), pid))
-    _, final_d = materialize(heap[0][1])
-    # follow parent pointers to each item's root slot (pointer jumping: O(log depth) passes)
-    while True:
-        up = parent[parent]
-        if np.array_equal(up, parent):
-            break
-        parent = up
+        root = _kk_free(nw, k, los, his)
+    # follow links to each item's representative (pointer jumping: O(log depth) passes)
+    parent = np.arange(n, dtype=np.int64)
+    if los:
+        a = np.array(los, dtype=np.int64)
+        b = np.array(his, dtype=np.int64)
+        if equal_count:  # child -> parent, no empty slots
+            parent[a] = b
+        else:  # slot pairs in either order, -1 for empty; the larger index is the parent
+            lo, hi = np.minimum(a, b), np.maximum(a, b)
+            keep = lo >= 0
+            parent[lo[keep]] = hi[keep]
+        while True:
+            up = parent[parent]
+            if np.array_equal(up, parent):
+                break
+            parent = up
     part_of_slot = np.full(n, -1, dtype=np.int64)
-    live = final_d >= 0
-    part_of_slot[final_d[live]] = np.flatnonzero(live)
+    for slot, rep in enumerate(root):
+        if rep >= 0:
+            part_of_slot[rep] = slot
     return part_of_slot[parent]
+
+
+def _merge(
+    na: tuple[float, ...],
+    ia: tuple[int, ...],
+    nb: tuple[float, ...],
+    ib: tuple[int, ...],
+    k: int,
+    los: list[int],
+    his: list[int],
+) -> tuple[float, tuple[float, ...], tuple[int, ...]]:
+    """Merge partition a with b (slot t of a with slot k-1-t of b): (key, sums, representatives).
+
+    Sums are negated (ascending = heaviest first); key = -spread. A representative is an item
+    index, -1 for an empty slot; merged slots keep the larger index and link the pair.
+    """
+    rb = ib[::-1]
+    nc = list(map(add, na, nb[::-1]))
+    los += ia
+    his += rb
+    get = itemgetter(*sorted(range(k), key=nc.__getitem__))
+    ns: tuple[float, ...] = get(nc)
+    return ns[0] - ns[-1], ns, get(list(map(max, ia, rb)))
+
+
+def _kk_blocks(nw: list[float], k: int, los: list[int], his: list[int]) -> tuple[int, ...]:
+    """Equal counts: start from blocks of k consecutive items; every merge is a general one.
+
+    No slot is ever empty, so a merged slot keeps a's representative and links b's to it
+    (``his`` gets the parent, ``los`` the child).
+    """
+    if k > PY_MAX_K:
+        return _kk_blocks_numpy(nw, k, los, his)
+    heap = []
+    for b in range(0, len(nw), k):
+        s = tuple(nw[b : b + k])
+        heap.append((s[0] - s[-1], b, s, tuple(range(b, b + k))))
+    heapq.heapify(heap)
+    seq = len(nw)
+    pop, replace = heapq.heappop, heapq.heapreplace
+    order = range(k)
+    while len(heap) > 1:
+        _, _, na, ia = pop(heap)
+        _, _, nb, ib = heap[0]
+        nc = list(map(add, na, nb[::-1]))
+        his += ia
+        los += ib[::-1]
+        get = itemgetter(*sorted(order, key=nc.__getitem__))
+        ns = get(nc)
+        replace(heap, (ns[0] - ns[-1], seq, ns, get(ia)))
+        seq += 1
+    return heap[0][3]
+
+
+def _kk_blocks_numpy(nw: list[float], k: int, los: list[int], his: list[int]) -> tuple[int, ...]:
+    """``_kk_blocks`` with NumPy rows: for large k one stable argsort beats sorting in Python."""
+    blocks = np.array(nw, dtype=np.float64).reshape(-1, k)
+    ids = np.arange(len(nw), dtype=np.int64).reshape(-1, k)
+    heap = [(float(blocks[b, 0] - blocks[b, -1]), b, blocks[b], ids[b]) for b in range(len(blocks))]
+    heapq.heapify(heap)
+    seq = len(nw)
+    pop, replace = heapq.heappop, heapq.heapreplace
+    parents: list[np.ndarray] = []
+    children: list[np.ndarray] = []
+    while len(heap) > 1:
+        _, _, na, ia = pop(heap)
+        _, _, nb, ib = heap[0]
+        nc = na + nb[::-1]
+        parents.append(ia)
+        children.append(ib[::-1])
+        o = nc.argsort(kind="stable")
+        ns = nc[o]
+        replace(heap, (float(ns[0] - ns[-1]), seq, ns, ia[o]))
+        seq += 1
+    if parents:
+        his += np.concatenate(parents).tolist()
+        los += np.concatenate(children).tolist()
+    return tuple(heap[0][3].tolist())
+
+
+def _kk_free(nw: list[float], k: int, los: list[int], his: list[int]) -> tuple[int, ...]:
+    """No count constraint: start from singletons (see the module docstring)."""
+    n = len(nw)
+    zeros = (0.0,) * (k - 1)
+    empty = (-1,) * (k - 1)
+    heap: list[tuple[float, int, tuple[float, ...], tuple[int, ...]]] = []
+    pop, push = heapq.heappop, heapq.heappush
+    i = 0  # next singleton: key (nw[i], i), older than every partition (seq >= n)
+    seq = n
+    while (n - i) + len(heap) > 1:
+        hk = heap[0][0] if heap else _INF
+        if i < n and nw[i] <= hk:  # the first is singleton i
+            x = nw[i]
+            if i + 1 < n and nw[i + 1] <= hk:  # ... and the second singleton i + 1
+                if k > 2 and nw[i + 1] < 0.0:  # a block: i, i+1 and the next ones that fit
+                    j = i + 2
+                    end = min(n, i + k)
+                    while j < end and x < nw[j] < 0.0 and nw[j] <= hk:
+                        j += 1
+                    m = j - i
+                    if m == k:
+                        s = tuple(nw[i:j])
+                        key = x - s[-1]
+                    else:
+                        s = (*nw[i:j], *zeros[: k - m])
+                        key = x
+                    push(heap, (key, seq, s, (*range(i, j), *empty[: k - m])))
+                    seq += 1
+                    i = j
+                    continue
+                na, ia = (x, *zeros), (i, *empty)
+                nb, ib = (nw[i + 1], *zeros), (i + 1, *empty)
+                i += 2
+            else:  # singleton i, then the heap's top
+                na, ia = (x, *zeros), (i, *empty)
+                _, _, nb, ib = pop(heap)
+                i += 1
+        else:
+            _, _, na, ia = pop(heap)
+            hk = heap[0][0] if heap else _INF
+            if i < n and nw[i] <= hk:  # a partition, then singleton i: into its lightest slot
+                v = na[-1] + nw[i]
+                p = bisect_right(na, v, 0, k - 1)
+                last = ia[-1]
+                los.append(last)
+                his.append(i)
+                s = (*na[:p], v, *na[p:-1])
+                ids = (*ia[:p], max(last, i), *ia[p:-1])
+                push(heap, (s[0] - s[-1], seq, s, ids))
+                seq += 1
+                i += 1
+                continue
+            _, _, nb, ib = pop(heap)
+        key, s, ids = _merge(na, ia, nb, ib, k, los, his)
+        push(heap, (key, seq, s, ids))
+        seq += 1
+    if heap:
+        return heap[0][3]
+    return (n - 1, *empty)  # a single item
