@@ -261,6 +261,33 @@ def test_cuda_backend_matches_sequences_alone(name: str) -> None:
     assert check_row(torch, backend, make_row([100, 1, 700, 33]), config)["ok"]
 
 
+@cuda
+def test_cuda_layer_mode_times_rows_and_keeps_segments_apart() -> None:
+    from rolltool.bench import timing
+
+    backend, _ = make_backend("auto", torch, device="cuda", dtype="bf16")
+    shape = LayerShape(heads=8, kv_heads=2, head_dim=64, hidden=512, intermediate=1024)
+    rows = [make_row([100, 1, 700, 33]), make_row([834], rank=1)]
+    config = BenchConfig(backend=backend.name, shape=shape, dtype="bf16", device="cuda",
+                         backward=True, repeats=2)  # fmt: skip
+    times = timing.time_rows(torch, backend, rows, config)
+    assert times.shape == (2, 2) and np.all(np.isfinite(times)) and np.all(times > 0)
+    w = make_weights(torch, shape, device="cuda", dtype=torch.bfloat16, seed=0)
+    row = rows[0]
+    x = torch.randn(row.tokens, shape.hidden, device="cuda").bfloat16()
+    bounds = row.cu_seqlens.tolist()
+    cu = torch.tensor(bounds, dtype=torch.int32, device="cuda")
+    with torch.inference_mode():
+        out = layer_forward(torch, w, x, backend.attend, cu, row.max_len, bounds, gqa=backend.gqa)
+        for s, e in pairwise(bounds):
+            one = torch.tensor([0, e - s], dtype=torch.int32, device="cuda")
+            ref = layer_forward(torch, w, x[s:e], backend.attend, one, e - s, [0, e - s],
+                                gqa=backend.gqa)  # fmt: skip
+            # bf16: a few ulps of the largest element (a sanity check; --check is the leak test).
+            diff = float((out[s:e].float() - ref.float()).abs().max())
+            assert diff <= 2e-2 * float(ref.float().abs().max())
+
+
 # --- report arithmetic ------------------------------------------------------------------------
 
 
