@@ -215,8 +215,8 @@ def assemble(groups: Groups, env_names: list[str], config: StepConfig) -> Assemb
                         status = "oversize"
                     break
                 else:
-                    if status == "full" and config.batch_unit != "tokens":
-                        status = "short"
+                    if status == "full":
+                        status = "short"  # informational in token units (N is a ceiling)
                     break
             size += filled
         step = Step(

@@ -216,6 +216,7 @@ def pack(inputs: tuple[str, ...], output: str, dp: int, batch_unit: str, batch_s
     for w in manifest["warnings"]:
         warn(w)
     out.print(_steps_table(manifest, output))
+    out.print(_envs_table(manifest))
     s = manifest["samples"]
     err.print(
         f"wrote {manifest['num_steps']} steps x {manifest['dp']} ranks to {output}: "
@@ -225,12 +226,15 @@ def pack(inputs: tuple[str, ...], output: str, dp: int, batch_unit: str, batch_s
 
 
 def _steps_table(manifest: dict, output: str) -> Table:
+    """One row per step: size in batch units (and why it is not full), counts, layout, balance."""
     cfg = manifest["config"]
     unit = cfg["steps"]["batch_unit"]
-    table = Table(title=f"pack -> {output} ({manifest['workload']['kind']} balance, {cfg['align']})",
-                  title_justify="left")  # fmt: skip
-    cols = ["step", f"{unit}", "groups", "samples", "tokens", "trainable", "uniform kept/drop",
-            "mb/rank", "fill", "lockstep", "imbalance"]  # fmt: skip
+    table = Table(
+        title=f"pack -> {output} ({manifest['workload']['kind']} balance, {cfg['align']})",
+        title_justify="left",
+    )
+    cols = ["step", f"{unit} (status)", "groups", "rollouts", "samples", "tokens", "trainable",
+            "uniform kept/drop", "over-long", "mb/rank", "fill", "lockstep", "imbalance"]  # fmt: skip
     for c in cols:
         table.add_column(c, justify="right")
     for st in manifest["steps"]:
@@ -243,14 +247,69 @@ def _steps_table(manifest: dict, output: str) -> Table:
             str(st["step"]),
             size,
             f"{st['groups']:,}",
+            f"{st['rollouts']:,}",
             f"{st['samples']:,}",
             f"{st['sampled_tokens']:,}",
             f"{st['trainable_tokens']:,}",
             f"{st['uniform_groups_kept']}/{st['uniform_groups_dropped']}",
+            f"{st['overlong_dropped']:,}",
             str(p["micro_batches_per_rank"]),
             fill,
             f"{p['lockstep_overhead_cost']:.4f}",
             f"{p['imbalance_cost']:.4f}",
+        )
+    return table
+
+
+MAX_ENV_STEPS = 20  # beyond this many steps the per-env table shows run totals only
+
+
+def _num(x: float | None, spec: str = "+.3f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _envs_table(manifest: dict) -> Table:
+    """Per step and env (or per env over the run, for long runs): what each env contributes."""
+    steps = manifest["steps"]
+    per_step = len(steps) <= MAX_ENV_STEPS
+    title = (
+        "per step and env"
+        if per_step
+        else f"per env, all {len(steps)} steps (rolltool stats --per-step for each)"
+    )
+    table = Table(title=title, title_justify="left")
+    cols = ["step", "env", "groups", "rollouts", "samples", "tokens", "trainable", "uniform kept/drop",
+            "over-long", "reward mean", "adv mean", "adv std", "loss weight"]  # fmt: skip
+    for c in cols:
+        table.add_column(c, justify="left" if c == "env" else "right")
+    keys = ("groups", "rollouts", "samples", "sampled_tokens", "trainable_tokens", "uniform_groups_kept",
+            "uniform_groups_dropped", "overlong_dropped", "loss_weight_sum")  # fmt: skip
+    if per_step:
+        rows = [(str(st["step"]), env, e) for st in steps for env, e in st["envs"].items()]
+    else:
+        totals: dict[str, dict] = {}
+        for st in steps:
+            for env, e in st["envs"].items():
+                t = totals.setdefault(env, dict.fromkeys(keys, 0))
+                for k in keys:
+                    t[k] += e[k]
+        rows = [("all", env, {**t, "reward_mean": None, "advantage_mean": None, "advantage_std": None})
+                for env, t in totals.items()]  # fmt: skip
+    for step, env, e in rows:
+        table.add_row(
+            step,
+            env,
+            f"{e['groups']:,}",
+            f"{e['rollouts']:,}",
+            f"{e['samples']:,}",
+            f"{e['sampled_tokens']:,}",
+            f"{e['trainable_tokens']:,}",
+            f"{e['uniform_groups_kept']}/{e['uniform_groups_dropped']}",
+            f"{e['overlong_dropped']:,}",
+            _num(e["reward_mean"], ".3f"),
+            _num(e["advantage_mean"]),
+            _num(e["advantage_std"], ".3f"),
+            f"{e['loss_weight_sum']:.3f}",
         )
     return table
 
