@@ -35,7 +35,7 @@ from rolltool.schedule import (
     StepWork,
     schedule,
 )
-from rolltool.schema import Rollouts, scan
+from rolltool.schema import MAX_LISTED, Rollouts, scan
 from rolltool.shards import FORMAT, FORMAT_VERSION, file_record, write_shards
 from rolltool.source import invert_mapping, iter_batches, resolve_inputs
 from rolltool.tokens import TokenReader
@@ -73,10 +73,29 @@ def _input_advantages(ro: Rollouts, rename: Mapping[str, str]) -> np.ndarray | N
                 f"{f.path}: column 'advantage' is missing", hint="give it in every file or in none"
             )
     adv = np.concatenate(parts) if parts else np.zeros(0)
-    bad = np.flatnonzero(~np.isfinite(adv))
-    if len(bad):
+    problems = [
+        f"{ro.label(int(i))}: column 'advantage' is not finite ({adv[i]})"
+        for i in np.flatnonzero(~np.isfinite(adv))
+    ]
+    # Every branch of a rollout carries the rollout's advantage, as its reward (schema.scan).
+    first = np.full(int(ro.rollout.max()) + 1 if len(ro.rollout) else 0, -1, dtype=np.int64)
+    first[ro.rollout[::-1]] = np.arange(len(ro.rollout))[::-1]  # first branch of each rollout
+    ref = adv[first[ro.rollout]]
+    differs = (adv != ref) & np.isfinite(adv) & np.isfinite(ref)
+    _, at = np.unique(ro.rollout[differs], return_index=True)  # first differing branch each
+    problems += [
+        f"{ro.label(int(i))}: column 'advantage': branches of one rollout have different "
+        f"advantages ({ref[i]} in {ro.label(int(first[ro.rollout[i]]))}, {adv[i]} here)"
+        for i in np.sort(np.flatnonzero(differs)[at])
+    ]
+    if problems:
+        listed = [f"  {p}" for p in problems[:MAX_LISTED]]
+        if len(problems) > MAX_LISTED:
+            listed.append(f"  ... and {len(problems) - MAX_LISTED} more")
         raise RolltoolError(
-            f"{ro.label(int(bad[0]))}: column 'advantage' is not finite ({len(bad)} samples)"
+            f"the input's 'advantage' column has {len(problems)} problem(s); nothing was "
+            "written:\n" + "\n".join(listed),
+            hint="fix the column, or drop it to let --estimator compute advantages",
         )
     return adv.astype(np.float32)
 
@@ -90,11 +109,14 @@ def run_pack(
     force: bool = False,
     command: Sequence[str] | None = None,
     progress: Any = None,
+    estimator_chosen: bool = False,
 ) -> dict[str, Any]:
     """Pack rollout Parquet `inputs` into `output` (a directory); returns the report.
 
     `progress(iterable, total, description)` may wrap the step loop (the CLI passes a progress
-    bar on stderr).
+    bar on stderr). `estimator_chosen`: the caller chose the estimator (the CLI: --estimator or
+    --env-estimator given); an input with its own 'advantage' column then gets a warning that
+    the estimator is not used.
     """
     check_target(Path(output), force)
     workload = config.workload()
@@ -104,7 +126,13 @@ def run_pack(
     ro = scan(files, rename, on_row_group=reader.offer)
     n = ro.num_samples
     warnings = list(ro.warnings)
-    plan = schedule(ro, config, workload, _input_advantages(ro, rename))
+    given = _input_advantages(ro, rename)
+    if given is not None and estimator_chosen:
+        warnings.append(
+            "the input has an 'advantage' column, used as is: --estimator/--env-estimator "
+            "are ignored (drop the column to compute advantages)"
+        )
+    plan = schedule(ro, config, workload, given)
     works, status = plan.works, plan.status
     max_bytes = int(config.shard_mb * 1e6)
     steps_meta: list[dict[str, Any]] = []
@@ -198,6 +226,7 @@ def run_pack(
                 "usage": USAGE,
             },
             "inputs": [{"path": f.path, "rows": f.rows} for f in files],
+            "columns": dict(columns or {}),
             "dp": config.dp,
             "num_steps": len(steps_meta),
             "token_fields": {k: np.dtype(v).name for k, v in TOKEN_FIELDS.items()},
