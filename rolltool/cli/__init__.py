@@ -26,12 +26,12 @@ def main() -> None:
 
 
 def _register() -> None:
-    from rolltool.cli import advantages, bench, pack, stats, synth
+    from rolltool.cli import advantages, bench, pack, stats, synth, verify
 
     main.add_command(synth.synth)
     main.add_command(advantages.advantages)
     main.add_command(pack.pack)
-    main.add_command(pack.verify)
+    main.add_command(verify.verify)
     main.add_command(bench.bench)
     main.add_command(stats.stats)
 
