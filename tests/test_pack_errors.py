@@ -214,10 +214,13 @@ import rolltool.pack
 from rolltool.cli import main
 real, calls = rolltool.pack.write_shards, [0]
 def dying(*args, **kwargs):
+    # Die right after the third shard write has finished (writes run on worker threads, so
+    # dying before it could leave no shard on disk yet).
+    result = real(*args, **kwargs)
     calls[0] += 1
     if calls[0] == 3:
         os.kill(os.getpid(), signal.SIGKILL)
-    return real(*args, **kwargs)
+    return result
 rolltool.pack.write_shards = dying
 main(sys.argv[1:])
 """
