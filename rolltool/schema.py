@@ -5,10 +5,14 @@ checks every rule below and returns a `Rollouts` holding the light columns (ids,
 lengths, finish times) as NumPy arrays. Token lists are looked at batch by batch and never kept.
 
 Rules, all reported together (file, column, sample) before anything is written:
-missing or mistyped columns; nulls in required columns; ``loss_mask``/``logprobs`` length different
-from ``input_ids``; loss-mask values other than 0/1; negative token ids; non-finite rewards;
-branches of one rollout with different rewards; duplicate ``sample_id``; a group spread over two
-envs; empty sequences. Samples with no trainable token are allowed but counted and warned about.
+missing or mistyped columns; an id column (``group_id``, ``rollout_id``, ``sample_id``) that is
+integer in one file and string in another (1 and "1" are not the same id, and we do not guess);
+nulls in required columns; ``loss_mask``/``logprobs`` length different from ``input_ids``;
+loss-mask values other than 0/1; negative token ids or ids above 2**31 - 1 (packed as int32);
+null or non-finite values inside ``logprobs`` lists (a null list is fine: logprobs are optional
+per sample); non-finite rewards; branches of one rollout with different rewards; duplicate
+``sample_id``; a group spread over two envs; empty sequences. Samples with no trainable token are
+allowed but counted and warned about.
 
 Identity: a group is its ``group_id``; a rollout is the pair (``group_id``, ``rollout_id``), so
 rollout ids may restart in every group; without ``rollout_id`` every row is its own rollout.
@@ -26,7 +30,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from rolltool.errors import RolltoolError
-from rolltool.source import InputFile, file_schema, iter_row_groups
+from rolltool.source import InputFile, check_mapping, file_schema, iter_row_groups
 
 ID_COLUMNS = ("group_id", "rollout_id", "sample_id")
 TOKEN_COLUMNS = ("input_ids", "loss_mask", "logprobs", "prompt_ids", "response_ids")
@@ -35,6 +39,7 @@ SCAN_COLUMNS = LIGHT_COLUMNS + TOKEN_COLUMNS
 FORMAT_COLUMNS = {"input_ids": ("input_ids", "loss_mask"), "prompt_response": TOKEN_COLUMNS[3:]}
 DEFAULT_ENV = "default"
 MAX_LISTED = 8  # problems listed per kind; the rest are counted
+MAX_ID = 2**31 - 1  # token ids are packed as int32
 
 
 def _is_id(t: pa.DataType) -> bool:
@@ -159,6 +164,11 @@ def _row_sums(offsets: np.ndarray, values: np.ndarray) -> np.ndarray:
     return sums
 
 
+def _rows_of(offsets: np.ndarray, bad: np.ndarray) -> np.ndarray:
+    """Rows (list indices) holding at least one flagged value; `bad` is [values] bool."""
+    return np.unique(np.searchsorted(offsets, np.flatnonzero(bad), side="right") - 1)
+
+
 def _lengths(arr: pa.Array) -> np.ndarray:
     return pc.list_value_length(arr).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
 
@@ -271,8 +281,7 @@ def _scan_batch(
             mvals = pc.cast(values, pa.int64()).fill_null(-1).to_numpy(zero_copy_only=False)
             bad = (mvals != 0) & (mvals != 1)
             if bad.any():
-                rows = np.unique(np.searchsorted(offsets, np.flatnonzero(bad), side="right") - 1)
-                for i in rows:
+                for i in _rows_of(offsets, bad):
                     problems.add(
                         "mask", f"{name(i)}: column 'loss_mask' holds values other than 0/1"
                     )
@@ -288,20 +297,39 @@ def _scan_batch(
         tok_arrays = [("prompt_ids", p), ("response_ids", r)]
     for col, arr in tok_arrays:
         offsets, values = _list_parts(arr)
-        if values.null_count == 0 and (len(values) == 0 or pc.min(values).as_py() >= 0):
-            continue  # the common case, checked in one pass
-        neg = pc.less(values, 0).fill_null(True).to_numpy(zero_copy_only=False)
-        if neg.any():
-            for i in np.unique(np.searchsorted(offsets, np.flatnonzero(neg), side="right") - 1):
-                problems.add("token", f"{name(i)}: column '{col}' holds negative or null token ids")
+        if values.null_count == 0:
+            lo_hi = pc.min_max(values)
+            if len(values) == 0 or (lo_hi["min"].as_py() >= 0 and lo_hi["max"].as_py() <= MAX_ID):
+                continue  # the common case, checked in one pass
+        flat = values.fill_null(0).to_numpy(zero_copy_only=False)
+        null = values.is_null().to_numpy(zero_copy_only=False)
+        for bad, what in (
+            ((flat < 0) | null, "negative or null token ids"),
+            (flat > MAX_ID, "token ids above 2**31 - 1 (the int32 maximum, 2,147,483,647)"),
+        ):
+            for i in _rows_of(offsets, bad):
+                problems.add("token", f"{name(i)}: column '{col}' holds {what}")
     if "logprobs" in cols:
-        lp_len = _lengths(cols["logprobs"])
-        lp_null = cols["logprobs"].is_null().to_numpy(zero_copy_only=False)
+        lp = cols["logprobs"]
+        lp_len = _lengths(lp)
+        lp_null = lp.is_null().to_numpy(zero_copy_only=False)
         for i in np.flatnonzero((lp_len != length) & ~lp_null):
             problems.add(
                 "length",
                 f"{name(i)}: column 'logprobs' has {lp_len[i]} values, the sequence has {length[i]} tokens",
             )
+        # A null list means "no logprobs for this sample" (packed as 0); a value inside a list
+        # must be a finite number, or the trainer's importance ratios become nan.
+        offsets, values = _list_parts(lp)
+        if pa.types.is_floating(values.type):
+            finite = pc.is_finite(values).fill_null(False)
+        else:  # integers: only a null can be wrong
+            finite = values.is_valid()
+        if len(values) and not pc.all(finite).as_py():
+            for i in _rows_of(offsets, ~finite.to_numpy(zero_copy_only=False)):
+                problems.add(
+                    "logprobs", f"{name(i)}: column 'logprobs' holds null or non-finite values"
+                )
     for i in np.flatnonzero(length == 0):
         problems.add("empty", f"{name(i)}: the sequence is empty")
     acc.length.append(length)
@@ -319,8 +347,37 @@ def _scan_batch(
         acc.finished.append(seconds)
 
 
-def _concat_ids(parts: list[pa.Array], column: str, problems: _Problems) -> pa.Array:
-    """Concatenate id arrays from several files; ints and strings mixed become strings."""
+def id_type_conflicts(schemas: Iterable[tuple[str, pa.Schema]]) -> list[str]:
+    """Id columns that are integers in one file and strings in another, one message each.
+
+    `schemas`: (path, schema after --column) per file. Reading 1 and "1" as one id (or as two)
+    would be a guess either way, so the input is refused; files without the column don't count.
+
+    >>> a = pa.schema([("group_id", pa.int64())]); b = pa.schema([("group_id", pa.string())])
+    >>> id_type_conflicts([("a.parquet", a), ("b.parquet", b)])
+    ["column 'group_id' is integer in a.parquet but string in b.parquet"]
+    """
+    first: dict[tuple[str, str], str] = {}  # (column, kind) -> first file with it
+    for path, schema in schemas:
+        for col in ID_COLUMNS:
+            if col in schema.names and _is_id(t := schema.field(col).type):
+                kind = "integer" if pa.types.is_integer(t) else "string"
+                first.setdefault((col, kind), path)
+    return [
+        f"column '{col}' is integer in {first[(col, 'integer')]} but string in "
+        f"{first[(col, 'string')]}"
+        for col in ID_COLUMNS
+        if (col, "integer") in first and (col, "string") in first
+    ]
+
+
+def _concat_ids(parts: list[pa.Array]) -> pa.Array:
+    """Concatenate id arrays from several files (of one kind, see `id_type_conflicts`).
+
+    Integer widths become int64, string kinds one string type; integers still meet strings
+    where a file without ``sample_id`` (default ids: row numbers) meets one with string ids:
+    those become strings (and a clash is reported as a duplicate sample_id).
+    """
     types = {a.type for a in parts}
     if len(types) > 1:
         if all(_is_id(t) for t in types) and any(pa.types.is_integer(t) for t in types):
@@ -369,6 +426,7 @@ def scan(
     (the packer keeps the token columns of as many as its cache allows, to avoid a second read).
     """
     rename = dict(rename or {})
+    check_mapping(files, rename)
     problems = _Problems()
     warnings: list[str] = []
     scans: list[_FileScan] = []
@@ -379,8 +437,10 @@ def scan(
     table_iter = iter(tables) if tables is not None else None
     first_row = 0
     column_problems = False
+    schemas = []
     for k, file in enumerate(files):
         schema = file_schema(file, rename)
+        schemas.append((file.path, schema))
         for n in schema.names:
             if n not in columns:
                 columns.append(n)
@@ -412,6 +472,9 @@ def scan(
             "use one token format for the whole input",
         )
         column_problems = True
+    for text in id_type_conflicts(schemas):
+        problems.add("id type", text)
+        column_problems = True
     if column_problems:  # with them, rows can't be compared across the input: stop here
         problems.raise_if_any()
 
@@ -423,8 +486,8 @@ def scan(
     length = np.concatenate(cat("length")) if n else np.zeros(0, np.int64)
     trainable = np.concatenate(cat("trainable")) if n else np.zeros(0, np.int64)
     fidx = np.concatenate(file_index) if file_index else np.zeros(0, np.int32)
-    sample_id = _concat_ids([a for s in scans for a in s.ids["sample_id"]], "sample_id", problems)
-    group_arr = _concat_ids([a for s in scans for a in s.ids["group_id"]], "group_id", problems)
+    sample_id = _concat_ids([a for s in scans for a in s.ids["sample_id"]])
+    group_arr = _concat_ids([a for s in scans for a in s.ids["group_id"]])
     finished = None
     fin_parts = cat("finished")
     if fin_parts and sum(len(a) for a in fin_parts) == n:
@@ -438,7 +501,7 @@ def scan(
         problems.add("env", "column 'env' is present in some files but not all")
         env_parts = []
     frame["env"] = (
-        pl.Series(_concat_ids(env_parts, "env", problems))
+        pl.Series(_concat_ids(env_parts))
         if env_parts
         else pl.Series([DEFAULT_ENV] * n, dtype=pl.String)
     )
@@ -446,11 +509,7 @@ def scan(
     if ro_parts and sum(len(a) for a in ro_parts) != n:
         problems.add("rollout_id", "column 'rollout_id' is present in some files but not all")
         ro_parts = []
-    frame["rollout_id"] = (
-        pl.Series(_concat_ids(ro_parts, "rollout_id", problems))
-        if ro_parts
-        else pl.Series(np.arange(n))
-    )
+    frame["rollout_id"] = pl.Series(_concat_ids(ro_parts)) if ro_parts else pl.Series(np.arange(n))
     df = pl.DataFrame(frame).with_columns(
         pl.Series("reward", reward), pl.Series("row", np.arange(n, dtype=np.int64))
     )

@@ -4,6 +4,11 @@ Inputs are files, directories (searched recursively for ``*.parquet``; ``key=val
 names become string columns, as in hive partitioning) or glob patterns. The file order is the
 sorted path order, so the row order ("sample_index") is deterministic.
 
+A directory walk skips names starting with ``.`` or ``_`` (Spark/Hive bookkeeping such as
+``_SUCCESS``, ``_temporary/``, ``.tmp`` files) and any folder written by ``rolltool pack`` (it
+holds rolltool's ``manifest.json``), so packing into a folder inside the input directory does not
+read its own ``samples.parquet`` back next time.
+
 Example: ``data/env=math/part-0.parquet`` read through the input ``data`` gets a column
 ``env = "math"`` unless the file already has one.
 """
@@ -11,6 +16,7 @@ Example: ``data/env=math/part-0.parquet`` read through the input ``data`` gets a
 from __future__ import annotations
 
 import glob
+import json
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rolltool.errors import RolltoolError
+from rolltool.shards import FORMAT as PACKED_FORMAT
 
 
 @dataclass(frozen=True)
@@ -45,6 +52,36 @@ def _partitions(root: Path, file: Path) -> dict[str, str]:
     return parts
 
 
+def is_packed_output(folder: Path) -> bool:
+    """A folder written by ``rolltool pack``: it holds a manifest.json of rolltool's format."""
+    manifest = folder / "manifest.json"
+    if not manifest.is_file():
+        return False
+    try:
+        doc = json.loads(manifest.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(doc, dict) and doc.get("format") == PACKED_FORMAT
+
+
+def _skipped(name: str) -> bool:
+    return name.startswith((".", "_"))
+
+
+def _walk(root: Path) -> list[Path]:
+    """The *.parquet files under `root`, sorted; hidden, `_`-prefixed and packed folders skipped."""
+    files: list[Path] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        folder = Path(dirpath)
+        dirnames[:] = [d for d in dirnames if not _skipped(d) and not is_packed_output(folder / d)]
+        files.extend(
+            folder / f
+            for f in filenames
+            if f.endswith(".parquet") and not _skipped(f) and (folder / f).is_file()
+        )
+    return sorted(files)
+
+
 def resolve_inputs(inputs: Sequence[str | os.PathLike[str]]) -> list[InputFile]:
     """Expand files, directories and globs into a sorted, de-duplicated list of Parquet files."""
     if not inputs:
@@ -56,9 +93,18 @@ def resolve_inputs(inputs: Sequence[str | os.PathLike[str]]) -> list[InputFile]:
         text = os.fspath(raw)
         path = Path(text)
         if path.is_dir():
-            files = sorted(p for p in path.rglob("*.parquet") if p.is_file())
+            if is_packed_output(path):
+                raise RolltoolError(
+                    f"{text}: is a directory written by `rolltool pack`, not rollout Parquet",
+                    hint="give the rollout files it was packed from; `rolltool stats` reads it",
+                )
+            files = _walk(path)
             if not files:
-                raise RolltoolError(f"{text}: directory holds no *.parquet files")
+                raise RolltoolError(
+                    f"{text}: directory holds no *.parquet files "
+                    "(names starting with '.' or '_' and folders written by `rolltool pack` "
+                    "are skipped)"
+                )
             for f in files:
                 found.setdefault(str(f), _partitions(path, f))
         elif path.is_file():
@@ -81,12 +127,16 @@ def resolve_inputs(inputs: Sequence[str | os.PathLike[str]]) -> list[InputFile]:
     return result
 
 
-def file_schema(file: InputFile, rename: Mapping[str, str]) -> pa.Schema:
-    """The schema a file's batches will have after renaming and adding partition columns."""
+def _read_schema(file: InputFile) -> pa.Schema:
     try:
-        schema = pq.read_schema(file.path)
+        return pq.read_schema(file.path)
     except (pa.ArrowException, OSError) as e:
         raise RolltoolError(f"{file.path}: not a readable Parquet file ({e})") from None
+
+
+def file_schema(file: InputFile, rename: Mapping[str, str]) -> pa.Schema:
+    """The schema a file's batches will have after renaming and adding partition columns."""
+    schema = _read_schema(file)
     names = [rename.get(n, n) for n in schema.names]
     clashes = sorted({n for n in names if names.count(n) > 1})
     if clashes:
@@ -104,8 +154,40 @@ def file_schema(file: InputFile, rename: Mapping[str, str]) -> pa.Schema:
 
 
 def invert_mapping(mapping: Mapping[str, str]) -> dict[str, str]:
-    """`--column NEW=OLD` pairs to a rename dict OLD -> NEW (the file's name -> schema name)."""
-    return {old: new for new, old in mapping.items()}
+    """`--column NEW=OLD` pairs to a rename dict OLD -> NEW (the file's name -> schema name).
+
+    One input column can feed one schema column only: two NEWs from the same OLD are an error
+    rather than a silent choice of one of them.
+    """
+    rename: dict[str, str] = {}
+    for new, old in mapping.items():
+        if old in rename:
+            raise RolltoolError(
+                f"--column {rename[old]}={old} and --column {new}={old} both read column {old!r}",
+                hint="map each input column to one schema column",
+            )
+        rename[old] = new
+    return rename
+
+
+def check_mapping(files: Sequence[InputFile], rename: Mapping[str, str]) -> None:
+    """Every `--column NEW=OLD` must name a column OLD of at least one input file.
+
+    A mapping that matches nothing is a typo or the wrong input; ignoring it would read the
+    schema column from somewhere else (or nowhere) without a word.
+    """
+    unseen = set(rename)
+    for f in files:
+        if not unseen:
+            return
+        unseen -= set(_read_schema(f).names)
+    if unseen:
+        pairs = ", ".join(f"--column {rename[old]}={old}" for old in rename if old in unseen)
+        raise RolltoolError(
+            f"{pairs}: no input file has a column "
+            + " or ".join(repr(old) for old in rename if old in unseen),
+            hint="check the column names (OLD is the name in the input files, NEW the schema's)",
+        )
 
 
 def _named(
@@ -128,9 +210,17 @@ def _wanted(
 ) -> list[str] | None:
     if columns is None:
         return None
-    reverse = {new: old for old, new in rename.items()}
-    present = set(pf.schema_arrow.names)
-    return [reverse.get(c, c) for c in columns if reverse.get(c, c) in present]
+    source = source_names(pf.schema_arrow.names, rename)
+    return [source[c] for c in columns if c in source]
+
+
+def source_names(file_columns: Sequence[str], rename: Mapping[str, str]) -> dict[str, str]:
+    """Schema name -> the file column it is read from, for one file (as `file_schema` names it).
+
+    >>> source_names(["score", "reward_old"], {"score": "reward"})
+    {'reward': 'score', 'reward_old': 'reward_old'}
+    """
+    return {rename.get(n, n): n for n in file_columns}
 
 
 def iter_batches(

@@ -688,3 +688,170 @@ def test_output_under_a_file(write_parquet, run_cli, tmp_path: Path) -> None:
     assert result.exit_code == 1
     assert "Traceback" not in result.output
     assert result.stderr.startswith("Error: ") and "cannot write" in result.stderr
+
+
+# ------------------------------------------------------------------------------------------
+# Token ids must fit the packed int32; logprobs must be finite numbers.
+
+
+@pytest.mark.parametrize("column", ["input_ids", "prompt_ids", "response_ids"])
+def test_token_ids_above_int32_max(write_parquet, run_cli, out: Path, column: str) -> None:
+    big = 2**31  # int32 max + 1: packed as int32 it would wrap to -2**31
+    if column == "input_ids":
+        ids = pa.array([[1, 2, 3], [4, 5], [6, big, 8, 9], [1, -2]], pa.list_(pa.int64()))
+        path = write_parquet(rollouts(input_ids=ids))
+    else:
+        cols = rollouts(input_ids=None, loss_mask=None, logprobs=None)
+        cols["prompt_ids"] = pa.array([[1]] * 4, pa.list_(pa.int64()))
+        cols["response_ids"] = pa.array([[2]] * 4, pa.list_(pa.int64()))
+        cols[column] = pa.array([[1], [2], [big], [-2]], pa.list_(pa.int64()))
+        path = write_parquet(cols)
+    text = assert_rejected(
+        advantages(run_cli, [path], out), out, str(path), f"column '{column}'", "2**31 - 1"
+    )
+    # one report with every problem: the big id in s2 and the negative one in s3
+    assert "'s2'" in text and "'s3'" in text and "negative" in text
+    assert "'s2'" not in next(line for line in text.splitlines() if "negative" in line)
+
+
+@pytest.mark.parametrize("dtype", [pa.int64(), pa.uint64(), pa.uint32()])
+def test_token_ids_up_to_int32_max_pass(write_parquet, run_cli, out: Path, dtype) -> None:
+    ids = pa.array([[1, 2, 3], [4, 5], [6, 2**31 - 1, 8, 9], [0, 1]], pa.list_(dtype))
+    path = write_parquet(rollouts(input_ids=ids))
+    result = advantages(run_cli, [path], out)
+    assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), None])
+def test_non_finite_logprobs(write_parquet, run_cli, out: Path, bad: float | None) -> None:
+    lp = pa.array(
+        [[0, -0.1, -0.2], [0, bad], [0, 0, -0.1, -0.2], [0, -0.5]], pa.list_(pa.float32())
+    )
+    path = write_parquet(rollouts(logprobs=lp))
+    text = assert_rejected(advantages(run_cli, [path], out), out, str(path), "'logprobs'", "'s1'")
+    assert "non-finite" in text and "'s0'" not in text
+
+
+def test_a_null_logprobs_list_is_fine(write_parquet, run_cli, out: Path) -> None:
+    lp = pa.array([[0, -0.1, -0.2], None, [0, 0, -0.1, -0.2], [0, -0.5]], pa.list_(pa.float32()))
+    path = write_parquet(rollouts(logprobs=lp))
+    result = advantages(run_cli, [path], out)
+    assert result.exit_code == 0, result.output
+
+
+# ------------------------------------------------------------------------------------------
+# --column NEW=OLD must name a column of the input.
+
+
+def test_column_mapping_from_a_column_no_file_has(write_parquet, run_cli, out: Path) -> None:
+    path = write_parquet(rollouts())
+    text = assert_rejected(
+        advantages(run_cli, [path], out, "--column", "reward=nope"),
+        out,
+        "--column reward=nope",
+        "'nope'",
+    )
+    assert "Traceback" not in text
+
+
+def test_column_mapping_from_a_column_only_some_files_have(
+    write_parquet, run_cli, out: Path
+) -> None:
+    a = rollouts()
+    a["score"] = a.pop("reward")
+    pa_ = write_parquet(a, "a.parquet")
+    pb = write_parquet(rollouts(sample_id=["t0", "t1", "t2", "t3"]), "b.parquet")
+    result = advantages(run_cli, [pa_, pb], out, "--column", "reward=score")
+    assert result.exit_code == 0, result.output
+    assert pq.read_table(out).num_rows == 8
+    files = resolve_inputs([pa_, pb])
+    assert scan(files, {"score": "reward"}).reward.tolist() == [1.0, 0.0, 0.5, 0.25] * 2
+
+
+def test_two_mappings_from_one_column_is_a_usage_error(write_parquet, run_cli, out: Path) -> None:
+    path = write_parquet(rollouts())
+    result = advantages(run_cli, [path], out, "--column", "a=reward", "--column", "b=reward")
+    assert result.exit_code == 2, result.output
+    assert "'reward'" in result.stderr and "Traceback" not in result.output
+    assert not out.exists()
+    with pytest.raises(RolltoolError, match="both read column 'reward'"):
+        run_advantages([path], out, AdvantageConfig(), columns={"a": "reward", "b": "reward"})
+
+
+# ------------------------------------------------------------------------------------------
+# An id column typed integer in one file and string in another: 1 and "1" are not merged.
+
+
+@pytest.mark.parametrize("column", ["group_id", "rollout_id", "sample_id"])
+def test_id_column_integer_in_one_file_and_string_in_another(
+    write_parquet, run_cli, out: Path, column: str
+) -> None:
+    ints = {"group_id": [1, 1, 2, 2], "rollout_id": [0, 1, 0, 1], "sample_id": [10, 11, 12, 13]}
+    strs = {"group_id": ["1", "1", "2", "2"], "rollout_id": ["0", "1", "0", "1"]}
+    strs["sample_id"] = ["s0", "s1", "s2", "s3"]
+    a = write_parquet(rollouts(**{**strs, column: ints[column]}), "a.parquet")
+    b = write_parquet(rollouts(**{**strs, "sample_id": ["t0", "t1", "t2", "t3"]}), "b.parquet")
+    if column == "sample_id":
+        b = write_parquet(rollouts(**strs), "b.parquet")
+    assert_rejected(
+        advantages(run_cli, [a, b], out),
+        out,
+        f"column '{column}' is integer in {a} but string in {b}",
+    )
+    # pack refuses it the same way
+    result = run_cli("pack", a, b, "-o", out.parent / "packed", "--dp", 1, "--batch-size", 2)
+    assert result.exit_code == 1 and f"column '{column}' is integer in {a}" in result.stderr
+    assert not (out.parent / "packed").exists()
+
+
+def test_default_sample_ids_next_to_string_ids(write_parquet, run_cli, out: Path) -> None:
+    """A file without sample_id (row numbers) next to one with string ids is not a type clash."""
+    a = write_parquet(rollouts(sample_id=None), "a.parquet")
+    b = write_parquet(rollouts(group_id=["h0", "h0", "h1", "h1"]), "b.parquet")
+    result = advantages(run_cli, [a, b], out)
+    assert result.exit_code == 0, result.output
+
+
+# ------------------------------------------------------------------------------------------
+# Directory walks skip hidden and `_` names and rolltool's own packed outputs.
+
+
+def _pack_into(run_cli, inputs: Path, dst: Path) -> dict[str, Any]:
+    result = run_cli(
+        "pack", inputs, "-o", dst, "--dp", 1, "--batch-size", 2, "--keep-last", "--json"
+    )
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_directory_skips_hidden_underscore_and_packed_folders(
+    write_parquet, run_cli, tmp_path: Path
+) -> None:
+    data = tmp_path / "data"
+    good = [write_parquet(rollouts(), "data/a.parquet")]
+    good.append(write_parquet(rollouts(sample_id=["t0", "t1", "t2", "t3"]), "data/sub/b.parquet"))
+    other = write_parquet(
+        rollouts(sample_id=["u0", "u1", "u2", "u3"], group_id=["h0", "h0", "h1", "h1"]),
+        "data/other/c.parquet",
+    )
+    (other.parent / "manifest.json").write_text('{"format": "not-rolltool"}')  # someone else's
+    good.append(other)
+    for junk in ("_SUCCESS", "_temporary/0/part-0.parquet", ".part-0.parquet", ".staging/x.parquet",
+                 "_part-9.parquet"):  # fmt: skip
+        if junk.endswith(".parquet"):
+            write_parquet(rollouts(), f"data/{junk}")
+        else:
+            (data / junk).write_text("")
+    assert [f.path for f in resolve_inputs([data])] == [str(p) for p in sorted(good)]
+
+    # Packing into a folder inside the input directory does not read its samples.parquet back.
+    (other.parent / "manifest.json").unlink()
+    first = _pack_into(run_cli, data, data / "packed")
+    assert (data / "packed" / "samples.parquet").is_file()
+    second = _pack_into(run_cli, data, data / "packed-again")
+    assert first["samples"]["total"] == second["samples"]["total"] == 12
+    assert [f.path for f in resolve_inputs([data])] == [str(p) for p in sorted(good)]
+
+    # The packed folder itself is not rollout input.
+    result = run_cli("advantages", data / "packed", "-o", tmp_path / "adv.parquet")
+    assert result.exit_code == 1 and "rolltool pack" in result.stderr

@@ -455,3 +455,27 @@ def test_stats_does_not_import_torch(synth_path: Path, packed: Path) -> None:
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_column_mapping_from_a_column_no_file_has(run_cli: Any, synth_path: Path) -> None:
+    result = run_cli("stats", synth_path, "--column", "reward=nope")
+    assert result.exit_code == 1, result.output
+    assert result.stderr.startswith(
+        "Error: --column reward=nope: no input file has a column 'nope'"
+    )
+    assert "query plan" not in result.stderr.lower() and len(result.stderr.splitlines()) == 2
+    twice = run_cli("stats", synth_path, "--column", "a=reward", "--column", "b=reward")
+    assert twice.exit_code == 2 and "'reward'" in twice.stderr
+
+
+@pytest.mark.parametrize("column", ["group_id", "rollout_id"])
+def test_an_id_column_typed_differently_across_files_is_refused(
+    run_cli: Any, write_parquet: Any, tmp_path: Path, column: str
+) -> None:
+    """1 and "1" are not merged into one group (or rollout): refused, as pack refuses it."""
+    rows = {"group_id": [1, 1], "rollout_id": [0, 1], "reward": [0.0, 1.0], "loss_mask": [[1], [1]]}
+    a = write_parquet(rows, "data/a.parquet")
+    b = write_parquet({**rows, column: [str(v) for v in rows[column]]}, "data/b.parquet")
+    result = run_cli("stats", tmp_path / "data")
+    assert result.exit_code == 1, result.output
+    assert f"column '{column}' is integer in {a} but string in {b}" in result.stderr

@@ -73,11 +73,28 @@ def progress(items: Iterable[T], total: int | None, description: str) -> Iterato
 
 
 def parse_mapping(pairs: Iterable[str], option: str) -> dict[str, str]:
-    """Parse repeated `KEY=VALUE` options; a malformed one is a usage error (exit 2)."""
+    """Parse repeated `KEY=VALUE` options; a malformed one, or a KEY given twice, is a usage
+    error (exit 2): the last one silently winning would hide a typo."""
     result: dict[str, str] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key or not value:
             raise click.BadParameter(f"expected KEY=VALUE, got {pair!r}", param_hint=option)
+        if key in result:
+            raise click.BadParameter(
+                f"{key} is given twice ({key}={result[key]} and {pair})", param_hint=option
+            )
         result[key] = value
     return result
+
+
+def parse_columns(pairs: Iterable[str]) -> dict[str, str]:
+    """`--column NEW=OLD` pairs; one OLD read into two NEWs is a usage error (exit 2) too."""
+    from rolltool.source import invert_mapping
+
+    mapping = parse_mapping(pairs, "--column")
+    try:
+        invert_mapping(mapping)
+    except RolltoolError as e:
+        raise click.BadParameter(e.message, param_hint="--column") from None
+    return mapping

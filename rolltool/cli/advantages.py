@@ -6,7 +6,15 @@ import click
 from rich.table import Table
 
 from rolltool.advantages import ESTIMATORS, AdvantageConfig
-from rolltool.cli._common import err, handle_errors, out, parse_mapping, print_json, warn
+from rolltool.cli._common import (
+    err,
+    handle_errors,
+    out,
+    parse_columns,
+    parse_mapping,
+    print_json,
+    warn,
+)
 
 
 def _fmt(x: float | None, spec: str = ".3f") -> str:
@@ -69,9 +77,7 @@ def advantages(
                 param_hint="--env-estimator",
             )
     config = AdvantageConfig(estimator=estimator, env_estimators=overrides, std_eps=std_eps)
-    report = run_advantages(
-        inputs, output, config, columns=parse_mapping(column, "--column"), force=force
-    )
+    report = run_advantages(inputs, output, config, columns=parse_columns(column), force=force)
     for w in report["warnings"]:  # to stderr, with --json too (the report also lists them)
         warn(w)
     if as_json:

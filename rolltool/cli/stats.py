@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import click
 
-from rolltool.cli._common import err, handle_errors, out, parse_mapping, print_json, progress
+from rolltool.cli._common import (
+    err,
+    handle_errors,
+    out,
+    parse_columns,
+    print_json,
+    progress,
+)
 
 
 @click.command()
@@ -52,7 +59,7 @@ def stats(
 
     result = compute_stats(
         list(paths),
-        columns=parse_mapping(column, "--column"),
+        columns=parse_columns(column),
         step=step,
         limit=limit,
         progress=progress,

@@ -3,7 +3,9 @@
 Only the light columns (``group_id``, ``rollout_id``, ``env``, ``reward``, ``finished_at``) and
 one token column per format are read: ``loss_mask`` (its list length is the sample length, its
 ones the trainable tokens; ``input_ids`` is never read) or ``prompt_ids`` + ``response_ids``
-(list lengths only). The input is trusted, not validated: ``rolltool pack`` validates.
+(list lengths only). The input is trusted, not validated (``rolltool pack`` validates), except
+that an id column that is integer in one file and string in another is refused, as ``pack``
+refuses it, rather than merging 1 and "1" into one id.
 
 Each file gives a ``RolloutStats``; ``a + b`` is the ``RolloutStats`` of both inputs, exactly,
 also when a group or a rollout is split over files (rollouts are kept as one small partial row
@@ -33,8 +35,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rolltool.errors import RolltoolError
-from rolltool.schema import DEFAULT_ENV
-from rolltool.source import InputFile, file_schema, resolve_inputs
+from rolltool.schema import DEFAULT_ENV, id_type_conflicts
+from rolltool.source import (
+    InputFile,
+    check_mapping,
+    file_schema,
+    invert_mapping,
+    resolve_inputs,
+    source_names,
+)
 from rolltool.stats.accumulate import Moments, Stats, ValueCounts, add_dicts, percentiles
 
 HINT = (
@@ -131,7 +140,9 @@ def _rollouts(parts: Sequence[pl.DataFrame]) -> pl.DataFrame:
         )
     frames = list(parts)
     for col in ("group_id", "rollout_id"):
-        if len({f.schema[col] for f in frames}) > 1:  # ints in one file, strings in another
+        # ints next to strings: only default rollout ids (row numbers) next to string ids, as
+        # rollout_stats refuses an id column typed differently in two files
+        if len({f.schema[col] for f in frames}) > 1:
             frames = [f.with_columns(pl.col(col).cast(pl.String)) for f in frames]
     df = pl.concat(frames, how="vertical_relaxed")
     if len(frames) == 1:
@@ -279,12 +290,12 @@ def file_stats(
     schema = file_schema(file, rename)
     fmt = _token_format(file, schema)
     types = {f.name: f.type for f in schema}
-    reverse = {new: old for old, new in rename.items()}
+    source = source_names(pq.read_schema(file.path).names, rename)
 
     def col(name: str) -> pl.Expr:
-        if name in file.partitions and reverse.get(name, name) not in _file_names(file):
+        if name not in source:  # a hive partition value (file_schema added it)
             return pl.lit(file.partitions[name], pl.String)
-        return pl.col(reverse.get(name, name))
+        return pl.col(source[name])
 
     if fmt == "input_ids":
         length = _length(col("loss_mask"))
@@ -334,10 +345,6 @@ def file_stats(
     return RolloutStats(len(df), envs, (rollouts,) if len(df) else (), "finished_at" in has)
 
 
-def _file_names(file: InputFile) -> set[str]:
-    return set(pq.read_schema(file.path).names)
-
-
 def rollout_stats(
     inputs: Sequence[str],
     *,
@@ -352,17 +359,26 @@ def rollout_stats(
     """
     if limit is not None and limit < 1:
         raise RolltoolError(f"--limit must be at least 1, got {limit}")
-    rename = {old: new for new, old in (columns or {}).items()}
+    rename = invert_mapping(columns or {})
     files = resolve_inputs(inputs)
+    check_mapping(files, rename)
     wrap = progress or (lambda it, total, desc: it)
     acc = RolloutStats()
     first = 0
+    schemas = []
     for f in wrap(files, len(files), "reading rollouts"):
         left = None if limit is None else limit - acc.rows
         if left is not None and left <= 0:
             break
         acc = acc + file_stats(f, rename, first, left)
+        schemas.append((f.path, file_schema(f, rename)))
         first += f.rows
+    conflicts = id_type_conflicts(schemas)
+    if conflicts:  # as `rolltool pack` and `advantages` refuse it (rolltool.schema.scan)
+        raise RolltoolError(
+            "; ".join(conflicts),
+            hint='use one type per id column in every file (1 and "1" are not the same id)',
+        )
     report = {
         "kind": "rollouts",
         "inputs": [{"path": f.path, "rows": f.rows} for f in files],
