@@ -191,7 +191,9 @@ def compute_advantages(
     """Advantages for every sample: see the module docstring for the formulas.
 
     Whitening estimators (``reinforce_pp_baseline``) whiten over all samples of the envs that use
-    them; call this once per optimizer step to whiten per step instead.
+    them; call this once per optimizer step to whiten per step instead. `env_names` may name envs
+    without samples here (a step's subset of the input): an estimator none of whose envs has a
+    sample is skipped.
     """
     unknown = sorted(set(config.env_estimators) - set(env_names))
     if unknown:
@@ -209,6 +211,8 @@ def compute_advantages(
     r_adv = np.zeros(n_rollouts, dtype=np.float64)
     for name in sorted(set(names.tolist())):
         mask = np.isin(r_env, np.flatnonzero(names == name))
+        if not mask.any():  # none of its envs in this subset (e.g. a step): nothing to do
+            continue
         r_adv[mask] = ESTIMATORS[name](stats, mask, config.std_eps)[mask]
     g = group
     return Advantages(

@@ -577,3 +577,32 @@ def test_rerun_on_its_own_output_replaces_the_columns(synth_path: Path, run_cli)
     twice = pq.read_table(synth_path)
     assert twice.column_names == once.column_names  # no duplicated columns
     assert twice.equals(once)
+
+
+def test_an_estimator_without_samples_in_the_subset_is_skipped() -> None:
+    """A step (a subset of the input) may hold no sample of an env: its estimator has nothing to
+    do, even one that whitens and would need 2 trainable tokens."""
+    config = AdvantageConfig(estimator="grpo", env_estimators={"code": "reinforce_pp_baseline"})
+    adv = compute_advantages(
+        config,
+        group=np.array([0, 0]),
+        rollout=np.array([0, 1]),
+        env=np.array([0, 0]),
+        env_names=["math", "code"],
+        reward=np.array([1.0, 0.0]),
+        trainable=np.array([3, 4]),
+    )
+    a = 0.5 / (math.sqrt(0.5) + EPS)  # grpo: (r - mean) / (unbiased std + eps)
+    assert adv.advantage.tolist() == pytest.approx([a, -a], rel=1e-6)
+    assert adv.estimator.tolist() == ["grpo", "grpo"]
+    # With samples that have too few trainable tokens, it is still an error.
+    with pytest.raises(RolltoolError, match="at least 2"):
+        compute_advantages(
+            config,
+            group=np.array([0, 1]),
+            rollout=np.array([0, 1]),
+            env=np.array([0, 1]),
+            env_names=["math", "code"],
+            reward=np.array([1.0, 0.0]),
+            trainable=np.array([3, 1]),
+        )

@@ -411,6 +411,20 @@ def test_reinforce_pp_baseline_whitens_per_step(run: Any) -> None:
         assert r.samples["advantage"][i] == pytest.approx(expected[i], rel=1e-5, abs=1e-6)
 
 
+def test_per_env_whitening_with_a_step_without_that_env(run: Any) -> None:
+    """Step 0 holds only math (grpo), step 1 only code (reinforce_pp_baseline): the whitening
+    estimator has nothing to do in step 0, and whitens over step 1's code samples."""
+    groups = [_mixed("math", 4), G("code", [1.0, 0.0, 0.5, 0.25], [30, 40, 50, 60])]
+    r = run(groups, "--batch-size", 4, "--env-estimator", "code=reinforce_pp_baseline")
+    assert r.step_groups() == [{0}, {1}]
+    assert r.manifest["advantages"]["estimators"] == {"math": "grpo", "code": "reinforce_pp_baseline"}  # fmt: skip
+    whitened = _whitened_reference(r)
+    grpo = grpo_reference(r.input)
+    for i, v in placements(r.out).items():
+        want = whitened[i] if r.input["env"][i] == "code" else grpo[i]
+        np.testing.assert_allclose(v[0].arrays["advantages"], want, rtol=1e-5, atol=1e-6)
+
+
 def test_an_advantage_column_is_used_as_is(run: Any) -> None:
     groups = [_mixed("math", 4), _uniform("code", 4), _mixed("math", 2)]
     table = rollouts(groups, advantage=True)
