@@ -25,7 +25,7 @@ from rolltool.advantages import AdvantageConfig, compute_advantages
 from rolltool.errors import RolltoolError
 from rolltool.loss import check_loss_agg, sample_weights, step_denominators
 from rolltool.partition import ALIGNS, StepPlan, plan_step
-from rolltool.schema import Rollouts
+from rolltool.schema import MAX_ID, Rollouts
 from rolltool.steps import Assembly, Groups, Step, StepConfig, assemble
 from rolltool.workload import WORKLOADS, Workload, make_workload
 
@@ -51,7 +51,7 @@ class PackConfig:
     row_len: int | None = None
     """Pad every row to this many tokens (static shapes); must be >= micro_batch_tokens."""
     pad_id: int = 0
-    """Token id written into padding."""
+    """Token id written into padding: 0 <= pad_id <= 2**31 - 1 (packed as int32)."""
     balance: str = "flops"
     """Workload the partition balances: flops, verl, tokens, count or calibrated."""
     model: str | None = None
@@ -92,6 +92,11 @@ class PackConfig:
                     f"--row-len {self.row_len} is shorter than --micro-batch-tokens {self.micro_batch_tokens}",
                     hint="a row holds one micro-batch; make the row at least as long as the budget",
                 )
+        if not 0 <= self.pad_id <= MAX_ID:
+            raise RolltoolError(
+                f"--pad-id must be between 0 and {MAX_ID:,} (2**31 - 1: token ids are int32), "
+                f"got {self.pad_id}"
+            )
         if self.balance not in WORKLOADS:
             raise RolltoolError(
                 f"unknown --balance {self.balance!r}",
@@ -252,10 +257,11 @@ def schedule(
         step_of[dropped_long] = step.index
 
         step_adv = advantage[members]
-        if per_step_whitening:
+        if per_step_whitening and whiten_envs[ro.env[members]].any():
             # Whitening estimators whiten over the step's trained tokens, not the whole input.
             # Over-long samples stay in their group's baseline (it was computed with them) but
-            # bring no tokens into the whitening: their trainable count is zeroed.
+            # bring no tokens into the whitening: their trainable count is zeroed. A step with
+            # no trained sample of a whitening env has nothing to whiten.
             kept = trained_ok[all_members]
             sub = compute_advantages(
                 config.advantages,
@@ -275,7 +281,8 @@ def schedule(
             raise RolltoolError(
                 f"--equal-count: step {step.index} trains {len(members)} samples, not a multiple of "
                 f"--dp {config.dp}",
-                hint="use --batch-unit samples with a --batch-size divisible by dp, or drop --equal-count",
+                hint="use --batch-unit samples with a --batch-size divisible by dp that whole groups "
+                "fill (--exact makes sure), or drop --equal-count",
             )
         plan = plan_step(
             ro.length[members],

@@ -49,7 +49,7 @@ class StepConfig:
     order: str = "input"
     """Group order: input, completion (finished_at of the last rollout) or shuffle."""
     seed: int = 0
-    """Seed for order="shuffle"."""
+    """Seed for order="shuffle" (>= 0, as NumPy's generators take)."""
     env_weights: Mapping[str, float] = field(default_factory=dict)
     """Each env's share of every step, in batch units; empty: envs pooled in one queue."""
     keep_last: bool = False
@@ -65,6 +65,8 @@ class StepConfig:
         ):
             if value not in choices:
                 raise RolltoolError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+        if self.seed < 0:
+            raise RolltoolError(f"--seed must be >= 0, got {self.seed}")
         for env, w in self.env_weights.items():
             if not (np.isfinite(w) and w > 0):
                 raise RolltoolError(f"--env-weight {env}={w}: weights must be positive numbers")

@@ -61,8 +61,10 @@ def rollouts(groups: Sequence[G], *, seed: int = 0, advantage: bool = False) -> 
                 if timed:
                     assert g.finished is not None
                     cols["finished_at"].append(float(g.finished[k]))
-                if advantage:
-                    cols["advantage"].append(float(rng.normal()))
+                if advantage:  # one value per rollout, as every branch must carry it
+                    if b == 0:
+                        adv = float(rng.normal())
+                    cols["advantage"].append(adv)
     return pa.table(
         {
             **{k: v for k, v in cols.items() if k not in ("input_ids", "loss_mask", "logprobs")},

@@ -77,7 +77,15 @@ def _fails_cleanly(result: Any, code: int, *words: str) -> str:
         (("--estimator", "nope"), 2, ["--estimator"]),
         (("--env-estimator", "nope=grpo"), 1, ["nope"]),
         (("--shard-mb", 0), 1, ["--shard-mb"]),
-        (("--equal-count", "--dp", 3), 1, ["divisible"]),
+        (("--equal-count", "--dp", 3), 1, ["divisible", "--exact"]),
+        (("--pad-id", 3_000_000_000), 1, ["--pad-id", "2**31 - 1"]),
+        (("--pad-id", -1), 1, ["--pad-id"]),
+        (("--order", "shuffle", "--seed", -1), 1, ["--seed", ">= 0"]),
+        (("--loss-scale-factor", 2.0), 2, ["--loss-scale-factor", "seq-mean-token-sum-norm"]),
+        (("--loss-agg", "seq-mean-token-mean", "--loss-scale-factor", 2.0), 2, ["--loss-scale-factor"]),
+        (("--column", "reward=nope"), 1, ["--column reward=nope", "'nope'"]),
+        (("--column", "a=reward", "--column", "b=reward"), 2, ["--column", "'reward'"]),
+        (("--env-weight", "math=0.5", "--env-weight", "math=0.7"), 2, ["--env-weight", "twice"]),
         (("--micro-batch-tokens", 30), 1, ["math/g000/r2/b0", "40 tokens", "--overlong drop"]),
     ],
 )  # fmt: skip
@@ -110,6 +118,19 @@ def _replace(t: pa.Table, name: str, values: list[Any]) -> pa.Table:
     )
 
 
+def _tokens(t: pa.Table, row: int, token: int) -> pa.Table:
+    """input_ids as int64 lists, with `token` as the last token of sample `row`."""
+    ids = t.column("input_ids").to_pylist()
+    ids[row][-1] = token
+    return t.set_column(t.column_names.index("input_ids"), "input_ids", pa.array(ids, pa.list_(pa.int64())))  # fmt: skip
+
+
+def _logprob(t: pa.Table, row: int, value: float) -> pa.Table:
+    lp = t.column("logprobs").to_pylist()
+    lp[row][-1] = value
+    return _replace(t, "logprobs", lp)
+
+
 @pytest.mark.parametrize(
     ("edit", "words"),
     [
@@ -117,6 +138,9 @@ def _replace(t: pa.Table, name: str, values: list[Any]) -> pa.Table:
         (lambda t: t.drop_columns(["input_ids", "loss_mask"]), ["input_ids"]),
         (lambda t: _replace(t, "loss_mask", [m[1:] for m in t.column("loss_mask").to_pylist()]), ["loss_mask"]),
         (lambda t: _replace(t, "reward", [float("nan")] * t.num_rows), ["reward"]),
+        (lambda t: _tokens(t, 3, 2**31), ["math/g000/r3/b0", "'input_ids'", "2**31 - 1"]),
+        (lambda t: _logprob(t, 5, float("nan")), ["math/g001/r1/b0", "'logprobs'", "non-finite"]),
+        (lambda t: _logprob(t, 6, float("inf")), ["math/g001/r2/b0", "'logprobs'", "non-finite"]),
     ],
 )  # fmt: skip
 def test_bad_input_fails_cleanly_and_writes_nothing(
@@ -127,6 +151,58 @@ def test_bad_input_fails_cleanly_and_writes_nothing(
     result = cli("pack", path, "-o", tmp_path / "out", *BASE)
     _fails_cleanly(result, 1, *words)
     assert _listing(tmp_path) == ["in.parquet"]
+
+
+def test_branches_with_different_given_advantages(tmp_path: Path) -> None:
+    table = rollouts([G("math", [0.0, 1.0], [20, 30], branches=[3, 2])] * 2, advantage=True)
+    adv = table.column("advantage").to_pylist()
+    adv[2] += 0.5  # the third branch of rollout 0 of group 0
+    adv[9] = -adv[9]  # the second branch of rollout 1 of group 1
+    path = tmp_path / "in.parquet"
+    pq.write_table(_replace(table, "advantage", adv), path)
+    text = _fails_cleanly(
+        cli("pack", path, "-o", tmp_path / "out", *BASE),
+        1,
+        "2 problem(s)",
+        "math/g000/r0/b2",
+        "math/g001/r1/b1",
+        "'advantage'",
+        "branches of one rollout have different advantages",
+    )
+    assert "r0/b1" not in text  # the branches that agree are not named
+    assert _listing(tmp_path) == ["in.parquet"]
+
+
+@pytest.mark.parametrize(
+    ("args", "warned"),
+    [
+        ((), False),
+        (("--estimator", "grpo"), True),  # explicit, even though it is the default
+        (("--env-estimator", "math=rloo"), True),
+    ],
+)
+def test_an_estimator_given_with_an_advantage_column_is_warned_about(
+    tmp_path: Path, args: tuple[str, ...], warned: bool
+) -> None:
+    path = tmp_path / "in.parquet"
+    pq.write_table(rollouts(_groups(2), advantage=True), path)
+    for mode in ((), ("--json",)):  # warnings go to stderr with --json too
+        out = tmp_path / f"out{len(mode)}"
+        result = cli("pack", path, "-o", out, *BASE, *args, *mode)
+        assert result.exit_code == 0, result.output
+        assert ("estimator" in result.stderr and "ignored" in result.stderr) is warned
+        manifest = json.loads((out / "manifest.json").read_text())
+        assert any("ignored" in w for w in manifest["warnings"]) is warned
+
+
+def test_json_mode_prints_warnings_to_stderr(tmp_path: Path) -> None:
+    path = tmp_path / "in.parquet"
+    pq.write_table(rollouts(_groups(3)), path)  # 12 rollouts, steps of 8: 4 left over
+    result = cli("pack", path, "-o", tmp_path / "out", *BASE, "--batch-size", 8, "--json")
+    assert result.exit_code == 0, result.output
+    manifest = json.loads(result.stdout)
+    assert manifest["warnings"] and "left over" in manifest["warnings"][0]
+    assert "Warning:" in result.stderr and "left over" in result.stderr
 
 
 def test_missing_input_file(tmp_path: Path) -> None:

@@ -5,10 +5,20 @@ from __future__ import annotations
 import sys
 
 import click
+from click.core import ParameterSource
 from rich.table import Table
 
 from rolltool.advantages import ESTIMATORS, AdvantageConfig
-from rolltool.cli._common import err, handle_errors, out, parse_mapping, print_json, progress, warn
+from rolltool.cli._common import (
+    err,
+    handle_errors,
+    out,
+    parse_columns,
+    parse_mapping,
+    print_json,
+    progress,
+    warn,
+)
 from rolltool.loss import LOSS_AGGS
 from rolltool.steps import BATCH_UNITS, ORDERS, UNIFORM_POLICIES, StepConfig
 from rolltool.workload import MODEL_PRESETS, WORKLOADS
@@ -180,6 +190,16 @@ def pack(inputs: tuple[str, ...], output: str, dp: int, batch_unit: str, batch_s
         raise click.UsageError("give --micro-batch-tokens or --micro-batch-size, not both")
     if micro_batch_tokens is None and micro_batch_size is None:
         micro_batch_tokens = 32_768 if row_len is None else row_len
+    if loss_scale_factor is not None and loss_agg != "seq-mean-token-sum-norm":
+        raise click.UsageError(
+            f"--loss-scale-factor applies to --loss-agg seq-mean-token-sum-norm only, "
+            f"not to {loss_agg}"
+        )
+    ctx = click.get_current_context()
+    estimator_chosen = any(  # given by the user, not click's default
+        ctx.get_parameter_source(p) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
+        for p in ("estimator", "env_estimator")
+    )
     config = PackConfig(
         dp=dp,
         steps=StepConfig(batch_size=batch_size, batch_unit=batch_unit, exact=exact, uniform=uniform,
@@ -205,16 +225,17 @@ def pack(inputs: tuple[str, ...], output: str, dp: int, batch_unit: str, batch_s
         inputs,
         output,
         config,
-        columns=parse_mapping(column, "--column"),
+        columns=parse_columns(column),
         force=force,
         command=["rolltool", *sys.argv[1:]],
         progress=progress,
+        estimator_chosen=estimator_chosen,
     )
+    for w in manifest["warnings"]:  # to stderr, with --json too (the manifest also lists them)
+        warn(w)
     if as_json:
         print_json(manifest)
         return
-    for w in manifest["warnings"]:
-        warn(w)
     out.print(_steps_table(manifest, output))
     out.print(_envs_table(manifest))
     s = manifest["samples"]
