@@ -1,4 +1,4 @@
-"""`rolltool pack` and `rolltool verify`: packed, sharded tensor files and their checks."""
+"""`rolltool pack`: packed, sharded tensor files (verify lives in cli/verify.py)."""
 
 from __future__ import annotations
 
@@ -333,28 +333,3 @@ def _envs_table(manifest: dict) -> Table:
             f"{e['loss_weight_sum']:.3f}",
         )
     return table
-
-
-@click.command()
-@click.argument("path", type=click.Path())
-@click.option("--no-hash", is_flag=True, help="Skip sha256 checks (sizes are still checked).")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
-@handle_errors
-def verify(path: str, no_hash: bool, as_json: bool) -> None:
-    """Check a packed directory: hashes and every layout invariant. Exit 1 if anything is off."""
-    from rolltool.verify import verify as run_verify
-
-    report = run_verify(path, hashes=not no_hash)
-    if as_json:
-        print_json(report)
-    else:
-        c = report["checked"]
-        if report["ok"]:
-            out.print(f"OK: {c.get('files', 0)} files, {c.get('steps', 0)} steps, {c.get('rows', 0)} rows, "
-                      f"{c.get('segments', 0)} samples checked")  # fmt: skip
-        else:
-            out.print(f"FAILED: {c.get('problems', 0)} problem(s) in {path}")
-            for p in report["problems"]:
-                out.print(f"  {p}")
-    if not report["ok"]:
-        sys.exit(1)
