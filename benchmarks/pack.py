@@ -1,21 +1,23 @@
 """Benchmark: `rolltool pack` end to end against the I/O floor, and its peak memory.
 
-    python benchmarks/pack.py [--groups 2000 4000] [--repeats 3] [--dp 8]
+    python benchmarks/pack.py [--groups 2000 4000] [--repeats 3] [--dp 8] [--cache-mb 1024 0]
 
 For each synth dataset (cached under /tmp), in one run and on the same file:
   floor  read the input Parquet (pyarrow.parquet.read_table) + write as many bytes as pack's
          output holds, as raw arrays (numpy tofile) - what any packer must at least do; in a
          subprocess like pack, so both pay interpreter start-up
   pack   `rolltool pack IN --dp 8 -o OUT --force --json` in a subprocess
-Prints medians, tokens/s, the ratio to the floor, and the peak RSS of the pack process: with the
-same step size, a dataset twice as large should not need more memory (bounded by one step).
+Prints medians, tokens/s, the ratio to the floor, and the peak RSS of each pack process, with
+the default --cache-mb 1024 (decoded input kept so that data that fits is read once) and with
+--cache-mb 0: then memory is bounded by a step and does not grow with the dataset.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import resource
+import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -35,18 +37,21 @@ def _dataset(groups: int) -> Path:
     return path
 
 
-def _pack(src: Path, out: Path, dp: int) -> tuple[float, int, dict]:
-    """(seconds, peak RSS in MB of the child, manifest) of one pack run in a fresh process."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+def _pack(src: Path, out: Path, dp: int, cache_mb: float) -> tuple[float, int, dict]:
+    """(seconds, peak RSS in MB of this child alone, manifest) of one pack run in a new process."""
+    cmd = [sys.executable, "-m", "rolltool", "pack", str(src), "--dp", str(dp), "-o", str(out),
+           "--batch-size", "256", "--cache-mb", str(cache_mb), "--json"]  # fmt: skip
     t0 = time.perf_counter()
-    res = subprocess.run(
-        [sys.executable, "-m", "rolltool", "pack", str(src), "--dp", str(dp), "-o", str(out),
-         "--batch-size", "256", "--json"],
-        check=True, capture_output=True, text=True,
-    )  # fmt: skip
-    dt = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return dt, max(peak, before) // 1024, json.loads(res.stdout)
+    with tempfile.TemporaryFile() as stdout:
+        proc = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.DEVNULL)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        dt = time.perf_counter() - t0
+        if proc.returncode:
+            raise SystemExit(f"pack failed ({proc.returncode}): {' '.join(cmd)}")
+        stdout.seek(0)
+        manifest = json.loads(stdout.read())
+    return dt, usage.ru_maxrss // 1024, manifest
 
 
 FLOOR = """
@@ -70,25 +75,32 @@ def main() -> None:
     ap.add_argument("--groups", type=int, nargs="+", default=[2000, 4000])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dp", type=int, default=8)
+    ap.add_argument("--cache-mb", type=float, nargs="+", default=[1024.0, 0.0])
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp())
-    print(f"{'groups':>7}{'samples':>9}{'tokens':>13}{'steps':>7}{'floor s':>9}{'pack s':>8}"
-          f"{'x floor':>9}{'Mtok/s':>8}{'peak MB':>9}")  # fmt: skip
+    print(f"{'groups':>7}{'samples':>9}{'tokens':>13}{'steps':>7}{'cache MB':>9}{'floor s':>9}"
+          f"{'pack s':>8}{'x floor':>9}{'Mtok/s':>8}{'peak MB':>9}")  # fmt: skip
     for groups in args.groups:
         src = _dataset(groups)
-        # A fresh output each time: replacing an old one (--force) would add its deletion.
-        runs = [_pack(src, work / f"packed-{groups}-{i}", args.dp) for i in range(args.repeats)]
-        manifest = runs[-1][2]
-        nbytes = sum(f["bytes"] for f in manifest["files"].values())
-        floors = [_floor(src, nbytes, work / "floor.bin") for _ in range(args.repeats)]
-        t_pack = statistics.median(r[0] for r in runs)
-        t_floor = statistics.median(floors)
-        tokens = sum(s["sampled_tokens"] for s in manifest["steps"])
-        print(
-            f"{groups:>7}{manifest['samples']['total']:>9,}{tokens:>13,}{manifest['num_steps']:>7}"
-            f"{t_floor:>9.2f}{t_pack:>8.2f}{t_pack / t_floor:>9.2f}{tokens / t_pack / 1e6:>8.1f}"
-            f"{max(r[1] for r in runs):>9,}"
-        )
+        for cache_mb in args.cache_mb:
+            # Runs alternate with the floor; each writes a fresh output (--force would add the
+            # deletion of the old one).
+            runs, floors = [], []
+            for i in range(args.repeats):
+                runs.append(_pack(src, work / f"packed-{groups}-{cache_mb}-{i}", args.dp, cache_mb))
+                nbytes = sum(f["bytes"] for f in runs[-1][2]["files"].values())
+                floors.append(_floor(src, nbytes, work / "floor.bin"))
+            manifest = runs[-1][2]
+            t_pack = statistics.median(r[0] for r in runs)
+            t_floor = statistics.median(floors)
+            tokens = sum(s["sampled_tokens"] for s in manifest["steps"])
+            print(
+                f"{groups:>7}{manifest['samples']['total']:>9,}{tokens:>13,}{manifest['num_steps']:>7}"
+                f"{cache_mb:>9,.0f}{t_floor:>9.2f}{t_pack:>8.2f}{t_pack / t_floor:>9.2f}"
+                f"{tokens / t_pack / 1e6:>8.1f}{max(r[1] for r in runs):>9,}"
+            )
+            shutil.rmtree(work, ignore_errors=True)
+            work.mkdir()
 
 
 if __name__ == "__main__":
