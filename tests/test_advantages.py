@@ -83,7 +83,9 @@ def reference(
     for g, keys in groups.items():
         rs = [rollouts[k]["reward"] for k in keys]
         n = len(rs)
-        mean = sum(rs) / n
+        # An all-equal group's mean is the reward itself (sum/n can be an ulp off, and with
+        # eps 0 grpo would then divide rounding noise by rounding noise): rolltool's rule.
+        mean = rs[0] if min(rs) == max(rs) else sum(rs) / n
         std = math.sqrt(sum((x - mean) ** 2 for x in rs) / (n - 1)) if n > 1 else 0.0
         stats[g] = {
             "size": n,
