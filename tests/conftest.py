@@ -10,10 +10,15 @@ Fixtures are small on purpose (the whole suite runs on a 2-core machine in under
 - ``run_cli(*args)``: run the ``rolltool`` click CLI in-process; returns click's Result with
   ``stdout`` and ``stderr`` apart. An exception other than SystemExit escaping the CLI (what a
   user would see as a traceback) fails the test at once.
+
+Hypothesis runs derandomized by default (profile ``ci``), so a test run is reproducible and CI
+cannot fail on a new random draw; ``HYPOTHESIS_PROFILE=explore pytest`` draws fresh examples, and
+anything it finds belongs in an ``@example``.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -22,9 +27,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner, Result
+from hypothesis import settings
 
 from rolltool.cli import main
 from rolltool.synth import SynthConfig, generate
+
+settings.register_profile("ci", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 SYNTH_CONFIG = SynthConfig(groups=12, seed=0, max_len=4096)
 
