@@ -20,10 +20,10 @@ import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
+from _data import synth_dataset
 
 from rolltool.advantages import AdvantageConfig
-from rolltool.jobs import run_advantages, run_synth
-from rolltool.synth import SynthConfig
+from rolltool.jobs import run_advantages
 
 
 def _time(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
@@ -43,10 +43,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
 
-    cache = Path(tempfile.gettempdir()) / f"rolltool-bench-synth-{args.groups}.parquet"
-    if not cache.exists():
-        print(f"generating {cache} ...", file=sys.stderr)
-        run_synth(SynthConfig(groups=args.groups, seed=1), cache, force=True)
+    cache = synth_dataset(args.groups)
     meta = pq.ParquetFile(cache).metadata
     out = Path(tempfile.mkdtemp()) / "out.parquet"
 

@@ -25,16 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rolltool.jobs import run_synth
-from rolltool.synth import SynthConfig
-
-
-def _dataset(groups: int) -> Path:
-    path = Path(tempfile.gettempdir()) / f"rolltool-bench-synth-{groups}.parquet"
-    if not path.exists():
-        print(f"generating {path} ...", file=sys.stderr)
-        run_synth(SynthConfig(groups=groups, seed=1), path, force=True)
-    return path
+from _data import synth_dataset
 
 
 def _pack(src: Path, out: Path, dp: int, cache_mb: float) -> tuple[float, int, dict]:
@@ -81,7 +72,7 @@ def main() -> None:
     print(f"{'groups':>7}{'samples':>9}{'tokens':>13}{'steps':>7}{'cache MB':>9}{'floor s':>9}"
           f"{'pack s':>8}{'x floor':>9}{'Mtok/s':>8}{'peak MB':>9}")  # fmt: skip
     for groups in args.groups:
-        src = _dataset(groups)
+        src = synth_dataset(groups)
         for cache_mb in args.cache_mb:
             # Runs alternate with the floor; each writes a fresh output (--force would add the
             # deletion of the old one).

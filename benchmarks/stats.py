@@ -19,19 +19,16 @@ import argparse
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import polars as pl
 import pyarrow.parquet as pq
+from _data import synth_dataset
 
-from rolltool.jobs import run_synth
 from rolltool.schema import scan
 from rolltool.source import resolve_inputs
 from rolltool.stats import rollout_stats
-from rolltool.synth import SynthConfig
 
 LIGHT = ["group_id", "rollout_id", "env", "reward", "finished_at"]
 
@@ -57,10 +54,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
 
-    cache = Path(tempfile.gettempdir()) / f"rolltool-bench-synth-{args.groups}.parquet"
-    if not cache.exists():
-        print(f"generating {cache} ...", file=sys.stderr)
-        run_synth(SynthConfig(groups=args.groups, seed=1), cache, force=True)
+    cache = synth_dataset(args.groups)
     meta = pq.ParquetFile(cache).metadata
 
     def polars_scan() -> None:
