@@ -133,6 +133,7 @@ def run_pack(
             "are ignored (drop the column to compute advantages)"
         )
     plan = schedule(ro, config, workload, given)
+    warnings.extend(plan.warnings)
     works, status = plan.works, plan.status
     max_bytes = int(config.shard_mb * 1e6)
     steps_meta: list[dict[str, Any]] = []

@@ -174,6 +174,7 @@ class Schedule:
     weight: np.ndarray  # [n] float64 loss weight of each trainable token, 0 if not trained
     advantage_source: str  # the estimator, or "input column 'advantage'"
     per_step_whitening: bool
+    warnings: list[str] = field(default_factory=list)  # for people: what the plan had to do
 
 
 def schedule(
@@ -181,6 +182,7 @@ def schedule(
 ) -> Schedule:
     """Plan the run (see the module docstring); `given`: the input's own advantages, if any."""
     n = ro.num_samples
+    warnings: list[str] = []
     # Advantages over the whole input (group-local, so steps cannot change them) unless given.
     adv_source = "input column 'advantage'" if given is not None else config.advantages.estimator
     computed = compute_advantages(
@@ -310,6 +312,12 @@ def schedule(
         )
         meta["plan"] = _plan_summary(plan)
         works.append(StepWork(step.index, members, step_adv, weights, plan, meta))
+    thin = [w.index for w in works if len(w.members) < config.dp]
+    if thin:
+        warnings.append(
+            f"{len(thin)} step(s) (first: step {thin[0]}) have fewer samples than --dp {config.dp}: "
+            "some ranks get only all-padding micro-batches"
+        )
 
     return Schedule(
         works=works,
@@ -322,6 +330,7 @@ def schedule(
         weight=weight_of,
         advantage_source=adv_source,
         per_step_whitening=per_step_whitening,
+        warnings=warnings,
     )
 
 

@@ -47,3 +47,17 @@ def test_atomic_dir_commits_only_on_success(tmp_path: Path) -> None:
         atomic_path(target, force=False, directory=True),
     ):
         pass
+
+
+def test_pack_warns_when_dp_exceeds_a_steps_samples(tmp_path: Path) -> None:
+    from rolltool.pack import PackConfig, run_pack
+    from rolltool.steps import StepConfig
+
+    out = tmp_path / "packed"
+    manifest = run_pack(
+        [str(Path(__file__).parent.parent / "examples" / "rollouts.parquet")],
+        out,
+        PackConfig(dp=200, steps=StepConfig(batch_size=128)),
+    )
+    assert any("fewer samples than --dp 200" in w for w in manifest["warnings"])
+    assert all(len({r["micro_batches"] for r in s["ranks"]}) == 1 for s in manifest["steps"])
