@@ -233,36 +233,32 @@ def summarize(
     env: np.ndarray,
     env_names: list[str],
     reward: np.ndarray,
-) -> list[dict]:
-    """Per-env rows (then one "all" row): groups, rollouts, samples, uniform groups, reward
-    mean/std over rollouts, advantage mean/std/min/max over samples."""
-    rows = []
-    scopes = [(name, env == i) for i, name in enumerate(env_names)] + [
-        ("all", np.ones(len(env), bool))
-    ]
-    for name, sel in scopes:
-        if name == "all" and len(env_names) == 1:
-            continue
+) -> tuple[list[dict], dict]:
+    """(one row per env, the overall row): groups, rollouts, samples, uniform groups, reward
+    mean/std over rollouts, advantage mean/std/min/max over samples. The overall row is kept
+    apart so that an env may be called anything, "all" included."""
+
+    def row(sel: np.ndarray, name: str | None) -> dict:
         groups = np.unique(group[sel])
         _, first = np.unique(rollout[sel], return_index=True)
         r = reward[sel][first]
         a = adv.advantage[sel].astype(np.float64)
         uniform_groups = len(np.unique(group[sel][adv.group_uniform[sel]]))
-        rows.append(
-            {
-                "env": name,
-                "estimator": str(adv.estimator[sel][0]) if name != "all" and sel.any() else None,
-                "groups": len(groups),
-                "rollouts": len(first),
-                "samples": int(sel.sum()),
-                "uniform_groups": uniform_groups,
-                "uniform_share": uniform_groups / len(groups) if len(groups) else 0.0,
-                "reward_mean": float(r.mean()) if len(r) else None,
-                "reward_std": float(r.std(ddof=1)) if len(r) > 1 else None,
-                "advantage_mean": float(a.mean()) if len(a) else None,
-                "advantage_std": float(a.std(ddof=1)) if len(a) > 1 else None,
-                "advantage_min": float(a.min()) if len(a) else None,
-                "advantage_max": float(a.max()) if len(a) else None,
-            }
-        )
-    return rows
+        return {
+            "env": name,
+            "estimator": str(adv.estimator[sel][0]) if name is not None and sel.any() else None,
+            "groups": len(groups),
+            "rollouts": len(first),
+            "samples": int(sel.sum()),
+            "uniform_groups": uniform_groups,
+            "uniform_share": uniform_groups / len(groups) if len(groups) else 0.0,
+            "reward_mean": float(r.mean()) if len(r) else None,
+            "reward_std": float(r.std(ddof=1)) if len(r) > 1 else None,
+            "advantage_mean": float(a.mean()) if len(a) else None,
+            "advantage_std": float(a.std(ddof=1)) if len(a) > 1 else None,
+            "advantage_min": float(a.min()) if len(a) else None,
+            "advantage_max": float(a.max()) if len(a) else None,
+        }
+
+    rows = [row(env == i, name) for i, name in enumerate(env_names)]
+    return rows, row(np.ones(len(env), dtype=bool), None)

@@ -124,6 +124,14 @@ def run_advantages(
                     ) from None
                 writer.write_table(table, row_group_size=65_536)
                 start += n
+    envs, overall = summarize(
+        adv,
+        group=rollouts.group,
+        rollout=rollouts.rollout,
+        env=rollouts.env,
+        env_names=rollouts.env_names,
+        reward=rollouts.reward,
+    )
     return {
         "rolltool": __version__,
         "output": str(output),
@@ -133,12 +141,6 @@ def run_advantages(
         "groups": rollouts.num_groups,
         "samples_without_trainable_tokens": int(np.sum(rollouts.trainable == 0)),
         "warnings": warnings,
-        "envs": summarize(
-            adv,
-            group=rollouts.group,
-            rollout=rollouts.rollout,
-            env=rollouts.env,
-            env_names=rollouts.env_names,
-            reward=rollouts.reward,
-        ),
+        "envs": envs,
+        "overall": overall,
     }

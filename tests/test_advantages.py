@@ -533,7 +533,8 @@ def test_env_estimator_overrides_through_the_cli(synth_path: Path, tmp_path: Pat
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     estimators = {r["env"]: r["estimator"] for r in report["envs"]}
-    assert estimators == {"math": "grpo", "code": "rloo", "agent": "opo", "all": None}
+    assert estimators == {"math": "grpo", "code": "rloo", "agent": "opo"}
+    assert report["overall"]["env"] is None and report["overall"]["estimator"] is None
     assert report["config"] == {
         "estimator": "grpo",
         "env_estimators": {"code": "rloo", "agent": "opo"},
@@ -545,8 +546,8 @@ def test_env_estimator_overrides_through_the_cli(synth_path: Path, tmp_path: Pat
     # The per-env summary is computed over that env's rows only.
     env = np.array(out["env"].to_pylist())
     adv = out["advantage"].to_numpy().astype(np.float64)
-    for r in report["envs"]:
-        sel = env == r["env"] if r["env"] != "all" else np.ones(len(env), bool)
+    for r in [*report["envs"], report["overall"]]:
+        sel = env == r["env"] if r["env"] is not None else np.ones(len(env), bool)
         assert r["samples"] == int(sel.sum())
         assert r["advantage_min"] == pytest.approx(adv[sel].min())
         assert r["advantage_max"] == pytest.approx(adv[sel].max())
@@ -614,3 +615,21 @@ def test_an_estimator_without_samples_in_the_subset_is_skipped() -> None:
             reward=np.array([1.0, 0.0]),
             trainable=np.array([3, 1]),
         )
+
+
+def test_an_env_called_all_is_an_env_like_any_other(write_parquet, run_cli, tmp_path) -> None:
+    import json
+
+    data = {
+        "group_id": ["a", "a", "b", "b"],
+        "env": ["all", "all", "other", "other"],
+        "reward": [1.0, 0.0, 1.0, 1.0],
+        "input_ids": [[1, 2], [1, 3], [4, 5], [4, 6]],
+        "loss_mask": [[0, 1]] * 4,
+    }
+    src = write_parquet(data)
+    result = run_cli("advantages", src, "-o", tmp_path / "out.parquet", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert [r["env"] for r in report["envs"]] == ["all", "other"]
+    assert report["envs"][0]["samples"] == 2 and report["overall"]["samples"] == 4

@@ -83,8 +83,9 @@ def test_advantages_json(run_cli, synth_path: Path, tmp_path: Path) -> None:
     assert report["config"]["estimator"] == "rloo"
     assert report["inputs"] == [{"path": str(synth_path), "rows": report["samples"]}]
     envs = {r["env"]: r for r in report["envs"]}
-    assert set(envs) == {"math", "code", "agent", "all"}
-    for row in envs.values():
+    assert set(envs) == {"math", "code", "agent"}
+    overall = report["overall"]
+    for row in [*envs.values(), overall]:
         for key in (
             "groups",
             "rollouts",
@@ -101,8 +102,8 @@ def test_advantages_json(run_cli, synth_path: Path, tmp_path: Path) -> None:
             assert key in row
         assert row["rollouts"] <= row["samples"]
         assert 0 <= row["uniform_share"] <= 1
-    assert envs["all"]["samples"] == sum(envs[e]["samples"] for e in ("math", "code", "agent"))
-    assert envs["all"]["groups"] == report["groups"]
+    assert overall["samples"] == sum(envs[e]["samples"] for e in ("math", "code", "agent"))
+    assert overall["groups"] == report["groups"]
 
 
 def _with_untrainable_sample(write_parquet) -> Path:

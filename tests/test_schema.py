@@ -430,11 +430,7 @@ def test_directory_with_hive_partitions(write_parquet, run_cli, out: Path, tmp_p
     assert table["env"].to_pylist() == ["code"] * 4 + ["math"] * 4
     assert table["sample_id"].to_pylist() == ["t0", "t1", "t2", "t3", "s0", "s1", "s2", "s3"]
     report = json.loads(result.stdout)
-    assert {r["env"]: r["estimator"] for r in report["envs"]} == {
-        "code": "rloo",
-        "math": "grpo",
-        "all": None,
-    }
+    assert {r["env"]: r["estimator"] for r in report["envs"]} == {"code": "rloo", "math": "grpo"}
     rollouts_ = scan(resolve_inputs([tmp_path / "data"]))
     assert rollouts_.env_names == ["code", "math"]
 

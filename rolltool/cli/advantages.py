@@ -97,9 +97,10 @@ def advantages(
         "adv max",
     ):
         table.add_column(name, justify="left" if name in ("env", "estimator") else "right")
-    for r in report["envs"]:
+    rows = report["envs"] + ([report["overall"]] if len(report["envs"]) > 1 else [])
+    for r in rows:
         table.add_row(
-            r["env"],
+            "(all)" if r["env"] is None else r["env"],
             r["estimator"] or "",
             f"{r['groups']:,}",
             f"{r['rollouts']:,}",
