@@ -40,6 +40,10 @@ def _colors(names: list[str]) -> dict[str, Any]:
     return {n: cmap(i % 10) for i, n in enumerate(names)}
 
 
+MAX_LEGEND = 12
+"""Micro-batches named in a legend; more get a colour bar."""
+
+
 def _si(x: float, _pos: Any = None) -> str:
     for div, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
         if abs(x) >= div:
@@ -47,9 +51,49 @@ def _si(x: float, _pos: Any = None) -> str:
     return f"{x:g}"
 
 
+def _log_ticks(lo: float, hi: float) -> list[float]:
+    """Readable major ticks of a log axis over [lo, hi]: 1-2-5 steps (3 to 8 of them), else
+    every decade when that gives too many, else every digit when too few; plain numbers."""
+    decades = range(int(np.floor(np.log10(lo))), int(np.ceil(np.log10(hi))) + 1)
+    ticks: list[float] = []
+    for subs in ((1, 2, 5), (1,), (1, 2, 3, 4, 5, 6, 7, 8, 9)):
+        ticks = [m * 10.0**d for d in decades for m in subs if lo <= m * 10.0**d <= hi]
+        if subs == (1, 2, 5) and 3 <= len(ticks) <= 8:
+            return ticks
+        if subs == (1,) and len(ticks) >= 3:
+            step = -(-len(ticks) // 8)  # at most 8 labels: every 2nd (3rd...) decade
+            return ticks[::step]
+    if len(ticks) >= 2:
+        return ticks[:: -(-len(ticks) // 8)]
+    # a narrow range (within one digit of a decade): three round values inside it
+    return sorted({float(f"{x:.2g}") for x in np.geomspace(lo, hi, 3)})
+
+
+def _log_axis(axis: Any, lo: float, hi: float) -> None:
+    """``axis`` (x or y, log scale) labelled with ``_log_ticks`` as 1,000-style numbers and
+    unlabelled minor ticks."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullFormatter
+
+    axis.set_major_locator(FixedLocator(_log_ticks(lo, hi)))
+    axis.set_major_formatter(FuncFormatter(lambda x, _pos: f"{x:,.0f}" if x >= 1 else f"{x:g}"))
+    axis.set_minor_locator(LogLocator(base=10, subs=[float(k) for k in range(2, 10)]))
+    axis.set_minor_formatter(NullFormatter())
+
+
+def _integer(axis: Any) -> None:
+    """Counts on ``axis``: whole-number ticks only (never 2.5 groups)."""
+    from matplotlib.ticker import MaxNLocator
+
+    axis.set_major_locator(MaxNLocator(integer=True))
+
+
+def _legend_right(ax: Any, **kw: Any) -> None:
+    """The legend beside ``ax``, outside it (constrained layout makes room): never over data."""
+    ax.legend(frameon=False, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), **kw)
+
+
 def _lengths(ax: Any, lengths: dict[str, ValueCounts], colors: dict[str, Any], title: str) -> None:
     """Step histograms of sample lengths per env on log-spaced bins."""
-    from matplotlib.ticker import FuncFormatter
 
     nonempty = [vc for vc in lengths.values() if vc.n]
     if not nonempty:
@@ -66,8 +110,11 @@ def _lengths(ax: Any, lengths: dict[str, ValueCounts], colors: dict[str, Any], t
             p50 = vc.quantile(0.5)
             ax.stairs(counts, bins, lw=1.6, color=colors[env], label=f"{env} (p50 {p50:,})")
         ax.set_xscale("log")
-        ax.xaxis.set_major_formatter(FuncFormatter(_si))
-        ax.legend(frameon=False, fontsize=8)
+        ax.set_xlim(bins[0], bins[-1])
+        _log_axis(ax.xaxis, bins[0], bins[-1])
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.25)  # room for the legend above the bars
+        ax.legend(frameon=False, fontsize=8, loc="best")
+    _integer(ax.yaxis)
     ax.set_title(title, loc="left", fontsize=11)
     ax.set_xlabel("sample length (tokens, log scale)")
     ax.set_ylabel("samples")
@@ -102,9 +149,15 @@ def _packed_figure(stats: Stats, step: int | None) -> Any:
     ax_tok.set_xlabel("step")
     ax_tok.set_ylabel("sampled tokens")
     ax_tok.yaxis.set_major_formatter(FuncFormatter(_si))
-    ax_tok.legend(frameon=False, fontsize=8, ncols=min(4, len(envs)))
+    if len(envs) <= 6:  # one row in the room left above the bars
+        ax_tok.set_ylim(0, float(bottom.max(initial=1)) * 1.15)
+        ax_tok.legend(frameon=False, fontsize=8, loc="upper left", ncols=max(1, len(envs)))
+    else:
+        _legend_right(ax_tok)
     if len(steps) <= 20:
         ax_tok.set_xticks(x)
+    else:
+        _integer(ax_tok.xaxis)
 
     if step is None:  # the costliest step: the one a person asks about
         chosen = max(steps, key=lambda s: s["step_cost"])
@@ -114,23 +167,27 @@ def _packed_figure(stats: Stats, step: int | None) -> Any:
     ranks = np.arange(grid.shape[0])
     from matplotlib import colormaps
 
-    blues = colormaps["viridis"]
+    cmap = colormaps["viridis"]
     m = grid.shape[1]
     base = np.zeros(len(ranks))
+    shade = [0.15 + 0.7 * j / max(1, m - 1) for j in range(m)]
+    bars = []
     for j in range(m):
-        ax_rank.bar(
-            ranks,
-            grid[:, j],
-            bottom=base,
-            color=blues(0.15 + 0.7 * j / max(1, m - 1)),
-            edgecolor="white",
-            linewidth=0.6,
-            label=f"micro-batch {j}" if m <= 8 else None,
+        bars.append(
+            ax_rank.bar(
+                ranks,
+                grid[:, j],
+                bottom=base,
+                color=cmap(shade[j]),
+                edgecolor="white",
+                linewidth=0.6 if m <= 16 else 0.2,
+            )
         )
         base += grid[:, j]
+    mean_line = None
     if len(ranks):
-        ax_rank.axhline(base.mean(), color="black", ls="--", lw=1, label="mean rank load")
-        ax_rank.set_ylim(0, float(base.max()) * 1.18)
+        mean_line = ax_rank.axhline(base.mean(), color="black", ls="--", lw=1)
+        ax_rank.set_ylim(0, float(base.max()) * 1.15)
     ax_rank.set_title(
         f"Step {chosen['step']}: tokens per rank and micro-batch "
         f"(lockstep overhead {chosen['lockstep_overhead']['cost'] - 1:+.1%} in cost)",
@@ -142,7 +199,26 @@ def _packed_figure(stats: Stats, step: int | None) -> Any:
     ax_rank.yaxis.set_major_formatter(FuncFormatter(_si))
     if len(ranks) <= 32:
         ax_rank.set_xticks(ranks)
-    ax_rank.legend(frameon=False, fontsize=8, loc="upper left", ncols=min(5, m + 1))
+    else:
+        _integer(ax_rank.xaxis)
+    if m <= MAX_LEGEND:  # beside the axes, top micro-batch first, as stacked
+        handles = ([mean_line] if mean_line is not None else []) + bars[::-1]
+        labels = (["mean rank load"] if mean_line is not None else []) + [
+            f"micro-batch {j}" for j in range(m - 1, -1, -1)
+        ]
+        _legend_right(ax_rank, handles=handles, labels=labels)
+    else:
+        from matplotlib.cm import ScalarMappable
+        from matplotlib.colors import BoundaryNorm, ListedColormap
+
+        listed = ListedColormap([cmap(v) for v in shade])
+        norm = BoundaryNorm(np.arange(m + 1) - 0.5, m)
+        bar = fig.colorbar(ScalarMappable(norm=norm, cmap=listed), ax=ax_rank, pad=0.01)
+        bar.set_label("micro-batch (stacked bottom to top)")
+        bar.minorticks_off()
+        _integer(bar.ax.yaxis)
+        if mean_line is not None:
+            ax_rank.legend([mean_line], ["mean rank load"], frameon=False, fontsize=8, loc="upper left")  # fmt: skip
 
     real = np.array([s["real_tokens"] for s in steps], dtype=np.float64)
     pad = np.array([s["padding_tokens"] for s in steps], dtype=np.float64)
@@ -156,7 +232,7 @@ def _packed_figure(stats: Stats, step: int | None) -> Any:
             eff = s["packing_efficiency"]
             if eff is not None:
                 ax_pad.text(xi, top, f"{eff:.0%}", ha="center", va="bottom", fontsize=8)
-    ax_pad.set_ylim(0, float((real + pad + unused).max(initial=1)) * 1.18)
+    ax_pad.set_ylim(0, float((real + pad + unused).max(initial=1)) * 1.22)
     ax_pad.yaxis.set_major_formatter(FuncFormatter(_si))
     ax_pad.set_title(
         f"Row capacity per step: real tokens, padding, unused (padding {rep['totals']['padding_fraction']:.1%})",
@@ -168,6 +244,8 @@ def _packed_figure(stats: Stats, step: int | None) -> Any:
     ax_pad.legend(frameon=False, fontsize=8, loc="upper left", ncols=3)
     if len(steps) <= 20:
         ax_pad.set_xticks(x)
+    else:
+        _integer(ax_pad.xaxis)
     return fig
 
 
@@ -210,7 +288,8 @@ def _rollouts_figure(stats: Stats) -> Any:
     ax_sig.set_title("Groups per env: uniform rewards carry no gradient", loc="left", fontsize=11)
     ax_sig.set_xlabel("groups")
     ax_sig.set_ylabel("env")
-    ax_sig.legend(frameon=False, fontsize=8, loc="lower right")
+    _integer(ax_sig.xaxis)
+    _legend_right(ax_sig)
 
     sizes = sorted({int(k) for e in envs for k in rep["envs"][e]["group_size"]["counts"]})
     width = 0.8 / max(1, len(envs))
@@ -228,7 +307,9 @@ def _rollouts_figure(stats: Stats) -> Any:
     ax_size.set_title("Group sizes per env", loc="left", fontsize=11)
     ax_size.set_xlabel("rollouts per group")
     ax_size.set_ylabel("groups")
-    ax_size.legend(frameon=False, fontsize=8)
+    _integer(ax_size.yaxis)
+    ax_size.set_ylim(0, ax_size.get_ylim()[1] * 1.15)
+    ax_size.legend(frameon=False, fontsize=8, loc="upper left", ncols=max(1, min(len(envs), 6)))
 
     xe = np.arange(len(envs))
     sampled = [rep["envs"][e]["sampled_tokens"]["total"] for e in envs]
