@@ -7,6 +7,7 @@ of a packed run), never rolltool's own code.
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -170,6 +171,11 @@ def test_completion_order_matches_a_slow_recount(run_cli: Any, synth_path: Path)
         section = report["overall"] if name[0] == "all" else report["envs"][name[0]]
         assert section["completion"]["out_of_order_groups"] == late
         assert section["completion"]["span_s"] == pytest.approx(max(done) - min(done))
+        # percentiles are inverted-CDF (one of the values), as for lengths: never interpolated
+        by_done = sorted(range(len(done)), key=lambda i: done[i])
+        shift = [abs(by_done.index(i) - i) for i in range(len(done))]
+        p90 = section["completion"]["displacement"]["p90"]
+        assert p90 == int(np.percentile(shift, 90, method="inverted_cdf")) and p90 in shift
 
 
 def test_files_merge_exactly(
@@ -205,10 +211,47 @@ def _close(a: Any, b: Any) -> None:
         assert a == b
 
 
-def test_limit_reads_the_first_rows(run_cli: Any, synth_path: Path, synth_table: pa.Table) -> None:
-    report = _json(run_cli, synth_path, "--limit", 50)
-    assert report["rows"] == report["overall"]["samples"] == 50
-    _check_against(report, _recount(synth_table.slice(0, 50)))
+def _group_end(ids: list[Any], limit: int) -> int:
+    """Rows up to the end of the group of the limit-th row (contiguous rows of one group)."""
+    n = min(limit, len(ids))
+    while n < len(ids) and ids[n] == ids[n - 1]:
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("limit", [1, 50, 10_000])
+def test_limit_reads_whole_groups(
+    run_cli: Any, synth_path: Path, synth_table: pa.Table, limit: int
+) -> None:
+    """--limit N reads at least N rows, on to the end of the last group: no group cut in half."""
+    ids = synth_table["group_id"].to_pylist()
+    want = _group_end(ids, limit)
+    report = _json(run_cli, synth_path, "--limit", limit)
+    assert report["limit"] == limit
+    assert report["rows"] == report["overall"]["samples"] == want >= min(limit, len(ids))
+    assert limit >= len(ids) or ids[limit - 1] == ids[want - 1] != ids[want]  # not vacuous
+    _check_against(report, _recount(synth_table.slice(0, want)))
+    whole = pl.Series("g", ids).value_counts(name="n")
+    read = pl.Series("g", ids[:want]).value_counts(name="n")
+    assert read.join(whole, on="g", how="left").filter(pl.col("n") != pl.col("n_right")).is_empty()
+
+
+def test_limit_follows_a_group_into_the_next_file(run_cli: Any, write_parquet: Any) -> None:
+    rows = {
+        "group_id": ["a", "a", "b", "b", "b", "b", "c", "c"],
+        "reward": [0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0],
+        "input_ids": [[1, 2]] * 8,
+        "loss_mask": [[0, 1]] * 8,
+    }
+    table = pa.table(rows)
+    write_parquet(table.slice(0, 3), "d/0.parquet")  # group b starts here...
+    write_parquet(table.slice(3, 2), "d/1.parquet")  # ...goes on here...
+    path = write_parquet(table.slice(5), "d/2.parquet").parent  # ...and ends here
+    report = _json(run_cli, path, "--limit", 3)
+    assert report["rows"] == 6
+    assert report["overall"]["groups"] == 2
+    assert report["overall"]["group_size"]["counts"] == {"2": 1, "4": 1}
+    assert _json(run_cli, path, "--limit", 2)["rows"] == 2  # already at a boundary
 
 
 def test_prompt_response_format_and_column_mapping(run_cli: Any, write_parquet: Any) -> None:
@@ -379,6 +422,89 @@ def test_packed_step_and_limit(run_cli: Any, packed: Path) -> None:
     assert report["totals"]["samples"] == report["steps"][0]["samples"]
 
 
+def test_packed_percentiles_across_steps_are_inverted_cdf(run_cli: Any, packed: Path) -> None:
+    report = _json(run_cli, packed)
+    for key in ("sampled_tokens", "packing_efficiency"):
+        values = [s[key] for s in report["steps"]]
+        for q in (50, 90):
+            got = report["across_steps"][key][f"p{q}"]
+            assert got == np.percentile(values, q, method="inverted_cdf") and got in values
+
+
+def test_an_env_named_all(run_cli: Any, write_parquet: Any, tmp_path: Path) -> None:
+    """ "all" is an env like any other: JSON keeps `overall` apart from `envs`, the table names
+    the column of all envs "(all)"."""
+    n = 12
+    path = write_parquet(
+        {
+            "group_id": [f"g{i // 4}" for i in range(n)],
+            "env": ["all"] * 8 + ["x"] * 4,
+            "reward": [float(i % 2) for i in range(n)],
+            "input_ids": [[1] * (i + 1) for i in range(n)],
+            "loss_mask": [[1] * (i + 1) for i in range(n)],
+        }
+    )
+    report = _json(run_cli, path)
+    assert list(report["envs"]) == ["all", "x"]
+    assert report["envs"]["all"]["samples"] == 8 and report["envs"]["all"]["groups"] == 2
+    assert report["overall"]["samples"] == n and report["overall"]["groups"] == 3
+    assert json.loads(json.dumps(report))["envs"]["all"] == report["envs"]["all"]
+    table = run_cli("stats", path).stdout
+    header = next(line for line in table.splitlines() if "(all)" in line)
+    assert [c.strip() for c in header.split("┃")[2:-1]] == ["all", "x", "(all)"]
+    packed = tmp_path / "packed"
+    run_pack([str(path)], packed, PackConfig(dp=2, steps=StepConfig(batch_size=3)), command=["t"])
+    report = _json(run_cli, packed)
+    assert set(report["totals"]["envs"]) == {"all", "x"}
+    assert report["totals"]["envs"]["all"]["samples"] == 8
+
+
+def _text(renderable: Any, width: int) -> str:
+    from rich.console import Console
+
+    console = Console(width=width, file=io.StringIO(), record=True)
+    console.print(renderable)
+    return console.export_text()
+
+
+@pytest.mark.parametrize("width", [80, 100, 120])
+def test_tables_fit_the_terminal(
+    run_cli: Any, packed: Path, write_parquet: Any, width: int
+) -> None:
+    """Narrower than the tables: short headers, fewer columns (named in a caption), env columns
+    over several tables, never a cut number; piped output (160 columns) keeps every column."""
+    from rolltool.stats.render import render
+
+    envs = [f"environment-{i}" for i in range(7)]
+    many = write_parquet(
+        {
+            "group_id": [f"g{i // 2}" for i in range(28)],
+            "env": [envs[i // 4] for i in range(28)],
+            "reward": [float(i % 3 == 0) for i in range(28)],
+            "input_ids": [[1] * (1000 * i + 1) for i in range(28)],
+            "loss_mask": [[1] * (1000 * i + 1) for i in range(28)],
+        }
+    )
+    for report, kw in (
+        (compute_stats([str(packed)], step=1).report, {"per_step": True, "step": 1}),
+        (compute_stats([str(many)]).report, {}),
+    ):
+        text = _text(render(report, width=width, **kw), width)
+        assert max(len(line) for line in text.splitlines()) <= width
+        assert "…" not in text
+        full = _text(render(report, width=None, **kw), 1000)
+
+        def numbers(t: str) -> set[str]:
+            return {w for w in t.replace("│", " ").split() if w[0].isdigit() and "," in w}
+
+        assert numbers(text) and numbers(text) <= numbers(full)  # no number cut or wrapped
+    piped = run_cli("stats", packed, "--per-step", "--step", 1).stdout
+    assert "hidden" not in piped  # every column of every table
+    for header in ("(tokens)", "step time", "status", "uniform", "micro-batches"):
+        assert header in piped
+    assert max(len(line) for line in piped.splitlines()) <= 160
+
+
 def test_terminal_tables(run_cli: Any, synth_path: Path, packed: Path) -> None:
     result = run_cli("stats", synth_path)
     assert result.exit_code == 0
@@ -411,6 +537,72 @@ def test_plot_is_written_with_labelled_axes(
     for ax in axes:
         assert ax.get_xlabel() and ax.get_ylabel() and ax.get_title(loc="left"), ax
         assert ax.has_data()
+
+
+def _drawn(fig: Any) -> Any:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig).draw()
+    return fig.canvas.get_renderer()
+
+
+def _ticks(axis: Any) -> list[tuple[float, str]]:
+    """Major ticks inside the view, with their labels."""
+    lo, hi = sorted(axis.get_view_interval())
+    return [
+        (t.get_loc(), t.label1.get_text())
+        for t in axis.get_major_ticks()
+        if lo <= t.get_loc() <= hi and t.label1.get_visible()
+    ]
+
+
+@pytest.mark.parametrize("kind", ["rollouts", "tiny", "packed"])
+def test_plot_is_readable(synth_path: Path, packed: Path, write_parquet: Any, kind: str) -> None:
+    """Plain 1-2-5 length ticks without minor labels, whole-number counts, legends that cover
+    neither bars nor other axes and stay on the page."""
+    import re
+
+    from matplotlib.patches import Rectangle
+
+    from rolltool.stats.plot import figure
+
+    src = {"rollouts": synth_path, "packed": packed}.get(kind)
+    if src is None:  # two groups: count axes where 0.25 steps would come naturally
+        src = write_parquet(pq.read_table(synth_path).slice(0, 20), "tiny.parquet")
+    fig = figure(compute_stats([str(src)]))
+    renderer = _drawn(fig)
+    axes = {ax.get_title(loc="left").split(":")[0].split(" ")[0]: ax for ax in fig.get_axes()}
+    lengths = next(ax for ax in fig.get_axes() if ax.get_xscale() == "log").xaxis
+    ticks = _ticks(lengths)
+    assert 2 <= len(ticks) <= 8
+    for loc, label in ticks:
+        assert re.fullmatch(r"\d{1,3}(,\d{3})*", label), label
+        assert float(label.replace(",", "")) == pytest.approx(loc)
+        assert label[0] in "125" or kind == "tiny"
+    assert all(not t.label1.get_text() for t in lengths.get_minor_ticks())
+    counts = [lengths.axes.yaxis]
+    if kind != "packed":
+        counts += [axes["Groups"].xaxis, axes["Group"].yaxis]
+    for axis in counts:
+        assert all(float(loc).is_integer() for loc, _ in _ticks(axis)), _ticks(axis)
+    page = fig.bbox
+    bars = [
+        p.get_window_extent(renderer)
+        for ax in fig.get_axes()
+        for p in ax.patches
+        if isinstance(p, Rectangle) and p.get_height() > 0
+    ]
+    for ax in fig.get_axes():
+        legend = ax.get_legend()
+        if legend is None:
+            continue
+        box = legend.get_window_extent(renderer)
+        assert page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0 and box.y1 <= page.y1
+        for other in fig.get_axes():
+            if other is not ax:
+                assert not box.overlaps(other.get_window_extent(renderer)), ax.get_title(loc="left")  # fmt: skip
+        for bar in bars:
+            assert not box.overlaps(bar), ax.get_title(loc="left")
 
 
 def test_plot_without_matplotlib_is_an_error(

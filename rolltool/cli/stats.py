@@ -72,4 +72,4 @@ def stats(
     if as_json:
         print_json(result.report)
         return
-    out.print(render(result.report, per_step=per_step, step=step))
+    out.print(render(result.report, per_step=per_step, step=step, width=out.width))

@@ -161,7 +161,10 @@ def add_dicts(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
 
 
 def percentiles(x: np.ndarray) -> dict[str, Any]:
-    """``mean, min, p50, p90, max`` of a small float array (per-step figures across steps)."""
+    """``mean, min, p50, p90, max`` of a small float array (per-step figures across steps).
+
+    Percentiles are inverted-CDF, as everywhere in stats (``ValueCounts.quantile``): the
+    smallest value with at least q·n values at or below it, always one of the values."""
     x = np.asarray([v for v in x if v is not None], dtype=np.float64)
     x = x[np.isfinite(x)]
     if not len(x):
@@ -169,7 +172,7 @@ def percentiles(x: np.ndarray) -> dict[str, Any]:
     return {
         "mean": float(x.mean()),
         "min": float(x.min()),
-        "p50": float(np.percentile(x, 50)),
-        "p90": float(np.percentile(x, 90)),
+        "p50": float(np.percentile(x, 50, method="inverted_cdf")),
+        "p90": float(np.percentile(x, 90, method="inverted_cdf")),
         "max": float(x.max()),
     }

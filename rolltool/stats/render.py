@@ -1,16 +1,25 @@
 """Rich tables of a stats report: numbers right-aligned with thousands separators.
 
-``render(report, per_step=..., step=...)`` returns renderables; the CLI prints them. Tables of
-rollout Parquet have one column per env (and "all"), so they stay narrow however many metrics
-there are; tables of a packed run have one row per figure, env, split or step.
+``render(report, per_step=..., step=..., width=...)`` returns renderables; the CLI prints them.
+Tables of rollout Parquet have one column per env (and "(all)", which no env name can take), so
+they stay narrow however many metrics there are; tables of a packed run have one row per figure,
+env, split or step.
+
+Sized to ``width`` (the terminal): a table wider than it first switches to short, two-line
+headers, then hides its least important columns (saying which in a caption), and the rollout
+table splits its env columns over several tables; numbers are never cut. ``width=None`` (or a
+wide console: piped output is 160 columns) keeps every column.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import io
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from rich.console import Group, RenderableType
+from rich.console import Console, Group, RenderableType
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
@@ -34,10 +43,91 @@ def _over(x: Any) -> str:
     return "-" if x is None else f"{x - 1:+.2%}"
 
 
+ALL = "(all)"
+"""The column of all envs together in the rollout table (an env may be named "all")."""
+
+
 def _table(title: str, columns: Iterable[str], first_left: bool = True) -> Table:
     t = Table(title=title, title_justify="left", title_style="bold", header_style="bold")
     for i, c in enumerate(columns):
         t.add_column(c, justify="left" if i == 0 and first_left else "right", no_wrap=i == 0)
+    return t
+
+
+@dataclass(frozen=True)
+class Col:
+    """A table column: its header, a short (two-line) header for narrow terminals, and ``keep``:
+    at a narrow width the columns with the lowest ``keep`` are hidden first (0: never)."""
+
+    header: str
+    short: str | None = None
+    keep: int = 0
+    left: bool = False
+    wrap: bool = False
+
+
+def _natural_width(t: Table) -> int:
+    """The width ``t`` takes when nothing squeezes it."""
+    console = Console(width=100_000, file=io.StringIO())
+    return Measurement.get(console, console.options, t).maximum
+
+
+def _build(
+    title: str,
+    cols: Sequence[Col],
+    rows: Sequence[Sequence[str] | None],
+    shown: Sequence[int],
+    short: bool,
+    measure: bool = False,
+) -> Table:
+    """The table of the ``shown`` columns; ``measure``: wrapping cells cut to their longest word
+    (what they need at least)."""
+    t = Table(title=title, title_justify="left", title_style="bold", header_style="bold")
+    for i in shown:
+        c = cols[i]
+        header = c.short if short and c.short is not None else c.header
+        t.add_column(header, justify="left" if c.left else "right", no_wrap=not c.wrap)
+    for row in rows:
+        if row is None:
+            t.add_section()
+        elif measure:
+            t.add_row(*(max(row[i].split(), key=len, default="") if cols[i].wrap else row[i] for i in shown))  # fmt: skip
+        else:
+            t.add_row(*(row[i] for i in shown))
+    return t
+
+
+def _fit(
+    title: str,
+    cols: Sequence[Col],
+    rows: Sequence[Sequence[str] | None],
+    width: int | None,
+) -> Table:
+    """The table at its full headers if it fits ``width``; else short headers, then without its
+    least important columns (a caption names them) until it fits."""
+    shown = list(range(len(cols)))
+    if width is None:
+        return _build(title, cols, rows, shown, short=False)
+    limit = width
+
+    def fits(short: bool) -> bool:
+        return _natural_width(_build(title, cols, rows, shown, short, measure=True)) <= limit
+
+    if fits(short=False):
+        return _build(title, cols, rows, shown, short=False)
+    hidden: list[int] = []
+    while not fits(short=True):
+        optional = [i for i in shown if cols[i].keep > 0]
+        if not optional:
+            break
+        drop = min(optional, key=lambda i: (cols[i].keep, -i))
+        shown.remove(drop)
+        hidden.append(drop)
+    t = _build(title, cols, rows, shown, short=True)
+    if hidden:
+        names = ", ".join(cols[i].header for i in sorted(hidden))
+        t.caption = f"hidden at this width: {names} (--json has them)"
+        t.caption_justify = "left"
     return t
 
 
@@ -90,21 +180,37 @@ def _cell(section: dict[str, Any], key: str | tuple[str, ...], fmt: Any) -> str:
     return fmt(_get(section, key))
 
 
-def render_rollouts(report: dict[str, Any]) -> list[RenderableType]:
+def render_rollouts(report: dict[str, Any], width: int | None = None) -> list[RenderableType]:
     envs: dict[str, Any] = report["envs"]
-    scopes = list(envs.items()) + ([("all", report["overall"])] if len(envs) > 1 else [])
+    scopes = list(envs.items()) + ([(ALL, report["overall"])] if len(envs) > 1 else [])
     files = len(report["inputs"])
     title = f"rollouts: {report['rows']:,} rows from {files:,} file{'s' * (files != 1)}"
     if report.get("limit"):
-        title += f" (--limit {report['limit']:,})"
-    t = _table(title, ["", *(name for name, _ in scopes)])
+        title += f" (--limit {report['limit']:,}, to the end of its last group)"
     rows = ROLLOUT_ROWS + (COMPLETION_ROWS if report["overall"].get("completion") else [])
-    for label, key, fmt in rows:
-        if label is None:
-            t.add_section()
-            continue
-        t.add_row(label, *(_cell(s, key, fmt) for _, s in scopes))
-    return [t]
+
+    def table(part: list[tuple[str, Any]], title: str) -> Table:
+        t = _table(title, ["", *(name for name, _ in part)])
+        for label, key, fmt in rows:
+            if label is None:
+                t.add_section()
+                continue
+            t.add_row(label, *(_cell(s, key, fmt) for _, s in part))
+        return t
+
+    # too wide for the terminal: the env columns over several tables, each with the labels
+    per = len(scopes)
+    t = table(scopes, title)
+    while width is not None and per > 1 and _natural_width(t) > width:
+        per -= 1
+        t = table(scopes[:per], title)
+    if per == len(scopes):
+        return [t]
+    chunks = [scopes[i : i + per] for i in range(0, len(scopes), per)]
+    return [
+        table(c, f"{title}, envs {i * per + 1}-{i * per + len(c)} of {len(scopes)}")
+        for i, c in enumerate(chunks)
+    ]
 
 
 def _header(report: dict[str, Any]) -> Text:
@@ -125,9 +231,18 @@ def _header(report: dict[str, Any]) -> Text:
     )
 
 
-def _run_table(report: dict[str, Any]) -> Table:
+def _run_table(report: dict[str, Any], width: int | None) -> Table:
     tot, across = report["totals"], report["across_steps"]
-    t = _table("per step", ["", "total", "mean", "p50", "p90", "min", "max"])
+    cols = [
+        Col("", left=True),
+        Col("total"),
+        Col("mean"),
+        Col("p50", keep=2),
+        Col("p90", keep=3),
+        Col("min", keep=1),
+        Col("max", keep=4),
+    ]
+    rows: list[list[str] | None] = []
     for label, key, fmt in (
         ("samples", "samples", _int),
         ("sampled tokens", "sampled_tokens", _int),
@@ -142,19 +257,31 @@ def _run_table(report: dict[str, Any]) -> Table:
     ):
         a = across[key]
         total = _get(tot, key) if "." not in key else None
-        t.add_row(label, fmt(total) if total is not None else "", *(fmt(a[k]) for k in ("mean", "p50", "p90", "min", "max")))  # fmt: skip
-    t.add_section()
-    t.add_row("groups (uniform kept / dropped)", f"{tot['groups']:,} ({tot['uniform_groups_kept']:,} / {tot['uniform_groups_dropped']:,})", *[""] * 5)  # fmt: skip
-    t.add_row("rollouts", _int(tot["rollouts"]), *[""] * 5)
-    t.add_row("over-long samples dropped", _int(tot["overlong_dropped"]), *[""] * 5)
-    t.add_row("rows (padding tokens)", f"{tot['rows']:,} ({tot['padding_tokens']:,})", *[""] * 5)
-    return t
+        rows.append([label, fmt(total) if total is not None else "", *(fmt(a[k]) for k in ("mean", "p50", "p90", "min", "max"))])  # fmt: skip
+    rows.append(None)
+    rows.append(["groups (uniform kept / dropped)", f"{tot['groups']:,} ({tot['uniform_groups_kept']:,} / {tot['uniform_groups_dropped']:,})", *[""] * 5])  # fmt: skip
+    rows.append(["rollouts", _int(tot["rollouts"]), *[""] * 5])
+    rows.append(["over-long samples dropped", _int(tot["overlong_dropped"]), *[""] * 5])
+    rows.append(["rows (padding tokens)", f"{tot['rows']:,} ({tot['padding_tokens']:,})", *[""] * 5])  # fmt: skip
+    return _fit("per step", cols, rows, width)
 
 
-def _env_table(title: str, envs: dict[str, Any]) -> Table:
-    t = _table(title, ["env", "groups", "rollouts", "samples", "sampled tokens", "trainable tokens", "token share", "loss weight share", "uniform kept / dropped"])  # fmt: skip
-    for env, e in envs.items():
-        t.add_row(
+ENV_COLS = [
+    Col("env", left=True),
+    Col("groups", keep=3),
+    Col("rollouts", keep=2),
+    Col("samples", keep=4),
+    Col("sampled tokens", "sampled\ntokens"),
+    Col("trainable tokens", "trainable\ntokens", keep=5),
+    Col("token share", "token\nshare"),
+    Col("loss weight share", "loss\nweight"),
+    Col("uniform kept / dropped", "uniform\nkept/drop", keep=1),
+]
+
+
+def _env_table(title: str, envs: dict[str, Any], width: int | None) -> Table:
+    rows = [
+        [
             env,
             _int(e["groups"]),
             _int(e["rollouts"]),
@@ -164,27 +291,42 @@ def _env_table(title: str, envs: dict[str, Any]) -> Table:
             _pct(e["token_share"]),
             _pct(e["loss_weight_share"]),
             f"{_int(e['uniform_groups_kept'])} / {_int(e['uniform_groups_dropped'])}",
-        )
-    return t
+        ]
+        for env, e in envs.items()
+    ]
+    return _fit(title, ENV_COLS, rows, width)
 
 
-def _balance_table(title: str, chosen: str, rows: dict[str, Any]) -> Table:
-    t = _table(title, ["split", "micro-batches / rank", "rank imbalance (cost)", "lockstep overhead (cost)", "rank imbalance (tokens)", "lockstep overhead (tokens)", "step time vs chosen"])  # fmt: skip
-    for name, b in rows.items():
+BALANCE_COLS = [
+    Col("split", left=True),
+    Col("micro-batches / rank", "mb /\nrank", keep=1),
+    Col("rank imbalance (cost)", "rank imb.\n(cost)"),
+    Col("lockstep overhead (cost)", "lockstep\n(cost)"),
+    Col("rank imbalance (tokens)", "rank imb.\n(tokens)", keep=2),
+    Col("lockstep overhead (tokens)", "lockstep\n(tokens)", keep=3),
+    Col("step time vs chosen", "step time\nvs chosen"),
+]
+
+
+def _balance_table(title: str, chosen: str, splits: dict[str, Any], width: int | None) -> Table:
+    rows: list[list[str] | None] = []
+    for name, b in splits.items():
         if b is None:
-            t.add_row(name, *["-"] * 6)
+            rows.append([name, *["-"] * 6])
             continue
         vs = b.get("step_cost_vs_chosen", 1.0 if name.startswith(chosen) else None)
-        t.add_row(
-            name,
-            _num(b["micro_batches_per_rank"], ",.1f"),
-            _over(b["rank_imbalance"]["cost"]),
-            _over(b["lockstep_overhead"]["cost"]),
-            _over(b["rank_imbalance"]["tokens"]),
-            _over(b["lockstep_overhead"]["tokens"]),
-            _over(vs),
+        rows.append(
+            [
+                name,
+                _num(b["micro_batches_per_rank"], ",.1f"),
+                _over(b["rank_imbalance"]["cost"]),
+                _over(b["lockstep_overhead"]["cost"]),
+                _over(b["rank_imbalance"]["tokens"]),
+                _over(b["lockstep_overhead"]["tokens"]),
+                _over(vs),
+            ]
         )
-    return t
+    return _fit(title, BALANCE_COLS, rows, width)
 
 
 def _fill_table(hist: list[int]) -> Table:
@@ -195,35 +337,64 @@ def _fill_table(hist: list[int]) -> Table:
     return t
 
 
-def _steps_table(steps: list[dict[str, Any]]) -> Table:
-    cols = ["step", "status", "groups", "rollouts", "samples", "sampled tokens", "trainable tokens", "uniform dropped", "mb / rank", "packing eff.", "padding", "rank imb. (cost)", "lockstep ovh. (cost)", *(f"{k} split vs" for k in ALTERNATIVES)]  # fmt: skip
-    t = _table("steps", cols, first_left=False)
+STEP_COLS = [
+    Col("step"),
+    Col("status", keep=2),
+    Col("groups", keep=3),
+    Col("rollouts", keep=1),
+    Col("samples", keep=6),
+    Col("sampled tokens", "sampled\ntokens"),
+    Col("trainable tokens", "trainable\ntokens", keep=5),
+    Col("uniform dropped", "uniform\ndropped", keep=4),
+    Col("mb / rank", "mb /\nrank", keep=7),
+    Col("packing eff.", "packing\neff."),
+    Col("padding", keep=8),
+    Col("rank imb. (cost)", "rank imb.\n(cost)", keep=9),
+    Col("lockstep ovh. (cost)", "lockstep\n(cost)"),
+    *(Col(f"{k} split vs", f"{k}\nsplit vs", keep=10) for k in ALTERNATIVES),
+]
+
+
+def _steps_table(steps: list[dict[str, Any]], width: int | None) -> Table:
+    rows: list[list[str] | None] = []
     for s in steps:
         alts = s.get("alternatives") or {}
-        t.add_row(
-            str(s["step"]),
-            str(s["status"]),
-            _int(s["groups"]),
-            _int(s["rollouts"]),
-            _int(s["samples"]),
-            _int(s["sampled_tokens"]),
-            _int(s["trainable_tokens"]),
-            _int(s["uniform_groups_dropped"]),
-            _int(s["micro_batches_per_rank"]),
-            _pct(s["packing_efficiency"]),
-            _pct(s["padding_fraction"]),
-            _over(s["rank_imbalance"]["cost"]),
-            _over(s["lockstep_overhead"]["cost"]),
-            *(_over((alts.get(k) or {}).get("step_cost_vs_chosen")) for k in ALTERNATIVES),
+        rows.append(
+            [
+                str(s["step"]),
+                str(s["status"]),
+                _int(s["groups"]),
+                _int(s["rollouts"]),
+                _int(s["samples"]),
+                _int(s["sampled_tokens"]),
+                _int(s["trainable_tokens"]),
+                _int(s["uniform_groups_dropped"]),
+                _int(s["micro_batches_per_rank"]),
+                _pct(s["packing_efficiency"]),
+                _pct(s["padding_fraction"]),
+                _over(s["rank_imbalance"]["cost"]),
+                _over(s["lockstep_overhead"]["cost"]),
+                *(_over((alts.get(k) or {}).get("step_cost_vs_chosen")) for k in ALTERNATIVES),
+            ]
         )
-    return t
+    return _fit("steps", STEP_COLS, rows, width)
 
 
-def _rank_table(s: dict[str, Any]) -> Table:
-    t = _table(f"step {s['step']}: ranks", ["rank", "micro-batches", "samples", "row tokens", "real tokens", "cost share", "tokens per micro-batch"])  # fmt: skip
+RANK_COLS = [
+    Col("rank", left=True),
+    Col("micro-batches", "micro-\nbatches", keep=1),
+    Col("samples", keep=3),
+    Col("row tokens", "row\ntokens", keep=2),
+    Col("real tokens", "real\ntokens"),
+    Col("cost share", "cost\nshare"),
+    Col("tokens per micro-batch", "tokens per\nmicro-batch", wrap=True),
+]
+
+
+def _rank_table(s: dict[str, Any], width: int | None) -> Table:
     total = sum(r["cost"] for r in s["ranks"]) or 1.0
-    for r in s["ranks"]:
-        t.add_row(
+    rows = [
+        [
             str(r["rank"]),
             _int(r["micro_batches"]),
             _int(r["samples"]),
@@ -231,12 +402,19 @@ def _rank_table(s: dict[str, Any]) -> Table:
             _int(r["real_tokens"]),
             _pct(r["cost"] / total),
             " ".join(f"{x:,}" for x in r["micro_batch_tokens"]),
-        )
+        ]
+        for r in s["ranks"]
+    ]
+    t = _fit(f"step {s['step']}: ranks", RANK_COLS, rows, width)
     return t
 
 
 def render_packed(
-    report: dict[str, Any], *, per_step: bool = False, step: int | None = None
+    report: dict[str, Any],
+    *,
+    per_step: bool = False,
+    step: int | None = None,
+    width: int | None = None,
 ) -> list[RenderableType]:
     chosen = report["config"].get("balance") or "chosen"
     bal = dict(report["totals"]["balance"])
@@ -244,33 +422,38 @@ def render_packed(
     title = "balance: the chosen split vs a token or count split (mean over steps)"
     out: list[RenderableType] = [
         _header(report),
-        _run_table(report),
-        _env_table("envs (all steps)", report["totals"]["envs"]),
-        _balance_table(title, chosen, rows),
+        _run_table(report, width),
+        _env_table("envs (all steps)", report["totals"]["envs"], width),
+        _balance_table(title, chosen, rows, width),
         _fill_table(report["totals"]["fill_histogram"]),
     ]
     if per_step:
-        out.append(_steps_table(report["steps"]))
+        out.append(_steps_table(report["steps"], width))
     if step is not None:
         s = next(x for x in report["steps"] if x["step"] == step)
         if not per_step:
-            out.append(_steps_table([s]))
-        out.append(_env_table(f"step {s['step']}: envs", s["envs"]))
+            out.append(_steps_table([s], width))
+        out.append(_env_table(f"step {s['step']}: envs", s["envs"], width))
         alt = s.get("alternatives") or {}
         me = {k: s[k] for k in ("micro_batches_per_rank", "rank_imbalance", "lockstep_overhead")}
-        out.append(_balance_table(f"step {s['step']}: balance", chosen, {f"{chosen} (chosen)": me, **alt}))  # fmt: skip
-        out.append(_rank_table(s))
+        out.append(_balance_table(f"step {s['step']}: balance", chosen, {f"{chosen} (chosen)": me, **alt}, width))  # fmt: skip
+        out.append(_rank_table(s, width))
     return out
 
 
 def render(
-    report: dict[str, Any], *, per_step: bool = False, step: int | None = None
+    report: dict[str, Any],
+    *,
+    per_step: bool = False,
+    step: int | None = None,
+    width: int | None = None,
 ) -> RenderableType:
-    """All tables of a report (rollout Parquet or packed run) as one renderable."""
+    """All tables of a report (rollout Parquet or packed run) as one renderable, each fitted to
+    ``width`` columns (the terminal's; None: every column at its full header)."""
     if report["kind"] == "packed":
-        parts = render_packed(report, per_step=per_step, step=step)
+        parts = render_packed(report, per_step=per_step, step=step, width=width)
     else:
-        parts = render_rollouts(report)
+        parts = render_rollouts(report, width)
     spaced: list[RenderableType] = []
     for p in parts:
         spaced.extend([p, Text("")])

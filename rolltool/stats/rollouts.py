@@ -234,7 +234,7 @@ def _completion(groups: pl.DataFrame) -> dict[str, Any]:
         "out_of_order_share": float((done < earlier_max).mean()),
         "displacement": {
             "mean": float(displacement.mean()),
-            "p90": float(np.percentile(displacement, 90)),
+            "p90": ValueCounts.of(displacement).quantile(0.9),
             "max": int(displacement.max()),
         },
         "rank_correlation": corr,
@@ -278,6 +278,54 @@ def _as_float(col: pl.Expr, dtype: pa.DataType) -> pl.Expr:
     return col.cast(pl.Float64)
 
 
+def _columns(file: InputFile, rename: Mapping[str, str]) -> Any:
+    """``col(name)``: the expression reading schema column ``name`` of ``file`` (a renamed
+    column, or a hive partition value)."""
+    source = source_names(pq.read_schema(file.path).names, rename)
+
+    def col(name: str) -> pl.Expr:
+        if name not in source:  # a hive partition value (file_schema added it)
+            return pl.lit(file.partitions[name], pl.String)
+        return pl.col(source[name])
+
+    return col
+
+
+def group_end(files: Sequence[InputFile], rename: Mapping[str, str], limit: int) -> int:
+    """How many rows ``--limit limit`` reads: ``limit``, then on to the end of the group of the
+    limit-th row (the rows right after it with the same ``group_id``, into later files too), so
+    a group whose rows are contiguous is never cut in half. Reads only ``group_id``."""
+    first = 0
+    rows = limit
+    group: Any = None
+    for f in files:
+        if first + f.rows < limit:  # before the limit-th row
+            first += f.rows
+            continue
+        offset = max(0, limit - 1 - first)
+        first += f.rows
+        col = _columns(f, rename)
+        try:
+            ids = (
+                pl.scan_parquet(f.path, hive_partitioning=False)
+                .with_row_index("row")
+                .select(col("group_id").alias("g"), pl.col("row"))
+                .slice(offset)
+                .collect()["g"]
+            )
+        except (OSError, KeyError, pl.exceptions.PolarsError):
+            return rows  # not rollout Parquet: file_stats says what is wrong
+        if group is None:  # the file holding the limit-th row
+            group, ids = ids[0], ids[1:]
+        if ids.dtype == pl.Null or not len(ids):
+            continue
+        other = (ids != group).fill_null(True).arg_true()
+        if len(other):
+            return rows + int(other[0])
+        rows += len(ids)
+    return rows
+
+
 def file_stats(
     file: InputFile, rename: Mapping[str, str], first_row: int, limit: int | None = None
 ) -> RolloutStats:
@@ -290,12 +338,7 @@ def file_stats(
     schema = file_schema(file, rename)
     fmt = _token_format(file, schema)
     types = {f.name: f.type for f in schema}
-    source = source_names(pq.read_schema(file.path).names, rename)
-
-    def col(name: str) -> pl.Expr:
-        if name not in source:  # a hive partition value (file_schema added it)
-            return pl.lit(file.partitions[name], pl.String)
-        return pl.col(source[name])
+    col = _columns(file, rename)
 
     if fmt == "input_ids":
         length = _length(col("loss_mask"))
@@ -354,8 +397,9 @@ def rollout_stats(
 ) -> Stats:
     """Statistics of rollout Parquet ``inputs`` (files, directories, globs).
 
-    ``columns``: ``--column NEW=OLD`` pairs; ``limit``: read only the first N rows of the
-    ordered input; ``progress(iterable, total, description)`` may wrap the file loop.
+    ``columns``: ``--column NEW=OLD`` pairs; ``limit``: read the first N rows of the ordered
+    input and on to the end of the last group started (``group_end``); ``progress(iterable,
+    total, description)`` may wrap the file loop.
     """
     if limit is not None and limit < 1:
         raise RolltoolError(f"--limit must be at least 1, got {limit}")
@@ -363,11 +407,12 @@ def rollout_stats(
     files = resolve_inputs(inputs)
     check_mapping(files, rename)
     wrap = progress or (lambda it, total, desc: it)
+    read = None if limit is None else group_end(files, rename, limit)
     acc = RolloutStats()
     first = 0
     schemas = []
     for f in wrap(files, len(files), "reading rollouts"):
-        left = None if limit is None else limit - acc.rows
+        left = None if read is None else read - acc.rows
         if left is not None and left <= 0:
             break
         acc = acc + file_stats(f, rename, first, left)
