@@ -190,8 +190,8 @@ def plan_step(
             f"sample {i} has {int(length[i])} tokens, more than max_tokens={cap}{more}",
             hint="raise max_tokens or drop over-long samples before planning (and count them)",
         )
-    if align == "lockstep" and not equal_count:
-        grid, ffd_m, min_m = _lockstep_grid(cost, length, dp, cap)
+    if align == "lockstep":
+        grid, ffd_m, min_m = _best_lockstep(cost, length, dp, cap, equal_count)
     else:
         grid, ffd_m, min_m = _rank_first_grid(cost, length, dp, cap, equal_count)
     return _build(grid, length, cost, max_tokens=cap, micro_batch_size=None,
@@ -288,6 +288,45 @@ def _lockstep_grid(
     return grid, ffd_m, min_m
 
 
+CANDIDATES_UP_TO = 512
+"""Samples per rank up to which lockstep planning also tries the rank-first plans (cheap there,
+and where the slot-balanced plan can lose to them: few large bins, an unsplittable long sample)."""
+
+
+def _best_lockstep(
+    cost: np.ndarray, length: np.ndarray, dp: int, cap: int, equal_count: bool
+) -> tuple[Grid, int, int]:
+    """The lockstep plan with the lowest Σ_j max_r cost(r, j) among the candidates, never using
+    more micro-batches than FFD's count + 1.
+
+    Candidates: the slot-balanced plan (``_lockstep_grid``; not with equal counts) and the
+    rank-first plans (ranks balanced by ``auto`` or by LPT, then balanced packing or first-fit
+    decreasing per rank, bins sorted by cost) - the latter always with equal counts, and for
+    small steps otherwise. So a lockstep plan is never worse than "LPT ranks, FFD per rank,
+    bins aligned by cost" wherever that naive pipeline is tried.
+    Ties go to fewer micro-batches, then to the earlier candidate (deterministic).
+    """
+    n = len(cost)
+    candidates: list[tuple[Grid, int, int]] = []
+    if not equal_count:
+        candidates.append(_lockstep_grid(cost, length, dp, cap))
+    if equal_count or n <= CANDIDATES_UP_TO * dp:
+        for method in ("auto", "lpt"):
+            for ffd_only in (False, True):
+                candidates.append(
+                    _rank_first_grid(cost, length, dp, cap, equal_count, ffd_only, method)
+                )
+    limit = candidates[0][1] + 1
+    best = min(
+        (c for c in candidates if not c[0] or not c[0][0] or len(c[0][0]) <= limit),
+        key=lambda c: (
+            _lockstep_cost(c[0], cost) if c[0] and c[0][0] else 0.0,
+            len(c[0][0]) if c[0] else 0,
+        ),
+    )
+    return best[0], candidates[0][1], candidates[0][2]
+
+
 def _lockstep_cost(grid: Grid, cost: np.ndarray) -> float:
     """Σ_j max_r cost(r, j) of a grid."""
     m = len(grid[0])
@@ -295,13 +334,21 @@ def _lockstep_cost(grid: Grid, cost: np.ndarray) -> float:
 
 
 def _rank_first_grid(
-    cost: np.ndarray, length: np.ndarray, dp: int, cap: int, equal_count: bool
+    cost: np.ndarray,
+    length: np.ndarray,
+    dp: int,
+    cap: int,
+    equal_count: bool,
+    ffd_only: bool = False,
+    method: str = "auto",
 ) -> tuple[Grid, int, int]:
-    """Split samples over ranks (``balance``), then pack each rank into the same M bins."""
+    """Split samples over ranks (``balance``), then pack each rank into the same M bins (balanced
+    packing, or first-fit decreasing with ``ffd_only``), each rank's bins sorted by cost so that
+    slot j holds every rank's j-th costliest bin."""
     n = len(cost)
     if n == 0:
         return [[] for _ in range(dp)], 0, 0
-    rank = balance_labels(cost, dp, equal_count=equal_count)
+    rank = balance_labels(cost, dp, equal_count=equal_count, method=method)
     idx = [np.flatnonzero(rank == r) for r in range(dp)]
     orders = [ix[descending_order(length[ix])] for ix in idx]
     per_rank_tokens = [int(length[ix].sum()) for ix in idx]
@@ -309,10 +356,12 @@ def _rank_first_grid(
     ffds = [ffd(length[o], cap) for o in orders]
     ffd_m = max(1, max(b for _, b in ffds))
     for m in range(min_m, ffd_m + 1):
+        if ffd_only:
+            continue
         packed = [pack_balanced(cost[o], length[o], cap, m) for o in orders]
         if all(p is not None for p in packed):
             break
-    else:  # balanced packing needs more room than FFD: FFD's bins, empty ones up to ffd_m
+    else:  # balanced packing needs more room than FFD (or was not asked for): FFD's bins
         m = ffd_m
         packed = [lab for lab, _ in ffds]
     grid: Grid = []
