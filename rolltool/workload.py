@@ -81,6 +81,12 @@ class ModelShape:
         for name in ("intermediate_size", "vocab_size", "head_dim"):
             if getattr(self, name) < 0:
                 raise RolltoolError(f"model shape: {name} must not be negative")
+        if self.head_dim == 0 and self.hidden_size < self.num_heads:
+            raise RolltoolError(
+                f"model shape: hidden_size ({self.hidden_size}) // num_heads ({self.num_heads}) "
+                f"gives a head_dim of 0",
+                hint="give head_dim, or check hidden_size and num_heads",
+            )
         if self.num_heads % self.num_kv_heads:
             raise RolltoolError(
                 f"model shape: num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
@@ -204,63 +210,118 @@ class Workload:
         )
 
 
+MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
+"""Config keys that mark a mixture-of-experts model, whose FLOPs the dense formula gets wrong."""
+
+
+def _is_number(value: object) -> bool:
+    """A JSON number: int or float, not bool (``True`` is an ``int`` in Python)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _moe_key(config: Mapping[str, Any]) -> str | None:
+    """The first key saying ``config`` is a mixture of experts, or None for a dense model."""
+    for key in MOE_KEYS:
+        value = config.get(key)
+        if value is None or value is False:
+            continue
+        if key == "moe_intermediate_size" or not _is_number(value) or value > 1:
+            return key
+    return None
+
+
+def _read_json(p: Path, what: str) -> Any:
+    if not p.exists():
+        raise RolltoolError(f"{what} {p} does not exist")
+    if not p.is_file():
+        raise RolltoolError(f"{what} {p} is not a file")
+    try:
+        return json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RolltoolError(f"cannot read {what} {p}: {e}") from None
+
+
 def load_model_config(path: str | Path) -> ModelShape:
     """Read a model shape from a JSON config; the keys of a Hugging Face ``config.json`` work.
 
     Accepted keys (first name is ours, second the Hugging Face one): ``hidden_size``,
     ``num_layers``/``num_hidden_layers``, ``num_heads``/``num_attention_heads``,
     ``num_kv_heads``/``num_key_value_heads`` (default: heads), ``intermediate_size``,
-    ``vocab_size``, ``head_dim`` (optional). A multimodal config's ``text_config`` is used when the
-    top level has no ``hidden_size``.
+    ``vocab_size``, ``head_dim`` (optional; else ``hidden_size`` must divide by the heads). A
+    multimodal config's ``text_config`` is used when the top level has no ``hidden_size``.
+    Every value is a positive integer (``4096.0`` is fine, ``"4096"``, ``64.7`` or ``true`` are
+    not). Mixture-of-experts configs (``num_experts`` > 1 and the like) are refused: the dense
+    formula would count every expert on every token.
     """
     p = Path(path)
-    try:
-        raw = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise RolltoolError(f"model config {p} does not exist") from None
-    except (OSError, json.JSONDecodeError) as e:
-        raise RolltoolError(f"cannot read model config {p}: {e}") from None
-    if not isinstance(raw, dict):
+    top = _read_json(p, "model config")
+    if not isinstance(top, dict):
         raise RolltoolError(f"model config {p} is not a JSON object")
+    raw: dict[str, Any] = top
     if "hidden_size" not in raw and isinstance(raw.get("text_config"), dict):
         raw = raw["text_config"]
+    for config in (top, raw):
+        moe = _moe_key(config)
+        if moe is not None:
+            raise RolltoolError(
+                f"model config {p} is a mixture of experts ({moe}: {config[moe]!r}); the flops "
+                f"workload only models dense transformers",
+                hint="measure it with `rolltool bench` and use --balance calibrated, or use "
+                "--balance tokens",
+            )
 
-    def pick(*names: str, default: int | None = None) -> int:
+    def pick(*names: str, default: int | None = None) -> tuple[int, str]:
         for name in names:
-            if raw.get(name) is not None:
-                return int(raw[name])
+            value = raw.get(name)
+            if value is None:
+                continue
+            if not (_is_number(value) and math.isfinite(value) and value == int(value)):
+                raise RolltoolError(
+                    f"model config {p}: {name!r} must be a positive integer, got {value!r}"
+                )
+            if value < 1:
+                raise RolltoolError(
+                    f"model config {p}: {name!r} must be a positive integer, got {value!r}"
+                )
+            return int(value), name
         if default is None:
             raise RolltoolError(
                 f"model config {p} has no {names[-1]!r}",
                 hint="a Hugging Face config.json of a dense decoder-only model has all needed keys",
             )
-        return default
+        return default, names[-1]
 
-    heads = pick("num_heads", "num_attention_heads")
+    hidden, hidden_key = pick("hidden_size")
+    heads, heads_key = pick("num_heads", "num_attention_heads")
+    head_dim, _ = pick("head_dim", default=0)
+    if head_dim == 0 and hidden % heads:
+        raise RolltoolError(
+            f"model config {p}: {hidden_key!r} ({hidden}) is not a multiple of {heads_key!r} "
+            f"({heads}), and there is no 'head_dim'",
+            hint="add the model's 'head_dim', or check the two values",
+        )
     return ModelShape(
-        hidden_size=pick("hidden_size"),
-        num_layers=pick("num_layers", "num_hidden_layers"),
+        hidden_size=hidden,
+        num_layers=pick("num_layers", "num_hidden_layers")[0],
         num_heads=heads,
-        num_kv_heads=pick("num_kv_heads", "num_key_value_heads", default=heads),
-        intermediate_size=pick("intermediate_size"),
-        vocab_size=pick("vocab_size"),
-        head_dim=pick("head_dim", default=0),
+        num_kv_heads=pick("num_kv_heads", "num_key_value_heads", default=heads)[0],
+        intermediate_size=pick("intermediate_size")[0],
+        vocab_size=pick("vocab_size")[0],
+        head_dim=head_dim,
     )
 
 
 def _flops(model: str | None = None, calibration: str | Path | None = None) -> Workload:
     if calibration is not None:
         raise RolltoolError("a calibration file goes with the 'calibrated' workload, not 'flops'")
-    name = model or DEFAULT_PRESET
+    name = DEFAULT_PRESET if model is None else model
+    presets_hint = f"give a preset ({', '.join(MODEL_PRESETS)}) or the path of a config.json"
     if name in MODEL_PRESETS:
         shape = MODEL_PRESETS[name]
-    elif name.endswith(".json") or Path(name).is_file():
+    elif name.strip() and (Path(name).exists() or name.endswith(".json") or "/" in name):
         shape = load_model_config(name)
     else:
-        raise RolltoolError(
-            f"unknown model {name!r}",
-            hint=f"give a preset ({', '.join(MODEL_PRESETS)}) or the path of a config.json",
-        )
+        raise RolltoolError(f"unknown model {name!r}", hint=presets_hint)
     return Workload(
         kind="flops",
         a=6.0 * shape.matmul_params,
@@ -286,21 +347,22 @@ def _calibrated(model: str | None = None, calibration: str | Path | None = None)
             hint='write one with `rolltool bench`; it holds {"a": ..., "b": ...}',
         )
     p = Path(calibration)
-    try:
-        raw = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise RolltoolError(f"calibration file {p} does not exist") from None
-    except (OSError, json.JSONDecodeError) as e:
-        raise RolltoolError(f"cannot read calibration file {p}: {e}") from None
+    raw = _read_json(p, "calibration file")
     if not isinstance(raw, dict) or "a" not in raw or "b" not in raw:
         raise RolltoolError(
             f"calibration file {p} must be a JSON object with keys 'a' and 'b'",
             hint='e.g. {"a": 1.2e-7, "b": 3.4e-12} (seconds per token and per token²)',
         )
-    try:
-        a, b, c = float(raw["a"]), float(raw["b"]), float(raw.get("c", 0.0))
-    except (TypeError, ValueError):
-        raise RolltoolError(f"calibration file {p}: 'a', 'b' and 'c' must be numbers") from None
+    coefficients = {key: raw.get(key, 0.0) for key in ("a", "b", "c")}
+    for key, value in coefficients.items():
+        if not (_is_number(value) and math.isfinite(value) and value >= 0):
+            raise RolltoolError(
+                f"calibration file {p}: {key!r} must be a finite number >= 0, got {value!r}",
+                hint="write the file again with `rolltool bench`",
+            )
+    a, b, c = (float(coefficients[key]) for key in ("a", "b", "c"))
+    if a == 0 and b == 0 and c == 0:
+        raise RolltoolError(f"calibration file {p}: 'a', 'b' and 'c' are all zero")
     notes = {key: v for key, v in raw.items() if key not in ("a", "b", "c")}
     return Workload(kind="calibrated", a=a, b=b, c=c, source=str(p), model=None, notes=notes)
 

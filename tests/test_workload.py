@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -148,3 +149,148 @@ def test_cost_never_falls_as_length_grows(kind: str, lengths: list[int]) -> None
     arr = np.sort(np.array(lengths))
     cost = make_workload(kind).cost(arr)
     assert np.all(np.diff(cost) >= 0) and np.all(cost >= 0)
+
+
+def _config(tmp_path, **changes):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**HF_7B, **changes}))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("hidden_size", "abc"),
+        ("hidden_size", "3584"),
+        ("hidden_size", [3584]),
+        ("hidden_size", {"x": 1}),
+        ("hidden_size", 64.7),
+        ("hidden_size", True),
+        ("num_hidden_layers", 0),
+        ("num_attention_heads", -28),
+        ("num_key_value_heads", False),
+        ("intermediate_size", 0),
+        ("vocab_size", 1.5),
+        ("head_dim", 0),
+        ("head_dim", "128"),
+    ],
+)
+def test_model_config_values_must_be_positive_integers(tmp_path, key, value) -> None:
+    path = _config(tmp_path, **{key: value})
+    with pytest.raises(
+        RolltoolError, match=re.escape(f"{path}: '{key}' must be a positive integer")
+    ):
+        make_workload("flops", model=path)
+
+
+def test_model_config_non_finite_value(tmp_path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(HF_7B).replace("3584", "NaN"))
+    with pytest.raises(RolltoolError, match="'hidden_size' must be a positive integer"):
+        make_workload("flops", model=str(path))
+
+
+def test_model_config_integral_floats_are_fine(tmp_path) -> None:
+    path = _config(tmp_path, hidden_size=3584.0, num_hidden_layers=28.0, head_dim=None)
+    assert make_workload("flops", model=path).model == MODEL_PRESETS["dense-7b"]
+
+
+def test_model_config_head_dim_of_zero(tmp_path) -> None:
+    tiny = {"hidden_size": 64, "num_attention_heads": 128, "num_key_value_heads": 128}
+    path = _config(tmp_path, **tiny)
+    with pytest.raises(RolltoolError, match=r"'hidden_size' \(64\).*'num_attention_heads' \(128\)"):
+        make_workload("flops", model=path)
+    path = _config(tmp_path, hidden_size=100, num_attention_heads=28)
+    with pytest.raises(RolltoolError, match="not a multiple of 'num_attention_heads'"):
+        make_workload("flops", model=path)
+    # an explicit head_dim makes both fine
+    w = make_workload("flops", model=_config(tmp_path, **tiny, head_dim=32))
+    assert w.model is not None and w.model.attention_width == 128 * 32
+    with pytest.raises(RolltoolError, match="head_dim of 0"):
+        ModelShape(
+            hidden_size=64,
+            num_layers=2,
+            num_heads=128,
+            num_kv_heads=128,
+            intermediate_size=1,
+            vocab_size=1,
+        )
+
+
+@pytest.mark.parametrize(
+    "moe",
+    [
+        {"num_local_experts": 8, "num_experts_per_tok": 2},
+        {"num_experts": 128, "moe_intermediate_size": 768},
+        {"n_routed_experts": 256},
+        {"moe_intermediate_size": 768},
+    ],
+)
+def test_mixture_of_experts_is_refused(tmp_path, moe) -> None:
+    path = _config(tmp_path, **moe)
+    with pytest.raises(RolltoolError, match="mixture of experts") as e:
+        make_workload("flops", model=path)
+    assert e.value.hint and "--balance calibrated" in e.value.hint and "tokens" in e.value.hint
+    # also inside a multimodal config's text_config
+    (tmp_path / "vlm.json").write_text(json.dumps({"text_config": {**HF_7B, **moe}}))
+    with pytest.raises(RolltoolError, match="mixture of experts"):
+        make_workload("flops", model=str(tmp_path / "vlm.json"))
+
+
+def test_one_expert_or_none_is_dense(tmp_path) -> None:
+    path = _config(tmp_path, num_local_experts=1, num_experts=None, n_routed_experts=0)
+    assert make_workload("flops", model=path).model == MODEL_PRESETS["dense-7b"]
+
+
+def test_model_name_mistakes(tmp_path) -> None:
+    with pytest.raises(RolltoolError, match="unknown model ''"):
+        make_workload("flops", model="")
+    with pytest.raises(RolltoolError, match="unknown model ' '"):
+        make_workload("flops", model=" ")
+    with pytest.raises(RolltoolError, match="/dev/null is not a file"):
+        make_workload("flops", model="/dev/null")
+    with pytest.raises(RolltoolError, match=re.escape(f"{tmp_path} is not a file")):
+        make_workload("flops", model=str(tmp_path))
+    with pytest.raises(RolltoolError, match="does not exist"):
+        make_workload("flops", model=str(tmp_path / "no" / "config"))
+    # an existing file needs no .json suffix
+    path = tmp_path / "config"
+    path.write_text(json.dumps(HF_7B))
+    assert make_workload("flops", model=str(path)).model == MODEL_PRESETS["dense-7b"]
+
+
+@pytest.mark.parametrize(
+    ("coefficients", "key"),
+    [
+        ({"a": True, "b": False}, "a"),
+        ({"a": 1.0, "b": False}, "b"),
+        ({"a": 1.0, "b": 1.0, "c": True}, "c"),
+        ({"a": "1e-7", "b": 1.0}, "a"),
+        ({"a": None, "b": 1.0}, "a"),
+        ({"a": [1.0], "b": 1.0}, "a"),
+        ({"a": -1.0, "b": 1.0}, "a"),
+        ({"a": 1.0, "b": float("inf")}, "b"),
+        ({"a": float("nan"), "b": 1.0}, "a"),
+        ({"a": 1.0, "b": 1.0, "c": -0.5}, "c"),
+    ],
+)
+def test_calibration_coefficients_must_be_numbers(tmp_path, coefficients, key) -> None:
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps(coefficients))  # writes NaN and Infinity, as Python's json does
+    with pytest.raises(
+        RolltoolError, match=re.escape(f"{path}: '{key}' must be a finite number >= 0")
+    ):
+        make_workload("calibrated", calibration=path)
+
+
+def test_calibration_file_mistakes(tmp_path) -> None:
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps({"a": 0, "b": 0.0}))
+    with pytest.raises(RolltoolError, match="all zero"):
+        make_workload("calibrated", calibration=path)
+    with pytest.raises(RolltoolError, match="is not a file"):
+        make_workload("calibrated", calibration=tmp_path)
+    with pytest.raises(RolltoolError, match="does not exist"):
+        make_workload("calibrated", calibration=tmp_path / "missing.json")
+    path.write_text(json.dumps({"a": 1, "b": 0}))  # integers are numbers
+    assert make_workload("calibrated", calibration=path).a == 1.0
