@@ -184,7 +184,7 @@ def pack(inputs: tuple[str, ...], output: str, dp: int, batch_unit: str, batch_s
     """
     from rolltool.pack import PackConfig, run_pack
 
-    if model and model_config:
+    if model is not None and model_config is not None:
         raise click.UsageError("give --model or --model-config, not both")
     if micro_batch_tokens is not None and micro_batch_size is not None:
         raise click.UsageError("give --micro-batch-tokens or --micro-batch-size, not both")
@@ -211,7 +211,7 @@ def pack(inputs: tuple[str, ...], output: str, dp: int, batch_unit: str, batch_s
         row_len=row_len,
         pad_id=pad_id,
         balance=balance,
-        model=model or model_config,
+        model=model if model is not None else model_config,
         calibration=calibration,
         align=align,
         equal_count=equal_count,
