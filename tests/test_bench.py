@@ -520,6 +520,7 @@ def test_layer_calibration_recovers_known_coefficients(
     assert written["r2"] == pytest.approx(1.0) and written["what"] == "layer"
     assert written["shape"] == {**shape.to_dict()} and written["shape"]["intermediate"] == 18_944
     assert make_workload("calibrated", calibration=cal).a == written["a"]
+    assert "warning" not in written and doc["fit_warning"] is None
     for run in doc["runs"]:
         assert run["flops_fit"]["r2"] == pytest.approx(1.0)
         assert run["flops_fit"]["rel_rmse"] == pytest.approx(0.0, abs=1e-9)
@@ -565,6 +566,67 @@ def test_several_directories_side_by_side(run_cli, packed_dirs) -> None:
     assert table.exit_code == 0 and "comparison" in table.stdout and " *" in table.stdout
 
 
+def test_several_directories_keep_the_top_level_schema(run_cli, packed_dirs, tmp_path) -> None:
+    """backend, steps and total at the top level for any number of directories (the first
+    directory's); --json-out writes that document from the same run that prints the tables."""
+    dirs = [packed_dirs[k] for k in ("tokens", "count")]
+    out = tmp_path / "bench.json"
+    result = run_cli("bench", *dirs, *TINY, "--json-out", out)
+    assert result.exit_code == 0, result.output
+    assert "comparison" in result.stdout and "lockstep eff" in result.stdout
+    doc = json.loads(out.read_text())
+    assert doc["backend"] == "sdpa"
+    assert doc["steps"] == doc["runs"][0]["steps"] and doc["total"] == doc["runs"][0]["total"]
+    assert doc["runs"][1]["path"] == str(dirs[1]) and doc["runs"][1]["steps"] != doc["steps"]
+    for s in [*doc["steps"], doc["total"]]:
+        assert STEP_KEYS - {"step"} <= set(s)
+    # the same timings as the table: the comparison's first line is the top-level total
+    assert doc["comparison"]["lines"][0]["dp_time"] == pytest.approx(doc["total"]["dp_time"])
+    single = json.loads(run_cli("bench", dirs[0], *TINY, "--json").stdout)
+    assert {"backend", "steps", "total"} <= set(single) and "runs" not in single
+
+
+def test_unreliable_fit_warns_and_still_writes(
+    run_cli, packed_dirs, monkeypatch, tmp_path: Path
+) -> None:
+    """Times that a·L + b·L² does not explain (noise) or too few rows: a warning on stderr and
+    in the calibration file, which is still written."""
+    from rolltool.bench import run
+
+    rng = np.random.default_rng(0)
+
+    def noise(torch: Any, backend: Any, rows: Any, config: Any, **_: Any) -> np.ndarray:
+        return rng.uniform(1e-3, 2e-3, size=(1, len(rows)))
+
+    monkeypatch.setattr(run, "time_rows", noise)
+    cal = tmp_path / "cal.json"
+    result = run_cli("bench", packed_dirs["flops"], *TINY, "--calibrate", cal)
+    assert result.exit_code == 0, result.output
+    assert "Warning" in result.stderr and "unreliable" in result.stderr and "R²" in result.stderr
+    written = json.loads(cal.read_text())
+    assert "R²" in written["warning"] and written["r2"] < 0.9
+    assert make_workload("calibrated", calibration=cal).notes["warning"] == written["warning"]
+
+    # Too few rows warn too, however well they fit (step 0 alone has fewer than 8 rows).
+    _synthetic_device(monkeypatch, 1e-12)
+    few = tmp_path / "few.json"
+    result = run_cli("bench", packed_dirs["flops"], *TINY, "--steps", "0", "--calibrate", few,
+                     "--json")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["fit"]["rows"] < 8
+    assert "only" in json.loads(few.read_text())["warning"] and "Warning" in result.stderr
+
+
+def test_fit_warning_thresholds() -> None:
+    from rolltool.bench.run import fit_warning
+
+    assert fit_warning({"r2": 0.95, "rows": 8}) is None
+    assert "R² 0.899" in (fit_warning({"r2": 0.899, "rows": 100}) or "")
+    assert "undefined" in (fit_warning({"r2": float("nan"), "rows": 100}) or "")
+    assert "only 7 rows" in (fit_warning({"r2": 1.0, "rows": 7}) or "")
+
+
 def test_failed_check_exits_1_and_writes_no_calibration(
     run_cli, packed_dirs, monkeypatch, tmp_path: Path
 ) -> None:
@@ -584,6 +646,25 @@ def test_cpu_refuses_cuda_backend_and_device(run_cli, packed_dirs) -> None:
     for args in (["--backend", "torch-varlen"], ["--device", "cuda"]):
         result = run_cli("bench", packed_dirs["count"], *args)
         assert result.exit_code == 1 and "CUDA" in result.stderr, result.output
+
+
+@pytest.mark.parametrize("device", ["tpu", "cuda:x", "cuda:", "CPU", "mps"])
+def test_unknown_device_is_a_usage_error(run_cli, packed_dirs, device: str) -> None:
+    result = run_cli("bench", packed_dirs["count"], *TINY, "--device", device)
+    assert result.exit_code == 2 and "--device" in result.stderr, result.output
+    assert "auto, cpu, cuda or cuda:N" in result.stderr and "Traceback" not in result.output
+    from rolltool.bench.run import run_bench
+
+    with pytest.raises(RolltoolError, match="--device"):
+        run_bench([packed_dirs["count"]], backend="sdpa", device=device)
+
+
+def test_missing_cuda_index_is_a_clear_error(run_cli, packed_dirs) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    n = torch.cuda.device_count()
+    result = run_cli("bench", packed_dirs["count"], *TINY, "--device", f"cuda:{n}")
+    assert result.exit_code == 1 and "CUDA device(s)" in result.stderr, result.output
 
 
 def test_missing_torch_is_a_clear_error(run_cli, packed_dirs, monkeypatch) -> None:

@@ -15,6 +15,7 @@ so every measurement says how it was made.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from rolltool.errors import RolltoolError
@@ -25,6 +26,10 @@ WHATS = ("layer", "attention")
 
 DTYPES = ("bf16", "fp16", "fp32")
 """Names accepted by ``--dtype`` (besides ``auto``: bf16 on CUDA, fp32 on CPU)."""
+
+DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
+"""Devices ``--device`` accepts: ``auto``, ``cpu``, ``cuda``, ``cuda:N`` (checked before torch,
+which would raise its own RuntimeError on e.g. ``tpu``)."""
 
 # Tolerances of --check: |varlen - alone| <= atol + rtol * |alone|, per element. The reference
 # runs in fp32 on the same (rounded) inputs; bf16/fp16 outputs are rounded once (2^-8 / 2^-11

@@ -10,6 +10,7 @@ raises RolltoolError for what a user can fix (no torch, no CUDA for a CUDA backe
 from __future__ import annotations
 
 import json
+import math
 import platform
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,7 +23,7 @@ from rolltool.bench import report as rp
 from rolltool.bench.backends import Backend, make_backend
 from rolltool.bench.check import check_rows
 from rolltool.bench.compare import compare
-from rolltool.bench.config import BenchConfig, resolve_shape
+from rolltool.bench.config import DEVICE_PATTERN, BenchConfig, resolve_shape
 from rolltool.bench.rows import PackedRows, load_rows
 from rolltool.bench.timing import Progress, time_rows
 from rolltool.errors import RolltoolError
@@ -42,14 +43,29 @@ def import_torch() -> Any:
     return torch
 
 
+def check_device(device: str) -> None:
+    """A RolltoolError for a device bench cannot use (before torch would raise its own)."""
+    if not DEVICE_PATTERN.fullmatch(device):
+        raise RolltoolError(
+            f"bench: unknown --device {device!r}",
+            hint="use auto, cpu, cuda or cuda:N (N counts from 0)",
+        )
+
+
 def resolve_device(torch: Any, device: str, dtype: str) -> tuple[str, str]:
     """``auto`` device: cuda when available, else cpu; ``auto`` dtype: bf16 on CUDA, fp32 on CPU."""
+    check_device(device)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise RolltoolError(
             f"device {device}: CUDA is not available in this torch build or machine",
             hint="use --device cpu --backend sdpa",
+        )
+    if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
+        raise RolltoolError(
+            f"device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)",
+            hint="cuda:N counts from 0",
         )
     if dtype == "auto":
         dtype = "bf16" if device.startswith("cuda") else "fp32"
@@ -172,6 +188,7 @@ def run_bench(
     ``calibrate`` names a JSON file to write the calibration to (refused if it exists unless
     ``force``; not written when ``check`` rows were compared and one failed).
     """
+    check_device(device)
     if calibrate is not None:
         check_target(Path(calibrate), force)
     torch = import_torch()
@@ -202,6 +219,10 @@ def run_bench(
         fit_rows.append(xs)
     pooled = np.concatenate(fit_rows)
     fit = rp.fit_quadratic(pooled[:, 0], pooled[:, 1], pooled[:, 2])
+    notes = _notes(config, be, dev_name, torch, paths)
+    warning = fit_warning(fit)
+    if warning is not None:
+        notes["warning"] = warning
     doc: dict[str, Any] = {
         "backend": be.name,
         "backend_detail": be.detail,
@@ -211,7 +232,8 @@ def run_bench(
         "rolltool_version": __version__,
         "config": _config_dict(config),
         "fit": fit,
-        "calibration": rp.calibration(fit, _notes(config, be, dev_name, torch, paths)),
+        "calibration": rp.calibration(fit, notes),
+        "fit_warning": warning,
     }
     checks_ok = all(r.get("check", {}).get("ok", True) for r in runs)
     doc["check_ok"] = checks_ok if check else None
@@ -221,7 +243,34 @@ def run_bench(
         doc["calibration_file"] = str(calibrate)
     if len(runs) == 1:
         return {**doc, **runs[0]}
-    return {**doc, "runs": runs, "comparison": compare(runs)}
+    # The documented schema (backend, steps, total) holds for any number of directories: the
+    # top-level steps and total are the first directory's; every directory's are under runs.
+    first = {"steps": runs[0]["steps"], "total": runs[0]["total"]}
+    return {**doc, **first, "runs": runs, "comparison": compare(runs)}
+
+
+MIN_FIT_R2 = 0.9
+"""Below this R², the fit of a·L + b·L² explains too little of the row times to trust."""
+MIN_FIT_ROWS = 8
+"""Fewer rows than this leave the two coefficients barely determined."""
+
+
+def fit_warning(fit: dict[str, Any]) -> str | None:
+    """Why the fit should not be trusted as a cost model (R² < 0.9, < 8 rows), or None."""
+    problems = []
+    r2 = fit["r2"]
+    if r2 is None or not math.isfinite(r2) or r2 < MIN_FIT_R2:
+        shown = "undefined" if r2 is None or not math.isfinite(r2) else f"{r2:.3f}"
+        problems.append(f"R² {shown} < {MIN_FIT_R2}")
+    if fit["rows"] < MIN_FIT_ROWS:
+        problems.append(f"only {fit['rows']} rows (< {MIN_FIT_ROWS})")
+    if not problems:
+        return None
+    return (
+        f"the fit of a·L + b·L² is unreliable ({'; '.join(problems)}): timing noise or too few "
+        "rows; bench more rows (several directories, all steps) or more --repeats, on a quiet "
+        "device, before packing with it"
+    )
 
 
 def write_json(path: str | Path, doc: dict[str, Any], *, force: bool) -> None:

@@ -12,8 +12,8 @@ import click
 from rich.table import Table
 
 from rolltool.bench.backends import BACKENDS
-from rolltool.bench.config import DTYPES, WHATS
-from rolltool.cli._common import err, handle_errors, out, print_json, progress
+from rolltool.bench.config import DEVICE_PATTERN, DTYPES, WHATS
+from rolltool.cli._common import err, handle_errors, out, print_json, progress, warn
 from rolltool.errors import RolltoolError
 from rolltool.workload import MODEL_PRESETS
 
@@ -79,7 +79,13 @@ def parse_steps(text: str | None) -> list[int] | None:
     show_default=True,
     help="auto: bf16 on CUDA, fp32 on CPU.",
 )
-@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@click.option(
+    "--device",
+    default="auto",
+    show_default=True,
+    callback=lambda ctx, param, value: _device(value),
+    help="auto, cpu, cuda or cuda:N.",
+)
 @click.option(
     "--repeats",
     type=click.IntRange(min=1),
@@ -121,13 +127,20 @@ def parse_steps(text: str | None) -> list[int] | None:
 @click.option("--force", is_flag=True, help="Replace an existing --calibrate file.")
 @click.option("--rows", "show_rows", is_flag=True, help="Also print the per-row table.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
+@click.option(
+    "--json-out",
+    type=click.Path(dir_okay=False),
+    default=None,
+    metavar="FILE",
+    help="Also write the JSON document to FILE (replaced), from the same run as the tables.",
+)
 @handle_errors
 def bench(packed: tuple[str, ...], backend: str, what: str, model: str | None, heads: int | None,
           kv_heads: int | None, head_dim: int | None, hidden: int | None,
           intermediate: int | None, layers: int, backward: bool, dtype: str,
           device: str, repeats: int, warmup: int, flush_l2: bool, seed: int, steps: str | None,
           check: bool, check_rows: int, calibrate: str | None, force: bool, show_rows: bool,
-          as_json: bool) -> None:  # fmt: skip
+          as_json: bool, json_out: str | None) -> None:  # fmt: skip
     """Replay PACKED directories through transformer layers and measure balance.
 
     Every (step, rank, micro-batch) row runs, timed, a whole decoder layer over its tokens
@@ -138,6 +151,10 @@ def bench(packed: tuple[str, ...], backend: str, what: str, model: str | None, h
     with efficiencies; TFLOP/s; how well the packed cost model explains row times; and a fit of
     a·L + b·L² per segment (--calibrate writes it for pack --balance calibrated). Several
     directories are compared side by side, the best marked.
+
+    The JSON document (--json, --json-out) has ``backend``, ``steps`` and ``total``; with several
+    directories the top-level ``steps`` and ``total`` are the first directory's, and every
+    directory's (the first included) are under ``runs``, next to ``comparison``.
     """
     from rolltool.bench.run import run_bench
 
@@ -147,10 +164,16 @@ def bench(packed: tuple[str, ...], backend: str, what: str, model: str | None, h
                     repeats=repeats, warmup=warmup, flush_l2=flush_l2, seed=seed,
                     steps=parse_steps(steps), check=check_rows if check else 0,
                     calibrate=calibrate, force=force, progress=progress)  # fmt: skip
+    if json_out is not None:
+        from rolltool.bench.run import write_json
+
+        write_json(json_out, doc, force=True)
     if as_json:
         print_json(doc)
     else:
         _render(doc, show_rows)
+    if doc["fit_warning"] and doc["calibration_file"]:
+        warn(f"{doc['fit_warning']} (written anyway to {calibrate}, with this warning)")
     if doc["check_ok"] is False:
         bad = [r for run in doc.get("runs", [doc]) for r in run["check"]["rows"] if not r["ok"]]
         where = ", ".join(f"step {r['step']} rank {r['rank']} mb {r['micro_batch']}" for r in bad)
@@ -187,6 +210,15 @@ def _render(doc: dict[str, Any], show_rows: bool) -> None:
               f"R² {_num(f['r2'], '.4f')} over {f['rows']} rows")  # fmt: skip
     if doc["calibration_file"]:
         err.print(f"wrote {doc['calibration_file']} (pack --balance calibrated --calibration ...)")
+
+
+def _device(value: str) -> str:
+    """``--device``: auto, cpu, cuda or cuda:N; anything else is a usage error (exit 2)."""
+    if not DEVICE_PATTERN.fullmatch(value):
+        raise click.BadParameter(
+            f"expected auto, cpu, cuda or cuda:N, got {value!r}", param_hint="--device"
+        )
+    return value
 
 
 def _count(n: int) -> str:
