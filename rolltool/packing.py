@@ -164,10 +164,16 @@ def _copy(
     logp[dst : dst + n] = tokens.logprobs[src : src + n]
 
 
-def _ranks(lens: np.ndarray, starts: np.ndarray) -> np.ndarray:
-    """Position of every token inside its segment: [0..l0-1, 0..l1-1, ...]."""
-    total = int(lens.sum())
-    return np.arange(total, dtype=np.int64) - np.repeat(starts, lens)
+def segment_positions(lens: np.ndarray) -> np.ndarray:
+    """Position of every token inside its segment: [0..l0-1, 0..l1-1, ...] (int64).
+
+    >>> segment_positions(np.array([3, 2]))
+    array([0, 1, 2, 0, 1])
+    """
+    lens = np.asarray(lens, dtype=np.int64)
+    starts = np.zeros(len(lens), dtype=np.int64)
+    np.cumsum(lens[:-1], out=starts[1:])
+    return np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(starts, lens)
 
 
 TOKEN_ARRAYS = ("input_ids", "loss_mask", "logprobs")
@@ -224,7 +230,7 @@ def unpack_row(rows: dict[str, np.ndarray], r: int) -> dict[str, np.ndarray]:
     loss_mask = rows["loss_mask"][a:b]
     return {
         "input_ids": rows["input_ids"][a:b],
-        "position_ids": _ranks(lens, cu[:-1].astype(np.int64)).astype(np.int32),
+        "position_ids": segment_positions(lens).astype(np.int32),
         "loss_mask": loss_mask,
         "advantages": np.repeat(rows["seg_advantage"][s0:s1], lens),
         "logprobs": rows["logprobs"][a:b],

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from rolltool.packing import SampleTokens
+from rolltool.packing import SampleTokens, segment_positions
 from rolltool.source import InputFile, file_schema, iter_row_groups
 
 
@@ -190,17 +190,10 @@ def _interleave(
     total = int(lengths.sum())
     start = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
     is_resp = np.zeros(total, dtype=np.uint8)
-    p_pos = np.repeat(start, p_len) + _ranks(p_len)
-    r_pos = np.repeat(start + p_len, r_len) + _ranks(r_len)
+    p_pos = np.repeat(start, p_len) + segment_positions(p_len)
+    r_pos = np.repeat(start + p_len, r_len) + segment_positions(r_len)
     ids = np.empty(total, dtype=np.int64)
     ids[p_pos] = p_ids
     ids[r_pos] = r_ids
     is_resp[r_pos] = 1
     return ids, is_resp
-
-
-def _ranks(lengths: np.ndarray) -> np.ndarray:
-    """[0..l0-1, 0..l1-1, ...] for the given lengths."""
-    total = int(lengths.sum())
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-    return np.arange(total, dtype=np.int64) - np.repeat(starts, lengths)

@@ -72,6 +72,15 @@ def progress(items: Iterable[T], total: int | None, description: str) -> Iterato
             bar.advance(task)
 
 
+column_option = click.option(
+    "--column",
+    multiple=True,
+    metavar="NEW=OLD",
+    help="Read schema column NEW from input column OLD (repeatable).",
+)
+"""The `--column NEW=OLD` option every command that reads rollout Parquet takes."""
+
+
 def parse_mapping(pairs: Iterable[str], option: str) -> dict[str, str]:
     """Parse repeated `KEY=VALUE` options; a malformed one, or a KEY given twice, is a usage
     error (exit 2): the last one silently winning would hide a typo."""

@@ -7,6 +7,7 @@ from rich.table import Table
 
 from rolltool.advantages import ESTIMATORS, AdvantageConfig
 from rolltool.cli._common import (
+    column_option,
     err,
     handle_errors,
     out,
@@ -43,12 +44,7 @@ def _fmt(x: float | None, spec: str = ".3f") -> str:
     type=float,
     help="Epsilon added to the std (grpo).",
 )
-@click.option(
-    "--column",
-    multiple=True,
-    metavar="NEW=OLD",
-    help="Read schema column NEW from input column OLD.",
-)
+@column_option
 @click.option("--force", is_flag=True, help="Replace an existing output.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of tables.")
 @handle_errors

@@ -10,6 +10,7 @@ from rich.table import Table
 
 from rolltool.advantages import ESTIMATORS, AdvantageConfig
 from rolltool.cli._common import (
+    column_option,
     err,
     handle_errors,
     out,
@@ -160,12 +161,7 @@ def _weights(pairs: tuple[str, ...]) -> dict[str, float]:
     show_default=True,
     help="Decoded input kept in memory, MB (input that fits is read from disk once).",
 )
-@click.option(
-    "--column",
-    multiple=True,
-    metavar="NEW=OLD",
-    help="Read schema column NEW from input column OLD.",
-)
+@column_option
 @click.option("--force", is_flag=True, help="Replace an existing output directory.")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as one JSON document.")
 @handle_errors

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from rolltool.cli._common import (
+    column_option,
     err,
     handle_errors,
     out,
@@ -35,7 +36,7 @@ from rolltool.cli._common import (
     metavar="FILE.png",
     help="Also draw a one-page figure (needs matplotlib: pip install 'rolltool[plot]').",
 )
-@click.option("--column", multiple=True, metavar="NEW=OLD", help="Read schema column NEW from OLD.")
+@column_option
 @handle_errors
 def stats(
     paths: tuple[str, ...],
