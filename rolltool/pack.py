@@ -22,19 +22,14 @@ import pyarrow.parquet as pq
 
 from rolltool import __version__
 from rolltool.advantages import ESTIMATORS
+from rolltool.config import OVERLONG, PackConfig
 from rolltool.errors import RolltoolError
+from rolltool.format import STATUSES
 from rolltool.jsonable import jsonable
+from rolltool.layout import TOKEN_FIELDS, pack_rows
 from rolltool.loss import LOSS_AGGS
 from rolltool.outputs import atomic_path, check_target
-from rolltool.packing import TOKEN_FIELDS, pack_rows
-from rolltool.schedule import (
-    OVERLONG,
-    STATUSES,
-    PackConfig,
-    Schedule,
-    StepWork,
-    schedule,
-)
+from rolltool.schedule import Schedule, StepWork, schedule
 from rolltool.schema import MAX_LISTED, Rollouts, scan
 from rolltool.shards import FORMAT, FORMAT_VERSION, file_record, write_shards
 from rolltool.source import invert_mapping, iter_batches, resolve_inputs

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from rolltool.errors import RolltoolError
-from rolltool.packing import check_rows, unpack_row
+from rolltool.layout import check_rows, unpack_row
 from rolltool.shards import FORMAT, FORMAT_VERSION, read_shard
 
 SUPPORTED_VERSIONS = (FORMAT_VERSION,)

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from rolltool.errors import RolltoolError
-from rolltool.packing import PackedRows
+from rolltool.layout import PackedRows
 
 FORMAT = "rolltool-packed"
 FORMAT_VERSION = 1

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from rolltool.packing import SampleTokens, segment_positions
+from rolltool.layout import SampleTokens, segment_positions
 from rolltool.source import InputFile, file_schema, iter_row_groups
 
 

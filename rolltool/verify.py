@@ -52,7 +52,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from rolltool.errors import RolltoolError
-from rolltool.packing import check_rows, unpack_row
+from rolltool.layout import check_rows, unpack_row
 from rolltool.reader import PackedDataset, open_packed
 from rolltool.shards import file_record, read_shard
 from rolltool.source import InputFile, invert_mapping, resolve_inputs

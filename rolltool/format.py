@@ -1,0 +1,415 @@
+"""The packed format, in one place: names, versions and the manifest's typed records.
+
+A packed directory (see `rolltool.writer` for how it is written, `rolltool.reader` for how a
+trainer reads it)::
+
+    packed/
+      manifest.json                         `Manifest`, written last: the commit mark
+      samples.parquet                       one row per input sample: where it went, or why not
+      rank-0003/step-000012-00.safetensors  rank 3's rows of step 12, part 00 (`shard_name`)
+
+A shard holds one (step, rank)'s rows flat: the ``TOKEN_ARRAYS`` concatenated over rows with
+``row_offsets`` into them, the ``SEGMENT_ARRAYS`` (one entry per sample or padding segment)
+with ``row_segments``. The reader derives the per-token ``READER_FIELDS`` from them exactly.
+
+Every consumer reads the manifest through `Manifest.from_json`, the one place that checks its
+format, version, shape and types; a manifest of another shape is a `RolltoolError`, never a
+KeyError or AttributeError further down.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rolltool.errors import RolltoolError
+
+FORMAT = "rolltool-packed"
+FORMAT_VERSION = 1
+SUPPORTED_VERSIONS = (1,)
+MANIFEST = "manifest.json"
+SAMPLES = "samples.parquet"
+
+STATUSES = ("trained", "uniform_dropped", "overlong_dropped", "leftover", "env_unweighted")
+"""samples.parquet ``status``: trained, or why a sample was not."""
+
+PAD_SAMPLE = -1
+"""``sample_index`` of a padding segment."""
+
+TOKEN_ARRAYS = {"input_ids": np.int32, "loss_mask": np.uint8, "logprobs": np.float32}
+"""Stored per token (9 bytes)."""
+SEGMENT_ARRAYS = {
+    "seq_lens": np.int32,
+    "sample_index": np.int64,
+    "seg_advantage": np.float32,
+    "seg_weight": np.float32,
+}
+"""Stored per segment: length, sample (-1: padding), advantage, loss weight per trainable token."""
+ROW_ARRAYS = {"row_offsets": np.int64, "row_segments": np.int64}
+"""Stored per row + 1: offsets into the token arrays and into the segment arrays."""
+
+READER_FIELDS = {
+    "input_ids": np.int32,
+    "position_ids": np.int32,
+    "loss_mask": np.uint8,
+    "advantages": np.float32,
+    "logprobs": np.float32,
+    "loss_weight": np.float32,
+}
+"""Per-token arrays of a row as the reader gives them (with ``cu_seqlens`` and ``sample_index``)."""
+
+
+def shard_name(step: int, rank: int, part: int) -> str:
+    """``rank-RRRR/step-SSSSSS-PP.safetensors``: zero-padded so names sort."""
+    return f"rank-{rank:04d}/step-{step:06d}-{part:02d}.safetensors"
+
+
+USAGE = (
+    "loss = sum over this rank's rows of sum_t loss_weight[t] * token_loss[t]; the weights already "
+    "divide by the step's denominators (over all ranks), so sum gradients over ranks. If your "
+    "framework averages gradients over the dp ranks (DDP/FSDP do), multiply the loss by dp."
+)
+
+
+# -- records ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class FileRecord:
+    """A file of the directory as written."""
+
+    bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardRef:
+    """One shard file of a (step, rank): rows [first_row, first_row + rows) of that rank."""
+
+    path: str
+    first_row: int
+    rows: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankRecord:
+    """One rank's share of a step."""
+
+    micro_batches: int
+    samples: int
+    tokens: int
+    """Tokens in its rows, padding included."""
+    real_tokens: int
+    """Tokens of samples."""
+    files: tuple[ShardRef, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepCounts:
+    """Counts that explain a step's cost and gradient scale (overall, or one env's)."""
+
+    groups: int
+    rollouts: int
+    samples: int
+    sampled_tokens: int
+    trainable_tokens: int
+    uniform_groups_kept: int
+    uniform_groups_dropped: int
+    overlong_dropped: int
+    reward_mean: float | None
+    advantage_mean: float | None
+    advantage_std: float | None
+    """Unbiased; None with fewer than two samples (missing is null, never 0)."""
+    loss_weight_sum: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Denominators:
+    """The step's loss denominators over all ranks (see `rolltool.loss`)."""
+
+    trainable_tokens: int
+    trained_samples: int
+    scale_factor: float | None
+    weight_sum: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanRecord:
+    """The partition plan's settings and report (`rolltool.partition.StepPlan.report`)."""
+
+    align: str
+    equal_count: bool
+    max_tokens: int | None
+    micro_batch_size: int | None
+    workload: Mapping[str, Any] | None
+    short: tuple[tuple[int, int], ...]
+    dp: int
+    micro_batches_per_rank: int
+    ffd_micro_batches: int | None
+    min_micro_batches: int | None
+    samples: int
+    samples_per_rank: tuple[int, ...]
+    tokens: int
+    empty_micro_batches: int
+    short_micro_batches: int
+    token_fill: float | None
+    imbalance_tokens: float
+    lockstep_overhead_tokens: float
+    imbalance_cost: float
+    lockstep_overhead_cost: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepRecord(StepCounts):
+    """One optimizer step: its counts (inherited, overall), per env, denominators, plan, ranks."""
+
+    step: int
+    status: str
+    nominal: int | None
+    actual: int
+    envs: Mapping[str, StepCounts]
+    denominators: Denominators
+    plan: PlanRecord
+    ranks: tuple[RankRecord, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class InputRecord:
+    """An input file: its resolved path, as given, and its rows."""
+
+    path: str
+    rows: int
+    given: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class SampleCounts:
+    """Input samples by status (`STATUSES`)."""
+
+    total: int
+    trained: int
+    uniform_dropped: int
+    overlong_dropped: int
+    leftover: int
+    env_unweighted: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdvantagesRecord:
+    source: str
+    """The estimator, or "input column 'advantage'"."""
+    whitening: str | None
+    estimators: Mapping[str, str]
+    """Estimator per env."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossRecord:
+    agg: str
+    scale_factor: float | None
+    usage: str = USAGE
+
+
+@dataclass(frozen=True, kw_only=True)
+class PartialStep:
+    """The final partial step, dropped without --keep-last."""
+
+    groups: int
+    actual: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    """``manifest.json``: how the directory was made and everything in it."""
+
+    rolltool_version: str
+    created_at: str
+    command: tuple[str, ...]
+    config: Mapping[str, Any]
+    """The resolved `rolltool.config.PackConfig` (``to_dict``)."""
+    workload: Mapping[str, Any]
+    """`rolltool.workload.Workload.to_dict` of the cost model the plan balanced."""
+    advantages: AdvantagesRecord
+    loss: LossRecord
+    inputs: tuple[InputRecord, ...]
+    columns: Mapping[str, str]
+    """The --column mapping NEW -> OLD the input was read with."""
+    dp: int
+    samples: SampleCounts
+    leftover_groups: int
+    partial_step_dropped: PartialStep | None
+    warnings: tuple[str, ...]
+    steps: tuple[StepRecord, ...]
+    files: Mapping[str, FileRecord] = field(default_factory=dict)
+    token_fields: Mapping[str, str] = field(
+        default_factory=lambda: {k: np.dtype(v).name for k, v in READER_FIELDS.items()}
+    )
+    format: str = FORMAT
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.steps)
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON document (``num_steps`` included for readers that do not parse records)."""
+        doc = _to_json(self)
+        doc["num_steps"] = self.num_steps
+        return doc
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, doc: Any, where: str = MANIFEST) -> Manifest:
+        """Check format, version, shape and types; a `RolltoolError` naming the key otherwise."""
+        if not isinstance(doc, dict):
+            raise RolltoolError(
+                f"{where}: not a rolltool packed manifest (a JSON {_kind(doc)}, not an object)"
+            )
+        if doc.get("format") != FORMAT:
+            raise RolltoolError(
+                f"{where}: not a rolltool packed manifest (format {doc.get('format')!r})"
+            )
+        if doc.get("format_version") not in SUPPORTED_VERSIONS:
+            raise RolltoolError(
+                f"{where}: format version {doc.get('format_version')!r} is not supported "
+                f"(this rolltool reads {', '.join(map(str, SUPPORTED_VERSIONS))})",
+                hint="read it with the rolltool version that wrote it",
+            )
+        try:
+            m = _from_json(cls, doc, "")
+        except _Bad as e:
+            raise RolltoolError(f"{where}: {e}", hint=_HINT) from None
+        if "num_steps" in doc and doc["num_steps"] != m.num_steps:
+            raise RolltoolError(
+                f"{where}: num_steps is {doc['num_steps']!r} but {m.num_steps} steps are listed"
+            )
+        for s, st in enumerate(m.steps):
+            if st.step != s or len(st.ranks) != m.dp:
+                raise RolltoolError(
+                    f"{where}: steps[{s}] is step {st.step} with {len(st.ranks)} ranks "
+                    f"(expected step {s} with dp = {m.dp})"
+                )
+        return m
+
+    @classmethod
+    def load(cls, root: str | Path) -> Manifest:
+        """Read ``root/manifest.json``."""
+        path = Path(root) / MANIFEST
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise RolltoolError(f"{path}: unreadable manifest ({e})") from None
+        return cls.from_json(doc, str(path))
+
+
+def is_packed_dir(path: str | Path) -> bool:
+    """A directory holding a manifest.json whose format is rolltool's (cheap: no full parse)."""
+    manifest = Path(path) / MANIFEST
+    if not manifest.is_file():
+        return False
+    try:
+        doc = json.loads(manifest.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(doc, dict) and doc.get("format") == FORMAT
+
+
+# -- JSON <-> records ----------------------------------------------------------------------------
+
+
+def _to_json(value: Any) -> Any:
+    """Records to plain JSON values; numpy scalars to Python; keys in field order."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _to_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {str(k): _to_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_to_json(v) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def _kind(value: Any) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean"}.get(
+        type(value), "number" if isinstance(value, int | float) else "null"
+    )
+
+
+def _from_json(tp: Any, value: Any, key: str) -> Any:
+    """`value` as type `tp` (a record, int, float, str, bool, X | None, tuple[...], Mapping)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _from_json(inner, value, key)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise _bad(key, "an object", value)
+        hints = typing.get_type_hints(tp)
+        kw = {}
+        for f in dataclasses.fields(tp):
+            sub = f"{key}.{f.name}" if key else f.name
+            if f.name in value:
+                kw[f.name] = _from_json(hints[f.name], value[f.name], sub)
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise _Bad(f"key {sub!r} is missing")
+        return typing.cast(Any, tp)(**kw)
+    if origin is tuple:
+        if not isinstance(value, list):
+            raise _bad(key, "an array", value)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_from_json(args[0], v, f"{key}[{i}]") for i, v in enumerate(value))
+        if len(value) != len(args):
+            raise _bad(key, f"an array of {len(args)}", value)
+        return tuple(
+            _from_json(a, v, f"{key}[{i}]")
+            for i, (a, v) in enumerate(zip(args, value, strict=True))
+        )
+    if origin in (Mapping, dict):
+        if not isinstance(value, dict):
+            raise _bad(key, "an object", value)
+        return {k: _from_json(args[1], v, f"{key}.{k}") for k, v in value.items()}
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise _bad(key, "true or false", value)
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _bad(key, "an integer", value)
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise _bad(key, "a number", value)
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise _bad(key, "a string", value)
+        return value
+    raise TypeError(f"format: no JSON reading for {tp!r}")  # a bug in the records above
+
+
+class _Bad(Exception):
+    """A manifest value of the wrong shape (turned into a RolltoolError naming the file)."""
+
+
+_HINT = "the manifest was changed or written by another tool; pack again"
+
+
+def _bad(key: str, expected: str, value: Any) -> _Bad:
+    shown = json.dumps(value)
+    shown = shown if len(shown) <= 40 else shown[:37] + "..."
+    return _Bad(f"{key!r} must be {expected}, got {shown}")
