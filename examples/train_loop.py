@@ -56,5 +56,5 @@ for step in range(ds.num_steps):
     opt.step()
     meta = ds.step_meta(step)
     print(
-        f"step {step}: loss {step_loss:+.5f}  samples {meta['samples']}  trainable tokens {meta['trainable_tokens']:,}"
+        f"step {step}: loss {step_loss:+.5f}  samples {meta.samples}  trainable tokens {meta.trainable_tokens:,}"
     )

@@ -16,7 +16,6 @@ only its own files.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,10 +24,9 @@ from typing import Any
 import numpy as np
 
 from rolltool.errors import RolltoolError
+from rolltool.format import MANIFEST, Manifest, StepRecord
 from rolltool.layout import check_rows, unpack_row
-from rolltool.shards import FORMAT, FORMAT_VERSION, read_shard
-
-SUPPORTED_VERSIONS = (FORMAT_VERSION,)
+from rolltool.shards import read_shard
 
 
 class PackedDataset:
@@ -36,38 +34,33 @@ class PackedDataset:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        manifest = self.path / "manifest.json"
         if not self.path.is_dir():
             raise RolltoolError(f"{self.path}: no such directory")
-        if not manifest.is_file():
+        if not (self.path / MANIFEST).is_file():
             raise RolltoolError(
-                f"{self.path}: not a rolltool packed directory (no manifest.json)",
+                f"{self.path}: not a rolltool packed directory (no {MANIFEST})",
                 hint="an interrupted `rolltool pack` leaves no manifest; run it again",
             )
-        try:
-            self.manifest: dict[str, Any] = json.loads(manifest.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise RolltoolError(f"{manifest}: unreadable manifest ({e})") from None
-        if self.manifest.get("format") != FORMAT:
-            raise RolltoolError(f"{manifest}: not a rolltool packed manifest")
-        if self.manifest.get("format_version") not in SUPPORTED_VERSIONS:
-            raise RolltoolError(
-                f"{manifest}: format version {self.manifest.get('format_version')} is not supported",
-                hint="read it with the rolltool version that wrote it",
-            )
+        self.manifest: Manifest = Manifest.load(self.path)
+
+    @property
+    def raw(self) -> dict[str, Any]:
+        """TRANSITIONAL (removed once verify/stats/bench read records): the manifest as JSON."""
+        return self.manifest.to_json()
 
     @property
     def num_steps(self) -> int:
-        return int(self.manifest["num_steps"])
+        return self.manifest.num_steps
 
     @property
     def dp(self) -> int:
-        return int(self.manifest["dp"])
+        return self.manifest.dp
 
-    def step_meta(self, step: int) -> dict[str, Any]:
-        """The step's metadata: counts overall and per env, loss denominators, plan, ranks."""
+    def step_meta(self, step: int) -> StepRecord:
+        """The step's record: counts overall (its own fields) and per env (``envs``), loss
+        ``denominators``, the partition ``plan`` and its ``ranks``."""
         self._check(step, 0)
-        return self.manifest["steps"][step]
+        return self.manifest.steps[step]
 
     def _check(self, step: int, rank: int) -> None:
         if not 0 <= step < self.num_steps:
@@ -79,17 +72,17 @@ class PackedDataset:
         """Rank `rank`'s micro-batches of step `step`, in order (one dict per packed row)."""
         self._check(step, rank)
         rows: list[dict[str, Any]] = []
-        for f in self.manifest["steps"][step]["ranks"][rank]["files"]:
-            arrays = read_shard(self.path / f["path"])
+        for f in self.manifest.steps[step].ranks[rank].files:
+            arrays = read_shard(self.path / f.path)
             broken = check_rows(arrays)
-            if broken is None and len(arrays["row_offsets"]) - 1 != int(f["rows"]):
-                broken = f"{len(arrays['row_offsets']) - 1} rows, the manifest says {f['rows']}"
+            if broken is None and len(arrays["row_offsets"]) - 1 != f.rows:
+                broken = f"{len(arrays['row_offsets']) - 1} rows, the manifest says {f.rows}"
             if broken is not None:
                 raise RolltoolError(
-                    f"{self.path / f['path']}: corrupt shard ({broken})",
+                    f"{self.path / f.path}: corrupt shard ({broken})",
                     hint="run `rolltool verify` on the directory; pack again if files changed",
                 )
-            rows.extend(unpack_row(arrays, r) for r in range(int(f["rows"])))
+            rows.extend(unpack_row(arrays, r) for r in range(f.rows))
         if torch:
             import torch as _torch
 

@@ -110,7 +110,7 @@ def verify(
 def _check_files(
     ds: PackedDataset, hashes: bool, problem: _Problems, checked: dict[str, int]
 ) -> None:
-    for name, rec in ds.manifest["files"].items():
+    for name, rec in ds.raw["files"].items():
         f = ds.path / name
         if not f.is_file():
             problem(f"{name}: listed in the manifest but missing")
@@ -165,7 +165,7 @@ class _Run:
         inputs: Sequence[str | os.PathLike[str]] | None,
         recorded_inputs: bool,
     ) -> None:
-        self.ds, self.m, self.problem, self.checked = ds, ds.manifest, problem, checked
+        self.ds, self.m, self.problem, self.checked = ds, ds.raw, problem, checked
         self.inputs, self.recorded_inputs = inputs, recorded_inputs
         cfg = self.m.get("config", {})
         self.cap = cfg.get("micro_batch_tokens")

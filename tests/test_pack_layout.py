@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from pack_helpers import G, input_samples, pack, placements, rollouts, samples, token_loss
 
 import rolltool
+import rolltool.format as _format
 from rolltool.loss import LOSS_AGGS
 from rolltool.verify import verify
 
@@ -85,7 +86,7 @@ def test_reader_rows_meet_the_contract(packed: dict[str, Any]) -> None:
     assert ds.num_steps == m["num_steps"] >= 2 and ds.dp == 4
     rows = real = 0
     for step in range(ds.num_steps):
-        assert ds.step_meta(step) == m["steps"][step]
+        assert _format.Manifest.from_json(m).steps[step] == ds.step_meta(step)
         per_rank = [ds.micro_batches(step, r) for r in range(ds.dp)]
         assert len({len(x) for x in per_rank}) == 1  # same micro-batch count on every rank
         for mbs in per_rank:

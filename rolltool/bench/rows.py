@@ -60,7 +60,7 @@ class PackedRows:
 def load_rows(path: str | Path, steps: Sequence[int] | None = None) -> PackedRows:
     """Rows of ``steps`` (all steps if None), in (step, rank, micro_batch) order."""
     ds = open_packed(path)
-    raw_workload = ds.manifest.get("workload")
+    raw_workload = ds.raw.get("workload")
     workload = Workload.from_dict(raw_workload) if raw_workload else None
     chosen = range(ds.num_steps) if steps is None else steps
     for s in chosen:

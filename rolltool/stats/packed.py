@@ -291,7 +291,7 @@ def packed_stats(
     ``selected_step``; ``steps`` always lists every step read).
     """
     ds = open_packed(path)
-    manifest = ds.manifest
+    manifest = ds.raw
     if limit is not None and limit < 1:
         raise RolltoolError(f"--limit must be at least 1, got {limit}")
     n_steps = ds.num_steps if limit is None else min(limit, ds.num_steps)
