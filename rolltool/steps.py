@@ -150,104 +150,166 @@ def quotas(weights: Mapping[int, float], size: int) -> dict[int, int]:
     return {k: int(b) for k, b in zip(keys, base, strict=True)}
 
 
+def _check_weights(env_names: list[str], config: StepConfig) -> dict[int, int]:
+    """Each weighted env's quota per step, by env code (every weighted env gets at least 1)."""
+    missing = sorted(set(config.env_weights) - set(env_names))
+    if missing:
+        raise RolltoolError(
+            f"--env-weight names env(s) not in the input: {', '.join(missing)}",
+            hint=f"envs in the input: {', '.join(env_names)}",
+        )
+    codes = {env_names.index(e): w for e, w in config.env_weights.items()}
+    quota = quotas(codes, config.batch_size)
+    zero = [e for e, q in quota.items() if q == 0]
+    if zero:
+        raise RolltoolError(
+            f"--env-weight gives {', '.join(env_names[e] for e in zero)} less than one "
+            f"{config.batch_unit[:-1]} per step of {config.batch_size}",
+            hint="raise the weight or the batch size",
+        )
+    return quota
+
+
+@dataclass(frozen=True)
+class _Queues:
+    """What each step is filled from: per queue key (env code, or -1 for all envs pooled)."""
+
+    quota: dict[int, int]  # queue key -> its share of every step, in batch units
+    queues: dict[int, list[int]]  # queue key -> group codes in fill order
+    unweighted: np.ndarray  # [u] int64 groups of envs without a share (never queued)
+
+
+def _weighted_queues(groups: Groups, order: np.ndarray, quota: dict[int, int]) -> _Queues:
+    """One queue per weighted env (in fill order); groups of other envs are unweighted."""
+    queues = {e: [int(g) for g in order if groups.env[g] == e] for e in quota}
+    unweighted = np.array([g for g in order if int(groups.env[g]) not in quota], dtype=np.int64)
+    return _Queues(quota=quota, queues=queues, unweighted=unweighted)
+
+
+def _pooled_queue(order: np.ndarray, batch_size: int) -> _Queues:
+    """All envs in one queue with the whole step as its quota."""
+    return _Queues(
+        quota={-1: batch_size},
+        queues={-1: [int(g) for g in order]},
+        unweighted=np.zeros(0, dtype=np.int64),
+    )
+
+
+@dataclass(frozen=True)
+class _EnvFill:
+    """One queue's contribution to one step."""
+
+    head: int  # queue position after this fill
+    taken: list[int]
+    dropped: list[int]
+    skipped: list[int]
+    filled: int  # batch units taken
+    outcome: str  # full | short | oversize | partial (the queue ran dry first)
+
+
+def _fill_env(
+    queue: list[int], head: int, quota: int, units: np.ndarray, drop: np.ndarray | None
+) -> _EnvFill:
+    """Take whole groups from `queue[head:]` until `quota` is met (see the module docstring).
+
+    `drop` marks groups to skip and count as dropped (uniform groups under ``uniform="drop"``);
+    groups with 0 units (nothing left to train) are skipped. Neither counts towards the quota.
+    """
+    taken: list[int] = []
+    dropped: list[int] = []
+    skipped: list[int] = []
+    filled, outcome = 0, "partial"
+    while head < len(queue):
+        g = queue[head]
+        u = int(units[g])
+        if u == 0:
+            skipped.append(g)
+        elif drop is not None and drop[g]:
+            dropped.append(g)
+        elif filled + u <= quota or filled == 0:
+            taken.append(g)  # a group over the whole quota goes alone (oversize)
+            filled += u
+        else:
+            outcome = "short"
+            break
+        head += 1
+        if filled >= quota:
+            outcome = "full" if filled == quota else "oversize"
+            break
+    return _EnvFill(head, taken, dropped, skipped, filled, outcome)
+
+
+def _step_status(outcomes: list[str]) -> str:
+    """A step is partial when any queue ran dry, else the first queue's short/oversize."""
+    if "partial" in outcomes:
+        return "partial"
+    return next((o for o in outcomes if o != "full"), "full")
+
+
+def _next_step(
+    index: int,
+    q: _Queues,
+    heads: dict[int, int],
+    units: np.ndarray,
+    drop: np.ndarray | None,
+    batch_size: int,
+) -> tuple[Step, dict[int, int]]:
+    """Fill step `index` from every queue in turn; return it with the queues' new heads."""
+    fills = {
+        e: _fill_env(q.queues[e], heads[e], quota, units, drop) for e, quota in q.quota.items()
+    }
+    step = Step(
+        index=index,
+        groups=np.array([g for f in fills.values() for g in f.taken], dtype=np.int64),
+        dropped=np.array([g for f in fills.values() for g in f.dropped], dtype=np.int64),
+        skipped=np.array([g for f in fills.values() for g in f.skipped], dtype=np.int64),
+        nominal=batch_size,
+        actual=sum(f.filled for f in fills.values()),
+        status=_step_status([f.outcome for f in fills.values()]),
+    )
+    return step, {e: f.head for e, f in fills.items()}
+
+
+def _check_exact(step: Step, config: StepConfig) -> None:
+    """With ``exact``, a step that closes short or oversize is an error (not in token units)."""
+    if step.status in ("short", "oversize") and config.exact and config.batch_unit != "tokens":
+        raise RolltoolError(
+            f"step {step.index} holds {step.actual} {config.batch_unit}, not --batch-size "
+            f"{config.batch_size}: whole groups do not fill it exactly (--exact)",
+            hint="choose a batch size that whole groups fill, or drop --exact",
+        )
+
+
+def _leftover(steps: list[Step], q: _Queues) -> np.ndarray:
+    """Queued groups that no kept step took, dropped or skipped (sorted group codes)."""
+    placed = [np.concatenate([s.groups, s.dropped, s.skipped]) for s in steps]
+    in_queues = np.array([g for e in q.queues for g in q.queues[e]], dtype=np.int64)
+    return np.setdiff1d(in_queues, np.concatenate(placed) if placed else np.zeros(0, np.int64))
+
+
 def assemble(groups: Groups, env_names: list[str], config: StepConfig) -> Assembly:
     """Form optimizer steps from whole groups; see the module docstring for the rules."""
     order = group_order(groups, config)
     units = groups.units(config.batch_unit)
-    if config.env_weights:
-        missing = sorted(set(config.env_weights) - set(env_names))
-        if missing:
-            raise RolltoolError(
-                f"--env-weight names env(s) not in the input: {', '.join(missing)}",
-                hint=f"envs in the input: {', '.join(env_names)}",
-            )
-        codes = {env_names.index(e): w for e, w in config.env_weights.items()}
-        quota = quotas(codes, config.batch_size)
-        zero = [e for e, q in quota.items() if q == 0]
-        if zero:
-            raise RolltoolError(
-                f"--env-weight gives {', '.join(env_names[e] for e in zero)} less than one "
-                f"{config.batch_unit[:-1]} per step of {config.batch_size}",
-                hint="raise the weight or the batch size",
-            )
-        queues = {e: [int(g) for g in order if groups.env[g] == e] for e in quota}
-        unweighted = np.array([g for g in order if int(groups.env[g]) not in quota], dtype=np.int64)
-    else:
-        quota = {-1: config.batch_size}
-        queues = {-1: [int(g) for g in order]}
-        unweighted = np.zeros(0, dtype=np.int64)
-    heads = dict.fromkeys(queues, 0)
-
+    q = (
+        _weighted_queues(groups, order, _check_weights(env_names, config))
+        if config.env_weights
+        else _pooled_queue(order, config.batch_size)
+    )
+    drop = groups.uniform if config.uniform == "drop" else None
+    heads = dict.fromkeys(q.queues, 0)
     steps: list[Step] = []
     partial: Step | None = None
     while True:
-        taken: list[int] = []
-        dropped: list[int] = []
-        skipped: list[int] = []
-        size = 0
-        status = "full"
-        for e, q in quota.items():
-            queue, filled = queues[e], 0
-            while True:
-                if heads[e] >= len(queue):
-                    if filled < q:
-                        status = "partial"
-                    break
-                g = queue[heads[e]]
-                if units[g] == 0:
-                    skipped.append(g)
-                    heads[e] += 1
-                    continue
-                if config.uniform == "drop" and groups.uniform[g]:
-                    dropped.append(g)
-                    heads[e] += 1
-                    continue
-                u = int(units[g])
-                if filled + u <= q:
-                    taken.append(g)
-                    filled += u
-                    heads[e] += 1
-                    if filled == q:
-                        break
-                elif filled == 0:
-                    taken.append(g)  # one group over the whole quota: it goes alone
-                    filled += u
-                    heads[e] += 1
-                    if status == "full":
-                        status = "oversize"
-                    break
-                else:
-                    if status == "full":
-                        status = "short"  # informational in token units (N is a ceiling)
-                    break
-            size += filled
-        step = Step(
-            index=len(steps),
-            groups=np.array(taken, dtype=np.int64),
-            dropped=np.array(dropped, dtype=np.int64),
-            skipped=np.array(skipped, dtype=np.int64),
-            nominal=config.batch_size,
-            actual=size,
-            status=status,
-        )
-        if status == "partial":
-            if taken and config.keep_last:
+        step, heads = _next_step(len(steps), q, heads, units, drop, config.batch_size)
+        if step.status == "partial":
+            if len(step.groups) and config.keep_last:
                 steps.append(step)
-            elif taken or dropped:
+            elif len(step.groups) or len(step.dropped):
                 partial = step
             break
-        if status in ("short", "oversize") and config.exact and config.batch_unit != "tokens":
-            raise RolltoolError(
-                f"step {step.index} holds {size} {config.batch_unit}, not --batch-size "
-                f"{config.batch_size}: whole groups do not fill it exactly (--exact)",
-                hint="choose a batch size that whole groups fill, or drop --exact",
-            )
+        _check_exact(step, config)
         steps.append(step)
-    placed = (
-        np.concatenate([np.concatenate([s.groups, s.dropped, s.skipped]) for s in steps])
-        if steps
-        else np.zeros(0, dtype=np.int64)
+    return Assembly(
+        steps=steps, leftover=_leftover(steps, q), unweighted=q.unweighted, partial_dropped=partial
     )
-    in_queues = np.array([g for e in queues for g in queues[e]], dtype=np.int64)
-    leftover = np.setdiff1d(in_queues, placed)
-    return Assembly(steps=steps, leftover=leftover, unweighted=unweighted, partial_dropped=partial)
