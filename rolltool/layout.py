@@ -21,7 +21,7 @@ them, so files hold 9 bytes per token instead of 21 and nothing is lost.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -148,6 +148,40 @@ def pack_rows(
         seg_weight=np.where(real_seg, weight[src_safe], 0).astype(np.float32),
         row_segments=row_segments,
     )
+
+
+def step_rows(
+    tokens: SampleTokens,
+    micro_batches: Sequence[Sequence[np.ndarray]],
+    *,
+    sample_index: np.ndarray,
+    advantage: np.ndarray,
+    weight: np.ndarray,
+    row_len: int | None = None,
+    pad_id: int = 0,
+) -> Iterator[PackedRows]:
+    """Each rank's rows of one step: `micro_batches[r][j]` lists the samples of rank r's j-th
+    micro-batch; `tokens` and the per-sample arrays hold the step's samples in row order (rank
+    0's micro-batches first), so every row is one run of consecutive positions k.
+
+    Example: ``micro_batches = [[a, b], [c]]`` with ``len(a), len(b), len(c) = 2, 1, 3`` gives
+    rank 0 the rows of positions [0, 1] and [2], rank 1 the row of [3, 4, 5].
+    """
+    start = 0
+    for mbs in micro_batches:
+        spans = []
+        for m in mbs:
+            spans.append(np.arange(start, start + len(m)))
+            start += len(m)
+        yield pack_rows(
+            tokens,
+            spans,
+            sample_index=sample_index,
+            advantage=advantage,
+            weight=weight,
+            row_len=row_len,
+            pad_id=pad_id,
+        )
 
 
 def _copy(

@@ -7,39 +7,41 @@ directory renamed into place; ``manifest.json`` is written last.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
-import json
 import sys
-from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from rolltool import __version__
 from rolltool.advantages import ESTIMATORS
 from rolltool.config import OVERLONG, PackConfig
 from rolltool.errors import RolltoolError
-from rolltool.format import STATUSES
-from rolltool.jsonable import jsonable
-from rolltool.layout import TOKEN_FIELDS, pack_rows
+from rolltool.format import (
+    STATUSES,
+    AdvantagesRecord,
+    InputRecord,
+    LossRecord,
+    Manifest,
+    PartialStep,
+    SampleCounts,
+    StepRecord,
+)
+from rolltool.layout import SampleTokens, step_rows
 from rolltool.loss import LOSS_AGGS
-from rolltool.outputs import atomic_path, check_target
-from rolltool.schedule import Schedule, StepWork, schedule
+from rolltool.outputs import check_target
+from rolltool.schedule import PlannedStep, Schedule, schedule
 from rolltool.schema import MAX_LISTED, Rollouts, scan
-from rolltool.shards import FORMAT, FORMAT_VERSION, file_record, write_shards
 from rolltool.source import invert_mapping, iter_batches, resolve_inputs
 from rolltool.tokens import TokenReader
-
-USAGE = (
-    "loss = sum over this rank's rows of sum_t loss_weight[t] * token_loss[t]; the weights already "
-    "divide by the step's denominators (over all ranks), so sum gradients over ranks. If your "
-    "framework averages gradients over the dp ranks (DDP/FSDP do), multiply the loss by dp."
-)
+from rolltool.workload import Workload
+from rolltool.writer import PackedWriter
 
 
 def _input_advantages(ro: Rollouts, rename: Mapping[str, str]) -> np.ndarray | None:
@@ -103,10 +105,10 @@ def run_pack(
     columns: Mapping[str, str] | None = None,
     force: bool = False,
     command: Sequence[str] | None = None,
-    progress: Any = None,
+    progress: Progress | None = None,
     estimator_chosen: bool = False,
-) -> dict[str, Any]:
-    """Pack rollout Parquet `inputs` into `output` (a directory); returns the report.
+) -> Manifest:
+    """Pack rollout Parquet `inputs` into `output` (a directory); returns the manifest written.
 
     `progress(iterable, total, description)` may wrap the step loop (the CLI passes a progress
     bar on stderr). `estimator_chosen`: the caller chose the estimator (the CLI: --estimator or
@@ -119,144 +121,122 @@ def run_pack(
     files = resolve_inputs(inputs)
     reader = TokenReader(files, rename, cache_bytes=int(config.cache_mb * 1e6))
     ro = scan(files, rename, on_row_group=reader.offer)
-    n = ro.num_samples
-    warnings = list(ro.warnings)
     given = _input_advantages(ro, rename)
-    if given is not None and estimator_chosen:
-        warnings.append(
-            "the input has an 'advantage' column, used as is: --estimator/--env-estimator "
-            "are ignored (drop the column to compute advantages)"
-        )
     plan = schedule(ro, config, workload, given)
-    warnings.extend(plan.warnings)
-    works, status = plan.works, plan.status
-    max_bytes = int(config.shard_mb * 1e6)
-    steps_meta: list[dict[str, Any]] = []
-    file_records: dict[str, dict] = {}
-    wrap = progress or (lambda it, total, desc: it)
-
-    # Pass 2 (I/O): fetch a step's tokens, pack its rows, write its shards. The next step's
-    # tokens are read, and the previous rows written and hashed, on worker threads meanwhile.
-    with atomic_path(output, force=force, directory=True) as root:
-        root.mkdir(parents=True, exist_ok=True)
-        with ThreadPoolExecutor(max_workers=3) as pool:
-            fetch = pool.submit(reader.fetch, works[0].members[works[0].order])
-            writes: list[tuple[StepWork, list[Future[list[dict]]]]] = []
-            for i, work in enumerate(wrap(works, len(works), "packing steps")):
-                tokens = fetch.result()
-                if i + 1 < len(works):
-                    nxt = works[i + 1]
-                    fetch = pool.submit(reader.fetch, nxt.members[nxt.order])
-                futures = []
-                ranks = []
-                # Tokens come in row order (rank by rank, micro-batch by micro-batch), so each
-                # row is one run of consecutive positions in `tokens`.
-                order = work.order
-                start = 0
-                for r, mbs in enumerate(work.plan.micro_batches):
-                    spans = []
-                    for m in mbs:
-                        spans.append(np.arange(start, start + len(m)))
-                        start += len(m)
-                    rows = pack_rows(
-                        tokens,
-                        spans,
-                        sample_index=work.members[order],
-                        advantage=work.advantage[order],
-                        weight=work.weights[order],
-                        row_len=config.row_len,
-                        pad_id=config.pad_id,
-                    )
-                    ranks.append(
-                        {
-                            "micro_batches": len(mbs),
-                            "samples": int(sum(len(m) for m in mbs)),
-                            "tokens": int(rows.row_offsets[-1]),
-                            "real_tokens": int(
-                                sum(int(ro.length[work.members[m]].sum()) for m in mbs)
-                            ),
-                        }
-                    )
-                    futures.append(pool.submit(write_shards, root, work.index, r, rows, max_bytes))
-                work.meta["ranks"] = ranks
-                # Keep at most one step of rows in flight: memory stays bounded by a step.
-                for done, fs in writes:
-                    _collect(done, fs, file_records)
-                writes = [(work, futures)]
-                steps_meta.append(work.meta)
-            for done, fs in writes:
-                _collect(done, fs, file_records)
-
-        samples = _samples_table(ro, plan)
-        pq.write_table(samples, root / "samples.parquet", compression="zstd")
-        (root / "samples.parquet").chmod(0o644)
-        file_records["samples.parquet"] = file_record(root / "samples.parquet")
-        counts = {s: int((status == s).sum()) for s in STATUSES}
-        if counts["leftover"]:
-            warnings.append(
-                f"{counts['leftover']} sample(s) left over: not enough to fill another step"
-            )
-        if counts["env_unweighted"]:
-            warnings.append(
-                f"{counts['env_unweighted']} sample(s) of envs without --env-weight were not used"
-            )
-        manifest = {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "rolltool_version": __version__,
-            "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "command": list(command) if command is not None else list(sys.argv),
-            "config": config.to_dict(),
-            "workload": workload.to_dict(),
-            "advantages": {
-                "source": plan.advantage_source,
-                "whitening": "per step" if plan.per_step_whitening else None,
-                "estimators": {
-                    e: config.advantages.env_estimators.get(e, config.advantages.estimator)
-                    for e in ro.env_names
-                },
-            },
-            "loss": {
-                "agg": config.loss_agg,
-                "scale_factor": config.loss_scale_factor,
-                "usage": USAGE,
-            },
-            "inputs": [{"path": f.path, "rows": f.rows} for f in files],
-            "columns": dict(columns or {}),
-            "dp": config.dp,
-            "num_steps": len(steps_meta),
-            "token_fields": {k: np.dtype(v).name for k, v in TOKEN_FIELDS.items()},
-            "samples": {"total": n, **counts},
-            "leftover_groups": len(plan.assembly.leftover),
-            "partial_step_dropped": None
-            if plan.assembly.partial_dropped is None
-            else {
-                "groups": len(plan.assembly.partial_dropped.groups),
-                "actual": plan.assembly.partial_dropped.actual,
-            },
-            "warnings": warnings,
-            "steps": steps_meta,
-            "files": file_records,
-        }
-        (root / "manifest.json").write_text(json.dumps(jsonable(manifest), separators=(",", ":")))
-        (root / "manifest.json").chmod(0o644)
-    return manifest
-
-
-def _collect(
-    work: StepWork, futures: list[Future[list[dict]]], file_records: dict[str, dict]
-) -> None:
-    """Wait for a step's shard writes; record files in the manifest and in the step's ranks."""
-    for rank, fut in zip(work.meta["ranks"], futures, strict=True):
-        recs = fut.result()
-        rank["files"] = [
-            {"path": x["path"], "first_row": x["first_row"], "rows": x["rows"]} for x in recs
+    wrap = progress or _no_progress
+    with PackedWriter(output, force=force, shard_bytes=int(config.shard_mb * 1e6)) as writer:
+        steps = [
+            _write_step(writer, st, tokens, config)
+            for st, tokens in wrap(prefetch(reader, plan.steps), len(plan.steps), "packing steps")
         ]
-        for x in recs:
-            file_records[x["path"]] = {"bytes": x["bytes"], "sha256": x["sha256"]}
+        writer.write_samples(samples_table(ro, plan))
+        warnings = [*ro.warnings, *_given_warning(given, estimator_chosen), *plan.warnings]
+        record = manifest_record(ro, plan, config, workload, steps, warnings, columns, command)
+        return writer.finish(record)
 
 
-def _samples_table(ro: Rollouts, plan: Schedule) -> pa.Table:
+Progress = Callable[[Iterable[Any], int, str], Iterable[Any]]
+
+
+def _no_progress(it: Iterable[Any], total: int, desc: str) -> Iterable[Any]:
+    return it
+
+
+def prefetch(
+    reader: TokenReader, steps: Sequence[PlannedStep]
+) -> Iterator[tuple[PlannedStep, SampleTokens]]:
+    """Each step with its tokens in row order; the next step's tokens are read on a worker
+    thread while the caller lays out and writes this one (so at most two steps' tokens live)."""
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        nxt = pool.submit(reader.fetch, steps[0].members[steps[0].order]) if steps else None
+        for i, st in enumerate(steps):
+            assert nxt is not None
+            tokens = nxt.result()
+            if i + 1 < len(steps):
+                after = steps[i + 1]
+                nxt = pool.submit(reader.fetch, after.members[after.order])
+            yield st, tokens
+            del tokens
+
+
+def _write_step(
+    writer: PackedWriter, st: PlannedStep, tokens: SampleTokens, config: PackConfig
+) -> StepRecord:
+    """Lay out the step's rows rank by rank and queue them for writing; the step's record."""
+    ranks = []
+    order = st.order
+    for r, rows in enumerate(
+        step_rows(
+            tokens,
+            st.plan.micro_batches,
+            sample_index=st.members[order],
+            advantage=st.advantage[order],
+            weight=st.weight[order],
+            row_len=config.row_len,
+            pad_id=config.pad_id,
+        )
+    ):
+        ranks.append(writer.write_rank(st.index, r, rows))
+    return dataclasses.replace(st.record, ranks=tuple(ranks))
+
+
+def _given_warning(given: np.ndarray | None, estimator_chosen: bool) -> list[str]:
+    if given is None or not estimator_chosen:
+        return []
+    return [
+        "the input has an 'advantage' column, used as is: --estimator/--env-estimator "
+        "are ignored (drop the column to compute advantages)"
+    ]
+
+
+def manifest_record(
+    ro: Rollouts,
+    plan: Schedule,
+    config: PackConfig,
+    workload: Workload,
+    steps: list[StepRecord],
+    warnings: list[str],
+    columns: Mapping[str, str] | None,
+    command: Sequence[str] | None,
+) -> Manifest:
+    """The manifest (without its file list, which the writer adds) of a planned, written run."""
+    counts = {s: int((plan.status == s).sum()) for s in STATUSES}
+    if counts["leftover"]:
+        warnings.append(
+            f"{counts['leftover']} sample(s) left over: not enough to fill another step"
+        )
+    if counts["env_unweighted"]:
+        warnings.append(
+            f"{counts['env_unweighted']} sample(s) of envs without --env-weight were not used"
+        )
+    a = config.advantages
+    partial = plan.assembly.partial_dropped
+    return Manifest(
+        rolltool_version=__version__,
+        created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        command=tuple(command if command is not None else sys.argv),
+        config=config.to_dict(),
+        workload=workload.to_dict(),
+        advantages=AdvantagesRecord(
+            source=plan.advantages.source,
+            whitening="per step" if plan.advantages.per_step_whitening else None,
+            estimators={e: a.env_estimators.get(e, a.estimator) for e in ro.env_names},
+        ),
+        loss=LossRecord(agg=config.loss_agg, scale_factor=config.loss_scale_factor),
+        inputs=tuple(InputRecord(path=f.path, rows=f.rows) for f in ro.files),
+        columns=dict(columns or {}),
+        dp=config.dp,
+        samples=SampleCounts(total=ro.num_samples, **counts),
+        leftover_groups=len(plan.assembly.leftover),
+        partial_step_dropped=None
+        if partial is None
+        else PartialStep(groups=len(partial.groups), actual=partial.actual),
+        warnings=tuple(warnings),
+        steps=tuple(steps),
+    )
+
+
+def samples_table(ro: Rollouts, plan: Schedule) -> pa.Table:
     """One row per input sample: where it went, or why it was not trained."""
     n = ro.num_samples
     return pa.table(

@@ -7,8 +7,9 @@ Pure: no file is read or written here. `schedule` takes the validated light colu
   ``reinforce_pp_baseline``, whiten over each optimizer step);
 - which samples are over the token budget (an error, or dropped from training and counted);
 - the optimizer steps (`rolltool.steps.assemble`) and, per step, the loss weights
-  (`rolltool.loss`), the partition plan (`rolltool.partition.plan_step`, its guarantees checked
-  again here) and the metadata that explains the step's cost and gradient scale;
+  (`rolltool.loss`), the partition plan (`rolltool.partition.plan_step`, which enforces the token
+  cap and equal micro-batch counts where the plan is built) and the record that explains the
+  step's cost and gradient scale (`rolltool.format.StepRecord`);
 - where every sample went, or why it was not trained (``STATUSES``).
 
 `rolltool.pack` then reads the tokens of one step at a time and writes them as this plan says.
@@ -21,9 +22,10 @@ from typing import Any
 
 import numpy as np
 
-from rolltool.advantages import compute_advantages
+from rolltool.advantages import compute_advantages, group_stats
 from rolltool.config import PackConfig
 from rolltool.errors import RolltoolError
+from rolltool.format import Denominators, PlanRecord, StepCounts, StepRecord
 from rolltool.loss import sample_weights, step_denominators
 from rolltool.partition import StepPlan, plan_step
 from rolltool.schema import Rollouts
@@ -33,16 +35,32 @@ from rolltool.workload import Workload
 WHITENING = {"reinforce_pp_baseline"}
 
 
-@dataclass
-class StepWork:
-    """One planned step, between planning and writing."""
+@dataclass(frozen=True)
+class GroupAdvantages:
+    """Advantages over the whole input, and what per-step planning needs to know about them."""
+
+    value: np.ndarray  # [n] float32 per sample: computed group-locally, or the input's column
+    uniform: np.ndarray  # [G] bool per group: two or more rollouts, all rewards equal
+    whiten_env: np.ndarray  # [E] bool: the env's estimator whitens over each step
+    source: str  # the estimator, or "input column 'advantage'"
+
+    @property
+    def per_step_whitening(self) -> bool:
+        return bool(self.whiten_env.any())
+
+
+@dataclass(frozen=True)
+class PlannedStep:
+    """One optimizer step, planned: what `rolltool.pack` lays out and writes."""
 
     index: int
-    members: np.ndarray  # [n] sample indices trained in the step (plan positions index it)
-    advantage: np.ndarray  # [n] float32
-    weights: np.ndarray  # [n] float64 loss weight per trainable token
+    members: np.ndarray  # [n] int64 sample indices trained in the step (plan positions index it)
+    advantage: np.ndarray  # [n] float32 (whitened over the step where the estimator whitens)
+    weight: np.ndarray  # [n] float64 loss weight of each trainable token
     plan: StepPlan
-    meta: dict[str, Any]
+    record: StepRecord  # counts, denominators and plan summary; ``ranks`` are added on write
+    uniform_dropped: np.ndarray  # [u] int64 samples of uniform groups skipped while filling it
+    overlong_dropped: np.ndarray  # [o] int64 samples of its groups over the token budget
 
     @property
     def order(self) -> np.ndarray:
@@ -51,11 +69,11 @@ class StepWork:
         return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Schedule:
     """The whole run's plan; arrays of length n are indexed by sample_index."""
 
-    works: list[StepWork]  # the kept steps, in order
+    steps: list[PlannedStep]  # the kept steps, in order
     assembly: Assembly  # how groups formed the steps (leftovers, dropped partial step)
     status: np.ndarray  # [n] object: one of STATUSES
     step: np.ndarray  # [n] int64 step a sample went to (or was dropped in), -1 if none
@@ -63,8 +81,7 @@ class Schedule:
     micro_batch: np.ndarray  # [n] int64, -1 if not trained
     advantage: np.ndarray  # [n] float32 (per-step whitened where the estimator whitens)
     weight: np.ndarray  # [n] float64 loss weight of each trainable token, 0 if not trained
-    advantage_source: str  # the estimator, or "input column 'advantage'"
-    per_step_whitening: bool
+    advantages: GroupAdvantages
     warnings: list[str] = field(default_factory=list)  # for people: what the plan had to do
 
 
@@ -72,12 +89,42 @@ def schedule(
     ro: Rollouts, config: PackConfig, workload: Workload, given: np.ndarray | None = None
 ) -> Schedule:
     """Plan the run (see the module docstring); `given`: the input's own advantages, if any."""
-    n = ro.num_samples
-    warnings: list[str] = []
-    # Advantages over the whole input (group-local, so steps cannot change them) unless given.
-    adv_source = "input column 'advantage'" if given is not None else config.advantages.estimator
+    adv = group_advantages(ro, config, given)
+    too_long = over_budget(ro, config)
+    groups = _groups(ro, ~too_long, adv.uniform)
+    assembly = assemble(groups, ro.env_names, config.steps)
+    if not assembly.steps:
+        raise RolltoolError(
+            f"the input does not fill a single step of {config.steps.batch_size} "
+            f"{config.steps.batch_unit}",
+            hint="lower --batch-size, or pass --keep-last to keep a partial step",
+        )
+    in_group = _by_group(ro)
+    steps = [
+        plan_one_step(ro, config, workload, adv, step, in_group, too_long, groups.env)
+        for step in assembly.steps
+    ]
+    return Schedule(
+        steps=steps,
+        assembly=assembly,
+        advantages=adv,
+        warnings=_thin_steps(steps, config.dp),
+        **placement(ro, assembly, in_group, too_long, steps, adv.value),
+    )
+
+
+def group_advantages(ro: Rollouts, config: PackConfig, given: np.ndarray | None) -> GroupAdvantages:
+    """Group-local advantages over the whole input (so steps cannot change them), or the given
+    ones; with given advantages only the group statistics (uniform groups) are computed."""
+    if given is not None:
+        stats = group_stats(ro.group, ro.rollout, ro.reward, ro.trainable)
+        no_whitening = np.zeros(len(ro.env_names), dtype=bool)
+        uniform = np.zeros(ro.num_groups, dtype=bool)
+        uniform[: len(stats.uniform)] = stats.uniform
+        return GroupAdvantages(given, uniform, no_whitening, "input column 'advantage'")
+    a = config.advantages
     computed = compute_advantages(
-        config.advantages,
+        a,
         group=ro.group,
         rollout=ro.rollout,
         env=ro.env,
@@ -85,21 +132,18 @@ def schedule(
         reward=ro.reward,
         trainable=ro.trainable,
     )
-    uniform_sample = computed.group_uniform
     uniform = np.zeros(ro.num_groups, dtype=bool)
-    uniform[ro.group] = uniform_sample
-    whiten_envs = np.array(
-        [
-            config.advantages.env_estimators.get(e, config.advantages.estimator) in WHITENING
-            for e in ro.env_names
-        ]
+    uniform[ro.group] = computed.group_uniform
+    whiten = np.array(
+        [a.env_estimators.get(e, a.estimator) in WHITENING for e in ro.env_names], dtype=bool
     )
-    per_step_whitening = given is None and bool(whiten_envs.any())
-    advantage = given if given is not None else computed.advantage
+    return GroupAdvantages(computed.advantage, uniform, whiten, a.estimator)
 
-    # Over-long samples.
+
+def over_budget(ro: Rollouts, config: PackConfig) -> np.ndarray:
+    """[n] bool: samples longer than the token cap; an error unless --overlong drop."""
     cap = config.token_cap
-    too_long = ro.length > cap if cap is not None else np.zeros(n, dtype=bool)
+    too_long = ro.length > cap if cap is not None else np.zeros(ro.num_samples, dtype=bool)
     if too_long.any() and config.overlong == "error":
         i = int(np.flatnonzero(too_long)[0])
         raise RolltoolError(
@@ -107,122 +151,172 @@ def schedule(
             f"({int(too_long.sum())} sample(s) are)",
             hint="raise --micro-batch-tokens, or pass --overlong drop to leave such samples out",
         )
-    trained_ok = ~too_long
+    return too_long
 
-    groups = _groups(ro, trained_ok, uniform)
-    assembly = assemble(groups, ro.env_names, config.steps)
-    if not assembly.steps:
+
+def plan_one_step(
+    ro: Rollouts,
+    config: PackConfig,
+    workload: Workload,
+    adv: GroupAdvantages,
+    step: Step,
+    in_group: list[np.ndarray],
+    too_long: np.ndarray,
+    group_env: np.ndarray,
+) -> PlannedStep:
+    """The step's trained samples, their advantages and loss weights, its partition plan and
+    the record that explains its cost and gradient scale."""
+    all_members = _samples_of(step.groups, in_group)
+    members = all_members[~too_long[all_members]]
+    overlong = np.concatenate(
+        [all_members[too_long[all_members]], _samples_of(step.skipped, in_group)]
+    )
+    advantage = _step_advantages(ro, config, adv, all_members, ~too_long[all_members])
+    weight = sample_weights(config.loss_agg, ro.trainable[members], config.loss_scale_factor)
+    if config.equal_count and len(members) % config.dp:
         raise RolltoolError(
-            f"the input does not fill a single step of {config.steps.batch_size} {config.steps.batch_unit}",
-            hint="lower --batch-size, or pass --keep-last to keep a partial step",
+            f"--equal-count: step {step.index} trains {len(members)} samples, not a multiple of "
+            f"--dp {config.dp}",
+            hint="use --batch-unit samples with a --batch-size divisible by dp that whole groups "
+            "fill (--exact makes sure), or drop --equal-count",
         )
+    plan = plan_step(
+        ro.length[members],
+        dp=config.dp,
+        max_tokens=config.micro_batch_tokens,
+        micro_batch_size=config.micro_batch_size,
+        workload=workload,
+        equal_count=config.equal_count,
+        align=config.align,
+    )
+    _check_rows_fit(plan, ro.length[members], config, step.index)
+    counts = step_counts(ro, step, members, overlong, advantage, weight, adv.uniform, group_env)
+    record = StepRecord(
+        step=step.index,
+        status=step.status,
+        nominal=step.nominal,
+        actual=step.actual,
+        **counts.pop(None),
+        envs={ro.env_names[e]: StepCounts(**c) for e, c in counts.items() if e is not None},
+        denominators=Denominators(
+            **step_denominators(config.loss_agg, ro.trainable[members], config.loss_scale_factor)
+        ),
+        plan=plan_record(plan),
+    )
+    return PlannedStep(
+        index=step.index,
+        members=members,
+        advantage=advantage,
+        weight=weight,
+        plan=plan,
+        record=record,
+        uniform_dropped=_samples_of(step.dropped, in_group),
+        overlong_dropped=overlong,
+    )
+
+
+def _step_advantages(
+    ro: Rollouts,
+    config: PackConfig,
+    adv: GroupAdvantages,
+    all_members: np.ndarray,
+    kept: np.ndarray,
+) -> np.ndarray:
+    """[n] float32 advantages of the step's trained samples (`all_members[kept]`).
+
+    Whitening estimators whiten over the step's trained tokens, not the whole input. Over-long
+    samples stay in their group's baseline (it was computed with them) but bring no tokens into
+    the whitening: their trainable count is zeroed. A step with no trained sample of a whitening
+    env has nothing to whiten.
+    """
+    members = all_members[kept]
+    base = adv.value[members]
+    whiten = adv.whiten_env[ro.env[members]]
+    if not whiten.any():
+        return base
+    sub = compute_advantages(
+        config.advantages,
+        group=_dense(ro.group[all_members]),
+        rollout=_dense(ro.rollout[all_members]),
+        env=ro.env[all_members],
+        env_names=ro.env_names,
+        reward=ro.reward[all_members],
+        trainable=np.where(kept, ro.trainable[all_members], 0),
+    )
+    return np.where(whiten, sub.advantage[kept], base).astype(np.float32)
+
+
+def placement(
+    ro: Rollouts,
+    assembly: Assembly,
+    in_group: list[np.ndarray],
+    too_long: np.ndarray,
+    steps: list[PlannedStep],
+    advantage: np.ndarray,
+) -> dict[str, np.ndarray]:
+    """Where every sample went (step, rank, micro-batch, advantage, weight), or why it did not
+    train (``status``): arrays of length n, indexed by sample_index."""
+    n = ro.num_samples
     status = np.full(n, "leftover", dtype=object)
     step_of = np.full(n, -1, dtype=np.int64)
     rank_of = np.full(n, -1, dtype=np.int64)
     mb_of = np.full(n, -1, dtype=np.int64)
-    weight_of = np.zeros(n, dtype=np.float64)
-    in_group = _by_group(ro)
-    for g in assembly.unweighted:
-        status[in_group[g]] = "env_unweighted"
+    weight = np.zeros(n, dtype=np.float64)
+    advantage = advantage.copy()
+    status[_samples_of(assembly.unweighted, in_group)] = "env_unweighted"
     # Outside kept steps, a sample that could never train says why rather than "leftover":
     # over-long anywhere, or in a uniform group the dropped partial step skipped.
     if assembly.partial_dropped is not None:
-        for g in assembly.partial_dropped.dropped:
-            status[in_group[g]] = "uniform_dropped"
+        status[_samples_of(assembly.partial_dropped.dropped, in_group)] = "uniform_dropped"
     status[too_long & (status == "leftover")] = "overlong_dropped"
-
-    # Pass 1 (pure, light columns only): every step's samples, advantages, weights and plan.
-    works: list[StepWork] = []
-    for step in assembly.steps:
-        all_members = (
-            np.concatenate([in_group[g] for g in step.groups])
-            if len(step.groups)
-            else np.zeros(0, np.int64)
-        )
-        for g in step.dropped:
-            status[in_group[g]] = "uniform_dropped"
-            step_of[in_group[g]] = step.index
-        members = all_members[trained_ok[all_members]]
-        dropped_long = np.concatenate(
-            [all_members[~trained_ok[all_members]], *[in_group[g] for g in step.skipped]]
-        ).astype(np.int64)
-        status[dropped_long] = "overlong_dropped"
-        step_of[dropped_long] = step.index
-
-        step_adv = advantage[members]
-        if per_step_whitening and whiten_envs[ro.env[members]].any():
-            # Whitening estimators whiten over the step's trained tokens, not the whole input.
-            # Over-long samples stay in their group's baseline (it was computed with them) but
-            # bring no tokens into the whitening: their trainable count is zeroed. A step with
-            # no trained sample of a whitening env has nothing to whiten.
-            kept = trained_ok[all_members]
-            sub = compute_advantages(
-                config.advantages,
-                group=_dense(ro.group[all_members]),
-                rollout=_dense(ro.rollout[all_members]),
-                env=ro.env[all_members],
-                env_names=ro.env_names,
-                reward=ro.reward[all_members],
-                trainable=np.where(kept, ro.trainable[all_members], 0),
-            )
-            step_adv = np.where(whiten_envs[ro.env[members]], sub.advantage[kept], step_adv).astype(
-                np.float32
-            )
-            advantage[members] = step_adv
-        weights = sample_weights(config.loss_agg, ro.trainable[members], config.loss_scale_factor)
-        if config.equal_count and len(members) % config.dp:
-            raise RolltoolError(
-                f"--equal-count: step {step.index} trains {len(members)} samples, not a multiple of "
-                f"--dp {config.dp}",
-                hint="use --batch-unit samples with a --batch-size divisible by dp that whole groups "
-                "fill (--exact makes sure), or drop --equal-count",
-            )
-        plan = plan_step(
-            ro.length[members],
-            dp=config.dp,
-            max_tokens=config.micro_batch_tokens,
-            micro_batch_size=config.micro_batch_size,
-            workload=workload,
-            equal_count=config.equal_count,
-            align=config.align,
-        )
-        _check_plan(plan, len(members), ro.length[members], config)
-        _check_rows_fit(plan, ro.length[members], config, step.index)
-        for r, mbs in enumerate(plan.micro_batches):
+    for st in steps:
+        for fate, idx in (
+            ("uniform_dropped", st.uniform_dropped),
+            ("overlong_dropped", st.overlong_dropped),
+        ):
+            status[idx] = fate
+            step_of[idx] = st.index
+        for r, mbs in enumerate(st.plan.micro_batches):
             for j, m in enumerate(mbs):
-                rank_of[members[m]] = r
-                mb_of[members[m]] = j
-        status[members] = "trained"
-        step_of[members] = step.index
-        weight_of[members] = weights
-        meta = step_metadata(
-            ro, step, members, dropped_long, step_adv, weights, uniform, groups.env
-        )
-        meta["denominators"] = step_denominators(
-            config.loss_agg, ro.trainable[members], config.loss_scale_factor
-        )
-        meta["plan"] = _plan_summary(plan)
-        works.append(StepWork(step.index, members, step_adv, weights, plan, meta))
-    thin = [w.index for w in works if len(w.members) < config.dp]
-    if thin:
-        warnings.append(
-            f"{len(thin)} step(s) (first: step {thin[0]}) have fewer samples than --dp {config.dp}: "
-            "some ranks get only all-padding micro-batches"
-        )
+                rank_of[st.members[m]] = r
+                mb_of[st.members[m]] = j
+        status[st.members] = "trained"
+        step_of[st.members] = st.index
+        weight[st.members] = st.weight
+        advantage[st.members] = st.advantage
+    return {
+        "status": status,
+        "step": step_of,
+        "rank": rank_of,
+        "micro_batch": mb_of,
+        "advantage": advantage,
+        "weight": weight,
+    }
 
-    return Schedule(
-        works=works,
-        assembly=assembly,
-        status=status,
-        step=step_of,
-        rank=rank_of,
-        micro_batch=mb_of,
-        advantage=advantage,
-        weight=weight_of,
-        advantage_source=adv_source,
-        per_step_whitening=per_step_whitening,
-        warnings=warnings,
-    )
+
+def _thin_steps(steps: list[PlannedStep], dp: int) -> list[str]:
+    thin = [st.index for st in steps if len(st.members) < dp]
+    if not thin:
+        return []
+    return [
+        f"{len(thin)} step(s) (first: step {thin[0]}) have fewer samples than --dp {dp}: "
+        "some ranks get only all-padding micro-batches"
+    ]
+
+
+def plan_record(plan: StepPlan) -> PlanRecord:
+    """The manifest's summary of a step plan (settings and report, no index arrays)."""
+    d = plan.to_dict()
+    d["short"] = tuple(tuple(rc) for rc in d["short"])
+    d["samples_per_rank"] = tuple(d["samples_per_rank"])
+    return PlanRecord(**d)
+
+
+def _samples_of(groups: np.ndarray, in_group: list[np.ndarray]) -> np.ndarray:
+    """Sample indices of `groups` (group codes), group after group."""
+    if not len(groups):
+        return np.zeros(0, np.int64)
+    return np.concatenate([in_group[g] for g in groups]).astype(np.int64)
 
 
 def _groups(ro: Rollouts, trained: np.ndarray, uniform: np.ndarray) -> Groups:
@@ -249,12 +343,12 @@ def _groups(ro: Rollouts, trained: np.ndarray, uniform: np.ndarray) -> Groups:
 
 
 def _moments(x: np.ndarray) -> tuple[float | None, float | None]:
-    if not len(x):
-        return None, None
-    return float(x.mean()), float(x.std(ddof=1)) if len(x) > 1 else 0.0
+    """Mean and unbiased std; None where undefined (no value; one value for the std)."""
+    mean = float(x.mean()) if len(x) else None
+    return mean, float(x.std(ddof=1)) if len(x) > 1 else None
 
 
-def step_metadata(
+def step_counts(
     ro: Rollouts,
     step: Step,
     members: np.ndarray,
@@ -263,8 +357,8 @@ def step_metadata(
     weight: np.ndarray,
     uniform: np.ndarray,
     group_env: np.ndarray,
-) -> dict[str, Any]:
-    """Counts that explain a step's cost and gradient scale, overall and per env.
+) -> dict[int | None, dict[str, Any]]:
+    """`StepCounts` fields of a step, overall (key None) and per env code present in it.
 
     `members`: sample indices trained in the step; `overlong`: its dropped over-long samples;
     `adv`/`weight`: per member, advantage and per-trainable-token loss weight; `uniform` and
@@ -294,20 +388,14 @@ def step_metadata(
             "loss_weight_sum": float((weight[sel] * ro.trainable[m]).sum()),
         }
 
-    meta = {
-        "step": step.index,
-        "status": step.status,
-        "nominal": step.nominal,
-        "actual": step.actual,
-    }
-    meta.update(counts(np.ones(len(members), dtype=bool), None))
     env_ids = sorted(
         set(ro.env[members].tolist())
         | set(group_env[step.dropped].tolist())
         | set(ro.env[overlong].tolist())
     )
-    meta["envs"] = {ro.env_names[e]: counts(ro.env[members] == e, e) for e in env_ids}
-    return meta
+    out: dict[int | None, dict[str, Any]] = {None: counts(np.ones(len(members), bool), None)}
+    out.update({e: counts(ro.env[members] == e, e) for e in env_ids})
+    return out
 
 
 def _dense(codes: np.ndarray) -> np.ndarray:
@@ -321,19 +409,6 @@ def _by_group(ro: Rollouts) -> list[np.ndarray]:
     return [order[bounds[g] : bounds[g + 1]] for g in range(ro.num_groups)]
 
 
-def _check_plan(plan: Any, n: int, lengths: np.ndarray, config: PackConfig) -> None:
-    """The plan's guarantees, checked before anything is written (a failure is a bug)."""
-    counts = {len(mbs) for mbs in plan.micro_batches}
-    assert len(plan.micro_batches) == config.dp and len(counts) == 1, "unequal micro-batch counts"
-    flat = np.concatenate([m for mbs in plan.micro_batches for m in mbs] or [np.zeros(0, np.int64)])
-    assert len(flat) == n and np.array_equal(np.sort(flat), np.arange(n)), (
-        "plan lost or repeated samples"
-    )
-    if config.micro_batch_tokens is not None:
-        worst = max((int(lengths[m].sum()) for mbs in plan.micro_batches for m in mbs), default=0)
-        assert worst <= config.micro_batch_tokens, f"micro-batch of {worst} tokens over the budget"
-
-
 def _check_rows_fit(plan: Any, lengths: np.ndarray, config: PackConfig, step: int) -> None:
     """With --micro-batch-size, nothing bounds a micro-batch's tokens: it must fit --row-len."""
     if config.micro_batch_size is None or config.row_len is None:
@@ -345,9 +420,3 @@ def _check_rows_fit(plan: Any, lengths: np.ndarray, config: PackConfig, step: in
             f"holds {worst:,} tokens, more than --row-len {config.row_len:,}",
             hint="raise --row-len, lower --micro-batch-size, or give --micro-batch-tokens instead",
         )
-
-
-def _plan_summary(plan: Any) -> dict[str, Any]:
-    if hasattr(plan, "to_dict"):
-        return plan.to_dict()
-    return dict(getattr(plan, "report", {}))

@@ -22,17 +22,13 @@ from pathlib import Path
 import numpy as np
 
 from rolltool.errors import RolltoolError
+from rolltool.format import FORMAT, FORMAT_VERSION, FileRecord, shard_name
 from rolltool.layout import PackedRows
 
-FORMAT = "rolltool-packed"
-FORMAT_VERSION = 1
+__all__ = ["FORMAT", "FORMAT_VERSION"]  # stopgap: source.py imports them from here (moving)
 
 _DTYPES = {"I32": np.int32, "I64": np.int64, "U8": np.uint8, "F32": np.float32, "F64": np.float64}
 _CODES = {np.dtype(v): k for k, v in _DTYPES.items()}
-
-
-def shard_name(step: int, rank: int, part: int) -> str:
-    return f"rank-{rank:04d}/step-{step:06d}-{part:02d}.safetensors"
 
 
 def row_bytes(rows: PackedRows) -> np.ndarray:
@@ -70,22 +66,19 @@ def _slice(rows: PackedRows, a: int, b: int) -> dict[str, np.ndarray]:
     return out
 
 
-def write_shards(root: Path, step: int, rank: int, rows: PackedRows, max_bytes: int) -> list[dict]:
-    """Write one (step, rank)'s rows; returns per-file records (path, first row, rows, bytes, sha256)."""
-    records = []
-    for part, (a, b) in enumerate(split_rows(rows, max_bytes)):
-        name = shard_name(step, rank, part)
-        path = root / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # Shards are 0644; their folder must be traversable by others too, whatever the umask.
-        os.chmod(path.parent, 0o755)
-        meta = {"step": str(step), "rank": str(rank), "first_row": str(a)}
-        size, digest = save_safetensors(path, _slice(rows, a, b), meta)
-        os.chmod(path, 0o644)  # readers may be other users
-        records.append(
-            {"path": name, "first_row": a, "rows": b - a, "bytes": size, "sha256": digest}
-        )
-    return records
+def write_shard(
+    root: Path, step: int, rank: int, part: int, rows: PackedRows, a: int, b: int
+) -> tuple[str, FileRecord]:
+    """Write rows [a, b) of a (step, rank) as shard `part`; returns its name and record."""
+    name = shard_name(step, rank, part)
+    path = root / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Shards are 0644; their folder must be traversable by others too, whatever the umask.
+    os.chmod(path.parent, 0o755)
+    meta = {"step": str(step), "rank": str(rank), "first_row": str(a)}
+    size, digest = save_safetensors(path, _slice(rows, a, b), meta)
+    os.chmod(path, 0o644)  # readers may be other users
+    return name, FileRecord(bytes=size, sha256=digest)
 
 
 def save_safetensors(

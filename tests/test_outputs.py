@@ -59,5 +59,5 @@ def test_pack_warns_when_dp_exceeds_a_steps_samples(tmp_path: Path) -> None:
         out,
         PackConfig(dp=200, steps=StepConfig(batch_size=128)),
     )
-    assert any("fewer samples than --dp 200" in w for w in manifest["warnings"])
-    assert all(len({r["micro_batches"] for r in s["ranks"]}) == 1 for s in manifest["steps"])
+    assert any("fewer samples than --dp 200" in w for w in manifest.warnings)
+    assert all(len({r.micro_batches for r in s.ranks}) == 1 for s in manifest.steps)

@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 from pack_helpers import G, cli, pack, rollouts
 
-import rolltool.pack
+import rolltool.writer
 from rolltool.pack import PackConfig, run_pack
 from rolltool.steps import StepConfig
 
@@ -249,7 +249,7 @@ def test_force_replaces_the_output(inp: Path) -> None:
 
 def _fail_on_call(monkeypatch: pytest.MonkeyPatch, n: int) -> list[int]:
     calls = [0]
-    real = rolltool.pack.write_shards
+    real = rolltool.writer.write_shard
 
     def flaky(*args: Any, **kwargs: Any) -> Any:
         calls[0] += 1
@@ -257,7 +257,7 @@ def _fail_on_call(monkeypatch: pytest.MonkeyPatch, n: int) -> list[int]:
             raise OSError(28, "No space left on device")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(rolltool.pack, "write_shards", flaky)
+    monkeypatch.setattr(rolltool.writer, "write_shard", flaky)
     return calls
 
 
@@ -286,9 +286,9 @@ def test_a_failing_write_leaves_no_output(
 
 _DIE = """
 import os, signal, sys
-import rolltool.pack
+import rolltool.writer
 from rolltool.cli import main
-real, calls = rolltool.pack.write_shards, [0]
+real, calls = rolltool.writer.write_shard, [0]
 def dying(*args, **kwargs):
     # Die right after the third shard write has finished (writes run on worker threads, so
     # dying before it could leave no shard on disk yet).
@@ -297,7 +297,7 @@ def dying(*args, **kwargs):
     if calls[0] == 3:
         os.kill(os.getpid(), signal.SIGKILL)
     return result
-rolltool.pack.write_shards = dying
+rolltool.writer.write_shard = dying
 main(sys.argv[1:])
 """
 

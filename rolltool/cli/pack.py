@@ -226,7 +226,7 @@ def pack(inputs: tuple[str, ...], output: str, dp: int, batch_unit: str, batch_s
         command=["rolltool", *sys.argv[1:]],
         progress=progress,
         estimator_chosen=estimator_chosen,
-    )
+    ).to_json()
     for w in manifest["warnings"]:  # to stderr, with --json too (the manifest also lists them)
         warn(w)
     if as_json:

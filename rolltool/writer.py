@@ -1,0 +1,159 @@
+"""`PackedWriter`: the one way a packed directory is written (the format is in rolltool.format).
+
+>>> with PackedWriter("packed", force=False) as w:             # doctest: +SKIP
+...     rank = w.write_rank(step=0, rank=3, rows=rows)          # RankRecord; shards queued
+...     w.write_samples(table)                                  # samples.parquet
+...     manifest = w.finish(manifest)                           # waits, adds files, writes it last
+
+Everything goes into a hidden temporary sibling that is renamed into place when the block ends
+without an exception (`rolltool.outputs.atomic_path`); on an exception, or without `finish`,
+nothing that looks complete is left. ``manifest.json`` is written last, once every shard is
+written and hashed, and lists every file with its size and sha256.
+
+Shards are written and hashed on worker threads while the caller lays out the next rows. Memory
+bound: rows handed to `write_rank` stay alive until written, and `write_rank` blocks while more
+than ``max_pending_bytes`` of shard data are queued, so at most that much plus one rank's rows
+are in flight. A shard's name and row range are fixed when it is queued, so `write_rank` returns
+the rank's record at once; the files' sizes and hashes join the manifest in `finish`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack
+from pathlib import Path
+from types import TracebackType
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from rolltool.format import (
+    MANIFEST,
+    SAMPLES,
+    FileRecord,
+    Manifest,
+    RankRecord,
+    ShardRef,
+    shard_name,
+)
+from rolltool.layout import PackedRows
+from rolltool.outputs import atomic_path
+from rolltool.shards import file_record, row_bytes, split_rows, write_shard
+
+DEFAULT_PENDING_BYTES = 1 << 30
+
+
+class PackedWriter:
+    """Writes one packed directory (see the module docstring)."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        force: bool = False,
+        shard_bytes: int = 256_000_000,
+        max_pending_bytes: int = DEFAULT_PENDING_BYTES,
+        threads: int = 2,
+    ) -> None:
+        self.target = Path(root)
+        self.force = force
+        self.shard_bytes = shard_bytes
+        self.max_pending_bytes = max_pending_bytes
+        self.threads = threads
+        self._files: dict[str, FileRecord] = {}
+        self._pending: deque[tuple[int, Future[tuple[str, FileRecord]]]] = deque()
+        self._pending_bytes = 0
+        self._finished = False
+        self._stack = ExitStack()
+        self.root: Path | None = None
+
+    def __enter__(self) -> PackedWriter:
+        root = self._stack.enter_context(atomic_path(self.target, force=self.force, directory=True))
+        root.mkdir(parents=True, exist_ok=True)
+        self._pool = self._stack.enter_context(ThreadPoolExecutor(max_workers=self.threads))
+        self.root = root
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        unfinished = None
+        if kind is None and not self._finished:
+            unfinished = RuntimeError("PackedWriter: the block ended without finish(manifest)")
+            kind, exc = RuntimeError, unfinished
+        if kind is not None:
+            for _, fut in self._pending:
+                fut.cancel()
+        self.root = None
+        # The pool waits for running writes, then atomic_path renames the directory into place
+        # or, on an exception, removes it.
+        self._stack.__exit__(kind, exc, tb)
+        if unfinished is not None:
+            raise unfinished
+
+    def write_rank(self, step: int, rank: int, rows: PackedRows) -> RankRecord:
+        """Queue rank `rank`'s rows of step `step` (one row per micro-batch) for writing."""
+        root = self._root()
+        sizes = row_bytes(rows)
+        refs = []
+        for part, (a, b) in enumerate(split_rows(rows, self.shard_bytes)):
+            nbytes = int(sizes[a:b].sum())
+            self._wait_for_room(nbytes)
+            fut = self._pool.submit(write_shard, root, step, rank, part, rows, a, b)
+            self._pending.append((nbytes, fut))
+            self._pending_bytes += nbytes
+            refs.append(ShardRef(path=shard_name(step, rank, part), first_row=a, rows=b - a))
+        real = rows.sample_index >= 0
+        return RankRecord(
+            micro_batches=len(rows.row_offsets) - 1,
+            samples=int(real.sum()),
+            tokens=int(rows.row_offsets[-1]),
+            real_tokens=int(rows.seq_lens[real].sum()),
+            files=tuple(refs),
+        )
+
+    def write_samples(self, table: pa.Table) -> None:
+        """``samples.parquet``: one row per input sample."""
+        path = self._root() / SAMPLES
+        pq.write_table(table, path, compression="zstd")
+        path.chmod(0o644)
+        self._files[SAMPLES] = FileRecord(**file_record(path))
+
+    def finish(self, manifest: Manifest) -> Manifest:
+        """Wait for every shard, check the manifest names exactly the files written, add their
+        records and write ``manifest.json`` (last). Returns the manifest as written."""
+        root = self._root()
+        self._wait_for_room(None)
+        named = {f.path for st in manifest.steps for r in st.ranks for f in r.files}
+        written = set(self._files) - {SAMPLES}
+        if named != written or SAMPLES not in self._files:
+            raise RuntimeError(  # a bug in the caller: never commit such a directory
+                f"manifest and files disagree: {sorted(named ^ written)[:3]} "
+                f"(samples.parquet written: {SAMPLES in self._files})"
+            )
+        final = dataclasses.replace(manifest, files=dict(sorted(self._files.items())))
+        (root / MANIFEST).write_text(final.dumps())
+        (root / MANIFEST).chmod(0o644)
+        self._finished = True
+        return final
+
+    def _root(self) -> Path:
+        if self.root is None:
+            raise RuntimeError("PackedWriter used outside its with-block")
+        return self.root
+
+    def _wait_for_room(self, nbytes: int | None) -> None:
+        """Collect finished writes (oldest first) until `nbytes` more fit (None: all of them)."""
+        while self._pending and (
+            nbytes is None or self._pending_bytes + nbytes > self.max_pending_bytes
+        ):
+            size, fut = self._pending.popleft()
+            name, record = fut.result()
+            self._files[name] = record
+            self._pending_bytes -= size
