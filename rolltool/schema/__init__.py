@@ -1,0 +1,58 @@
+"""The rollout schema: check the input and extract its light per-sample columns.
+
+One Parquet row is one trainable sample (a branch of a rollout). `scan` streams the input once,
+checks every rule and returns a `Rollouts` holding the light columns (ids, env, reward, lengths,
+finish times, a given advantage) as NumPy arrays. Token lists are looked at batch by batch and
+never kept. Every problem is reported together (file, column, sample) before anything is written,
+each with a stable kind code (`rolltool.problems.Problem`)::
+
+    columns.py    schema rules, decided from the Parquet footers before a row is read
+    rows.py       row rules, one record batch at a time
+    across.py     cross-row rules, over the whole input's light columns
+    rollouts.py   `Rollouts` (the contract) and `scan` (the driver)
+
+Rules and their kinds:
+
+- schema, per file: ``column.missing`` (``group_id``, ``reward``, and ``input_ids`` +
+  ``loss_mask`` or ``prompt_ids`` + ``response_ids``), ``column.type`` (a known column of the
+  wrong type);
+- schema, across files: ``input.format`` (one token format), ``id.type`` (an id column integer in
+  one file and string in another: 1 and "1" are not the same id, and we do not guess),
+  ``column.partial`` (``rollout_id``, ``env``, ``finished_at``, ``advantage`` in every file or
+  in none). The first two stop before any row is read;
+- rows: ``null`` (a null where a value is required; a null ``logprobs`` list is fine: logprobs
+  are optional per sample), ``reward.value`` / ``finished_at.value`` / ``advantage.value``
+  (not finite), ``loss_mask.length`` / ``logprobs.length`` (not as long as the sequence),
+  ``loss_mask.value`` (not 0/1), ``token.range`` (negative, null or above 2**31 - 1: packed as
+  int32), ``logprobs.value`` (null or non-finite inside a list), ``sequence.empty``;
+- across rows: ``sample_id.duplicate``, ``rollout.reward`` / ``rollout.advantage`` (branches of
+  one rollout disagree), ``group.env`` (a group spread over two envs).
+
+Samples with no trainable token are allowed but counted and warned about.
+
+Identity: a group is its ``group_id``; a rollout is the pair (``group_id``, ``rollout_id``), so
+rollout ids may restart in every group; without ``rollout_id`` every row is its own rollout.
+"""
+
+from rolltool.problems import MAX_LISTED  # pack.py imports it from here (stopgap: to be removed)
+from rolltool.schema.columns import (
+    DEFAULT_ENV,
+    FORMAT_COLUMNS,
+    ID_COLUMNS,
+    MAX_ID,
+    id_type_conflicts,
+    token_format,
+)
+from rolltool.schema.rollouts import Rollouts, scan
+
+__all__ = [
+    "DEFAULT_ENV",
+    "FORMAT_COLUMNS",
+    "ID_COLUMNS",
+    "MAX_ID",
+    "MAX_LISTED",
+    "Rollouts",
+    "id_type_conflicts",
+    "scan",
+    "token_format",
+]

@@ -1,0 +1,334 @@
+"""`scan`: check the input in one pass and return its light columns as a `Rollouts`."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from rolltool.problems import Problem, Problems
+from rolltool.schema.across import CROSS_RULES
+from rolltool.schema.columns import (
+    DEFAULT_ENV,
+    INPUT_RULES,
+    SCAN_COLUMNS,
+    STOPPING,
+    FileColumns,
+    file_columns,
+    is_id_type,
+)
+from rolltool.schema.rows import ROW_RULES, Flagged, row_batch
+from rolltool.source import InputFile, check_mapping, file_schema, iter_row_groups
+
+HINT = "fix these rows or columns; map differently named columns with --column NEW=OLD"
+ADVANTAGE_HINT = "; or drop the 'advantage' column to let --estimator compute advantages"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rollouts:
+    """Light columns of the ordered input: one entry per row (= trainable sample).
+
+    Row i is ``sample_index`` i: the row number over the input files in sorted path order.
+    """
+
+    files: list[InputFile]
+    """Input files in order, with row counts."""
+    file_index: np.ndarray  # [n] int32: which file row i came from
+    sample_id: pa.Array  # [n] the user's sample ids (string or int64); default: sample_index
+    group: np.ndarray  # [n] int64: dense group code, numbered in order of first appearance
+    group_ids: pa.Array  # [G] the original group_id of each group code
+    rollout_ids: pa.Array  # [R] the original rollout_id of each rollout code (row number if none)
+    rollout: np.ndarray  # [n] int64: dense rollout code over (group_id, rollout_id)
+    env: np.ndarray  # [n] int32: code into env_names
+    env_names: list[str]  # env names in order of first appearance
+    reward: np.ndarray  # [n] float64
+    length: np.ndarray  # [n] int64: tokens in the sample (prompt and all turns)
+    trainable: np.ndarray  # [n] int64: tokens with loss_mask 1
+    finished_at: np.ndarray | None  # [n] float64 seconds since the epoch, or None
+    advantage: np.ndarray | None = None
+    """[n] float32: the input's own ``advantage`` column (finite, equal over a rollout's
+    branches), or None when the input has none."""
+    token_format: str  # "input_ids" (input_ids + loss_mask) or "prompt_response"
+    has_logprobs: bool
+    columns: list[str]  # every column of the input (schema names, after --column)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.group)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_ids)
+
+    def label(self, i: int) -> str:
+        """How messages name sample i: its sample_id and its file."""
+        f = self.files[int(self.file_index[i])].path
+        return f"sample {self.sample_id[i].as_py()!r} ({f})"
+
+
+@dataclass
+class _Columns:
+    """The light columns of the scanned files, batch by batch."""
+
+    rows: int = 0
+    file_index: list[np.ndarray] = field(default_factory=list)
+    ids: dict[str, list[pa.Array]] = field(default_factory=lambda: defaultdict(list))
+    values: dict[str, list[np.ndarray]] = field(default_factory=lambda: defaultdict(list))
+
+    def cat(self, name: str, dtype: type) -> np.ndarray:
+        parts = self.values[name]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype)
+
+    def optional(self, name: str) -> np.ndarray | None:
+        """A column present in every scanned row (and some), else None."""
+        parts = self.values[name]
+        if not parts or sum(len(p) for p in parts) != self.rows:
+            return None
+        return np.concatenate(parts)
+
+
+def _name(path: str, sid: pa.Array, first_row: int) -> Callable[[int], str]:
+    """Where row i of a batch is: its file and sample_id (its row number if it has none)."""
+
+    def name(i: int) -> str:
+        if not sid[i].is_valid:
+            return f"{path}: row {first_row + int(i)} of the ordered input"
+        return f"{path}: sample {sid[i].as_py()!r}"
+
+    return name
+
+
+def _describe(f: Flagged, where: Callable[[int], str]) -> Callable[[int], tuple[str, str]]:
+    return lambda i: (where(int(i)), f.text(int(i)))
+
+
+def _report(problems: Problems, flagged: Iterable[Flagged], where: Callable[[int], str]) -> None:
+    for f in flagged:
+        if len(f.rows):
+            problems.many(f.kind, f.rows, _describe(f, where))
+
+
+def _scan_batch(
+    batch: pa.RecordBatch, fc: FileColumns, first_row: int, acc: _Columns, problems: Problems
+) -> None:
+    """Run the row rules on one batch and keep its light columns."""
+    b = row_batch(batch, fc.token_format or "", fc.mistyped)
+    if "sample_id" in b.cols:
+        sid = b.cols["sample_id"]
+    else:
+        sid = pa.array(np.arange(first_row, first_row + batch.num_rows, dtype=np.int64))
+    for rule in ROW_RULES:
+        _report(problems, rule(b), _name(fc.file.path, sid, first_row))
+    acc.ids["sample_id"].append(sid)
+    for col in ("group_id", "rollout_id", "env"):
+        if col in b.cols:
+            acc.ids[col].append(b.cols[col])
+    acc.values["reward"].append(b.reward)
+    acc.values["length"].append(b.length)
+    acc.values["trainable"].append(b.trainable)
+    for col in ("finished_at", "advantage"):
+        if (values := b.floats(col)) is not None:
+            acc.values[col].append(values)
+
+
+def _batches(
+    k: int,
+    fc: FileColumns,
+    rename: Mapping[str, str],
+    table: pa.Table | None,
+    on_row_group: Callable[[int, int, pa.Table], None] | None,
+) -> Iterator[pa.RecordBatch]:
+    if table is not None:
+        yield from table.to_batches(max_chunksize=65_536)
+        return
+    for rg, t in iter_row_groups(fc.file, rename, SCAN_COLUMNS):
+        if on_row_group is not None:
+            on_row_group(k, rg, t)
+        yield from t.to_batches(max_chunksize=65_536)
+
+
+def _scan_rows(
+    checked: Sequence[FileColumns],
+    rename: Mapping[str, str],
+    tables: Iterable[pa.Table] | None,
+    on_row_group: Callable[[int, int, pa.Table], None] | None,
+    problems: Problems,
+) -> _Columns:
+    """Stream every file whose columns passed, running the row rules; skipped files keep
+    their place in the row numbering."""
+    acc = _Columns()
+    table_iter = iter(tables) if tables is not None else None
+    for k, fc in enumerate(checked):
+        table = next(table_iter) if table_iter is not None else None
+        if fc.token_format is None:
+            acc.rows += fc.file.rows
+            continue
+        start = acc.rows
+        for batch in _batches(k, fc, rename, table, on_row_group):
+            _scan_batch(batch, fc, acc.rows, acc, problems)
+            acc.rows += batch.num_rows
+        acc.file_index.append(np.full(acc.rows - start, k, dtype=np.int32))
+    return acc
+
+
+def _concat_ids(parts: list[pa.Array]) -> pa.Array:
+    """Concatenate id arrays from several files (of one kind: the ``id.type`` rule).
+
+    Integer widths become int64, string kinds one string type; integers still meet strings
+    where a file without ``sample_id`` (default ids: row numbers) meets one with string ids:
+    those become strings (and a clash is reported as a duplicate sample_id).
+    """
+    types = {a.type for a in parts}
+    if len(types) > 1:
+        if all(is_id_type(t) for t in types) and any(pa.types.is_integer(t) for t in types):
+            if any(not pa.types.is_integer(t) for t in types):
+                parts = [pc.cast(a, pa.string()) for a in parts]
+            else:
+                parts = [pc.cast(a, pa.int64()) for a in parts]
+        else:
+            parts = [pc.cast(a, pa.large_string()) for a in parts]
+    if not parts:
+        return pa.array([], pa.int64())
+    return pa.concat_arrays(parts)
+
+
+def _id_column(acc: _Columns, col: str, default: pl.Series) -> pl.Series:
+    """An id column over the input; `default` when some scanned file lacks it."""
+    parts = acc.ids[col]
+    if not parts or sum(len(a) for a in parts) != acc.rows:
+        return default
+    return pl.Series(_concat_ids(parts))
+
+
+def _codes(df: pl.DataFrame, keys: list[str]) -> tuple[np.ndarray, pl.DataFrame]:
+    """Dense codes of the key tuple per row, numbered in order of first appearance."""
+    uniques = df.select(keys).unique(maintain_order=True).with_row_index("_code")
+    joined = df.select(keys).join(
+        uniques, on=keys, how="left", maintain_order="left", nulls_equal=True
+    )
+    return joined["_code"].to_numpy().astype(np.int64), uniques
+
+
+def _frame(acc: _Columns, sample_id: pa.Array, advantage: np.ndarray | None) -> pl.DataFrame:
+    """One row per sample: ids, env, reward, row number (and the given advantage)."""
+    n = acc.rows
+    df = pl.DataFrame(
+        {
+            "group_id": pl.Series(_concat_ids(acc.ids["group_id"])),
+            "rollout_id": _id_column(acc, "rollout_id", pl.Series(np.arange(n))),
+            "sample_id": pl.Series(sample_id),
+            "env": _id_column(acc, "env", pl.Series([DEFAULT_ENV] * n, dtype=pl.String)),
+            "reward": acc.cat("reward", np.float64),
+            "row": np.arange(n, dtype=np.int64),
+        }
+    )
+    if advantage is not None:
+        df = df.with_columns(pl.Series("advantage", advantage))
+    return df
+
+
+def _check_schemas(
+    files: Sequence[InputFile], rename: Mapping[str, str], problems: Problems
+) -> tuple[list[FileColumns], bool]:
+    """The column rules on every file's schema, before a row is read: (files, whether their
+    problems leave rows that cannot be compared across the input). Raises at once on a
+    problem of the whole input (mixed token formats, an id column typed two ways)."""
+    found: list[Problem] = []
+    checked = [file_columns(f, file_schema(f, rename), found) for f in files]
+    for rule in INPUT_RULES:
+        found += rule(checked)
+    problems.extend(found)
+    if any(p.kind in STOPPING for p in found):
+        problems.raise_if_any("the input", hint=HINT)
+    blocking = any(p.kind in ("column.missing", "column.type") for p in found)
+    return checked, blocking
+
+
+def _raise_if_any(problems: Problems) -> None:
+    about_advantage = any("'advantage'" in p.text for p in problems.listed())
+    problems.raise_if_any("the input", hint=HINT + ADVANTAGE_HINT * about_advantage)
+
+
+def scan(
+    files: Sequence[InputFile],
+    rename: Mapping[str, str] | None = None,
+    tables: Iterable[pa.Table] | None = None,
+    on_row_group: Callable[[int, int, pa.Table], None] | None = None,
+) -> Rollouts:
+    """Check the input and return its light columns; raises RolltoolError listing every problem.
+
+    `tables` (one per file, already read) skips reading the files again. Otherwise files are
+    read row group by row group, and `on_row_group(file_index, row_group, table)` sees each one
+    (the packer keeps the token columns of as many as its cache allows, to avoid a second read).
+    Problems of one file's columns do not stop the others' rows being checked; problems of the
+    whole input's schemas stop before any row is read.
+    """
+    rename = dict(rename or {})
+    check_mapping(files, rename)
+    problems = Problems()
+    checked, blocking = _check_schemas(files, rename, problems)
+    acc = _scan_rows(checked, rename, tables, on_row_group, problems)
+    if blocking:  # rows can't be compared across the input: stop here
+        _raise_if_any(problems)
+    sample_id = _concat_ids(acc.ids["sample_id"])
+    advantage = acc.optional("advantage")
+    df = _frame(acc, sample_id, advantage)
+    rollout, rollout_uniques = _codes(df, ["group_id", "rollout_id"])
+    df = df.with_columns(pl.Series("rollout", rollout))
+    for rule in CROSS_RULES:
+        _report(problems, rule(df), _input_name(checked, acc, sample_id))
+    _raise_if_any(problems)
+    return _rollouts(checked, acc, df, sample_id, (rollout, rollout_uniques), advantage)
+
+
+def _input_name(
+    checked: Sequence[FileColumns], acc: _Columns, sample_id: pa.Array
+) -> Callable[[int], str]:
+    """Where row i of the input is (as `_name` says it for a batch)."""
+    fidx = np.concatenate(acc.file_index) if acc.file_index else np.zeros(0, np.int32)
+    return lambda i: _name(checked[int(fidx[i])].file.path, sample_id, 0)(i)
+
+
+def _rollouts(
+    checked: Sequence[FileColumns],
+    acc: _Columns,
+    df: pl.DataFrame,
+    sample_id: pa.Array,
+    rollouts: tuple[np.ndarray, pl.DataFrame],
+    advantage: np.ndarray | None,
+) -> Rollouts:
+    rollout, rollout_uniques = rollouts
+    group, group_uniques = _codes(df, ["group_id"])
+    env, env_uniques = _codes(df, ["env"])
+    trainable = acc.cat("trainable", np.int64)
+    no_train = int((trainable == 0).sum())
+    warnings = [f"{no_train} sample(s) have no trainable token (loss_mask all 0)"] * (no_train > 0)
+    formats = {fc.token_format for fc in checked if fc.token_format}
+    scanned = [fc for fc in checked if fc.token_format]
+    columns = list(dict.fromkeys(n for fc in checked for n in fc.schema.names))
+    return Rollouts(
+        files=[fc.file for fc in checked],
+        file_index=np.concatenate(acc.file_index) if acc.file_index else np.zeros(0, np.int32),
+        sample_id=sample_id,
+        group=group,
+        group_ids=group_uniques["group_id"].to_arrow(),
+        rollout_ids=rollout_uniques["rollout_id"].to_arrow(),
+        rollout=rollout,
+        env=env.astype(np.int32),
+        env_names=[str(v) for v in env_uniques["env"].to_list()],
+        reward=acc.cat("reward", np.float64),
+        length=acc.cat("length", np.int64),
+        trainable=trainable,
+        finished_at=acc.optional("finished_at"),
+        advantage=None if advantage is None else advantage.astype(np.float32),
+        token_format=formats.pop() if formats else "input_ids",
+        has_logprobs=bool(scanned) and all("logprobs" in fc.schema.names for fc in scanned),
+        columns=columns,
+        warnings=warnings,
+    )

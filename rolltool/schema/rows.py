@@ -1,0 +1,278 @@
+"""Row rules: the checks of one record batch of one file, row by row.
+
+`row_batch` decodes a batch's light values once (lengths, trainable tokens, reward, ...); each
+rule in `ROW_RULES` takes the `RowBatch` and yields `Flagged(kind, rows, text)`: the rows it
+flags and a sentence for one of them. A null is reported once, by `nulls`; the rules about a
+column's contents skip null rows, so a null token list is one problem, not also a length
+mismatch and an empty sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Iterator, Mapping
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from rolltool.schema.columns import FORMAT_COLUMNS, MAX_ID
+
+
+class Flagged(NamedTuple):
+    """Rows a rule flags, all of one problem kind."""
+
+    kind: str
+    rows: np.ndarray
+    """[k] int64 row indices (into the batch; into the whole input for cross-row rules)."""
+    text: Callable[[int], str]
+    """What is wrong with row i, for people; called only for the rows that are listed."""
+
+
+@dataclass(frozen=True)
+class RowBatch:
+    """One batch of one file as the row rules see it: columns plus their decoded light values."""
+
+    cols: Mapping[str, pa.Array]
+    """Schema name -> column; mistyped optional columns left out."""
+    fmt: str
+    """Token format: "input_ids" or "prompt_response"."""
+    length: np.ndarray  # [n] int64: tokens per sample (0 where a token list is null)
+    tokens_null: np.ndarray  # [n] bool: a token list of the sample is null
+    trainable: np.ndarray  # [n] int64: loss_mask ones (the response for prompt_response)
+    reward: np.ndarray  # [n] float64, nan where null
+
+    def floats(self, col: str) -> np.ndarray | None:
+        """float64 values of a numeric (or timestamp: seconds) column; nan where null."""
+        if col not in self.cols:
+            return None
+        return _floats(self.cols[col])
+
+
+def _floats(arr: pa.Array) -> np.ndarray:
+    if pa.types.is_timestamp(arr.type):
+        arr = pc.divide(pc.cast(pc.cast(arr, pa.timestamp("us")), pa.int64()), 1e6)
+    return np.asarray(pc.cast(arr, pa.float64()).to_numpy(zero_copy_only=False), dtype=np.float64)
+
+
+def _list_parts(arr: pa.Array) -> tuple[np.ndarray, pa.Array]:
+    """(offsets rebased to 0, flat values) of a list array, slice-safe."""
+    offsets = arr.offsets.to_numpy(zero_copy_only=False).astype(np.int64)
+    values = arr.values.slice(offsets[0], offsets[-1] - offsets[0])
+    return offsets - offsets[0], values
+
+
+def row_sums(offsets: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Sum of `values` (bool or int) over each row [offsets[i], offsets[i+1]); 0 for empty rows.
+
+    One pass with np.add.reduceat over the non-empty rows: their starts increase strictly and
+    each one's span ends where the next non-empty row starts (empty rows hold no values).
+    """
+    n = len(offsets) - 1
+    sums = np.zeros(n, dtype=np.int64)
+    full = np.flatnonzero(offsets[1:] > offsets[:-1])
+    if len(full):
+        vals = values.view(np.uint8) if values.dtype == np.bool_ else values
+        sums[full] = np.add.reduceat(vals, offsets[:-1][full], dtype=np.int64)
+    return sums
+
+
+def _rows_of(offsets: np.ndarray, bad: np.ndarray) -> np.ndarray:
+    """Rows (list indices) holding at least one flagged value; `bad` is [values] bool."""
+    return np.unique(np.searchsorted(offsets, np.flatnonzero(bad), side="right") - 1)
+
+
+def _lengths(arr: pa.Array) -> np.ndarray:
+    return pc.list_value_length(arr).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def _null(arr: pa.Array) -> np.ndarray:
+    return np.asarray(arr.is_null().to_numpy(zero_copy_only=False), dtype=bool)
+
+
+def _clean_mask(values: pa.Array) -> bool:
+    """No null and nothing but 0/1 among a mask's flat values (one pass, no copy)."""
+    if values.null_count or not len(values) or pa.types.is_boolean(values.type):
+        return not values.null_count
+    lo_hi = pc.min_max(values)
+    return bool(lo_hi["min"].as_py() >= 0 and lo_hi["max"].as_py() <= 1)
+
+
+def _trainable(mask: pa.Array) -> np.ndarray:
+    """Ones per loss_mask list (values other than 0/1 count as 0: `mask_values` reports them)."""
+    offsets, values = _list_parts(mask)
+    if pa.types.is_boolean(values.type) and not values.null_count:
+        # polars counts set bits per list without unpacking them
+        counts = pl.Series(mask.cast(pa.large_list(pa.bool_()))).list.sum()
+        return counts.fill_null(0).to_numpy().astype(np.int64)
+    if _clean_mask(values):
+        return row_sums(offsets, values.to_numpy(zero_copy_only=False))
+    mvals = pc.cast(values, pa.int64()).fill_null(-1).to_numpy(zero_copy_only=False)
+    return row_sums(offsets, mvals == 1)
+
+
+def row_batch(batch: pa.RecordBatch, fmt: str, skip: Collection[str] = ()) -> RowBatch:
+    """Decode a batch's light values; columns in `skip` (mistyped) are left out."""
+    cols = {k: v for k, v in zip(batch.schema.names, batch.columns, strict=True) if k not in skip}
+    if fmt == "input_ids":
+        ids, mask = cols["input_ids"], cols["loss_mask"]
+        length, trainable = _lengths(ids), _trainable(mask)
+        tokens_null = _null(ids) | _null(mask)
+    else:
+        p, r = cols["prompt_ids"], cols["response_ids"]
+        trainable = _lengths(r)
+        length = _lengths(p) + trainable
+        tokens_null = _null(p) | _null(r)
+    return RowBatch(
+        cols=cols,
+        fmt=fmt,
+        length=length,
+        tokens_null=tokens_null,
+        trainable=trainable,
+        reward=_floats(cols["reward"]),
+    )
+
+
+def _says(text: str) -> Callable[[int], str]:
+    """The same sentence for every flagged row."""
+    return lambda i: text
+
+
+# -- the rules -----------------------------------------------------------------------------------
+
+NOT_NULL = ("sample_id", "group_id", "rollout_id", "env", "reward", "finished_at", "advantage")
+"""Columns without nulls (besides the token format's lists; a null ``logprobs`` list is fine)."""
+
+
+def nulls(b: RowBatch) -> Iterator[Flagged]:
+    """``null``: a null in a column that must have a value (one problem per column and row)."""
+    for col in (*NOT_NULL, *FORMAT_COLUMNS[b.fmt]):
+        if col in b.cols and b.cols[col].null_count:
+            rows = np.flatnonzero(_null(b.cols[col]))
+            yield Flagged("null", rows, _says(f"column '{col}' is null"))
+
+
+def _non_finite(b: RowBatch, col: str, kind: str) -> Iterator[Flagged]:
+    """`kind` for the non-null values of numeric column `col` that are nan or infinite."""
+    values = b.reward if col == "reward" else b.floats(col)
+    if values is None:
+        return
+    rows = np.flatnonzero(~np.isfinite(values) & ~_null(b.cols[col]))
+    if len(rows):
+        yield Flagged(kind, rows, lambda i: f"column '{col}' is not finite ({values[i]})")
+
+
+def reward_values(b: RowBatch) -> Iterator[Flagged]:
+    """``reward.value``: a reward that is nan or infinite."""
+    return _non_finite(b, "reward", "reward.value")
+
+
+def finished_at_values(b: RowBatch) -> Iterator[Flagged]:
+    """``finished_at.value``: a finish time that is nan or infinite."""
+    return _non_finite(b, "finished_at", "finished_at.value")
+
+
+def advantage_values(b: RowBatch) -> Iterator[Flagged]:
+    """``advantage.value``: a given advantage that is nan or infinite."""
+    return _non_finite(b, "advantage", "advantage.value")
+
+
+def mask_length(b: RowBatch) -> Iterator[Flagged]:
+    """``loss_mask.length``: a loss_mask list not as long as its input_ids list."""
+    if b.fmt != "input_ids":
+        return
+    mask_len = _lengths(b.cols["loss_mask"])
+    rows = np.flatnonzero((mask_len != b.length) & ~b.tokens_null)
+    yield Flagged(
+        "loss_mask.length",
+        rows,
+        lambda i: f"column 'loss_mask' has {mask_len[i]} values, 'input_ids' has {b.length[i]}",
+    )
+
+
+def mask_values(b: RowBatch) -> Iterator[Flagged]:
+    """``loss_mask.value``: a loss_mask value other than 0/1 (or a null inside the list)."""
+    if b.fmt != "input_ids":
+        return
+    offsets, values = _list_parts(b.cols["loss_mask"])
+    if _clean_mask(values):
+        return
+    mvals = pc.cast(values, pa.int64()).fill_null(-1).to_numpy(zero_copy_only=False)
+    rows = _rows_of(offsets, (mvals != 0) & (mvals != 1))
+    yield Flagged(
+        "loss_mask.value", rows, lambda i: "column 'loss_mask' holds values other than 0/1"
+    )
+
+
+def token_ids(b: RowBatch) -> Iterator[Flagged]:
+    """``token.range``: a token id that is null, negative, or above 2**31 - 1 (packed as int32)."""
+    for col in FORMAT_COLUMNS[b.fmt]:
+        if col == "loss_mask":
+            continue
+        offsets, values = _list_parts(b.cols[col])
+        if values.null_count == 0:
+            lo_hi = pc.min_max(values)
+            if len(values) == 0 or (lo_hi["min"].as_py() >= 0 and lo_hi["max"].as_py() <= MAX_ID):
+                continue  # the common case, checked in one pass
+        flat = values.fill_null(0).to_numpy(zero_copy_only=False)
+        null = _null(values)
+        for bad, what in (
+            ((flat < 0) | null, "negative or null token ids"),
+            (flat > MAX_ID, "token ids above 2**31 - 1 (the int32 maximum, 2,147,483,647)"),
+        ):
+            rows = _rows_of(offsets, bad)
+            yield Flagged("token.range", rows, _says(f"column '{col}' holds {what}"))
+
+
+def logprobs_length(b: RowBatch) -> Iterator[Flagged]:
+    """``logprobs.length``: a logprobs list not as long as the sequence (a null list is fine)."""
+    if "logprobs" not in b.cols:
+        return
+    lp = b.cols["logprobs"]
+    lp_len = _lengths(lp)
+    rows = np.flatnonzero((lp_len != b.length) & ~_null(lp) & ~b.tokens_null)
+    yield Flagged(
+        "logprobs.length",
+        rows,
+        lambda i: (
+            f"column 'logprobs' has {lp_len[i]} values, the sequence has {b.length[i]} tokens"
+        ),
+    )
+
+
+def logprobs_values(b: RowBatch) -> Iterator[Flagged]:
+    """``logprobs.value``: a null or non-finite value inside a logprobs list (the trainer's
+    importance ratios would become nan); a null list means "no logprobs", packed as 0."""
+    if "logprobs" not in b.cols:
+        return
+    offsets, values = _list_parts(b.cols["logprobs"])
+    if pa.types.is_floating(values.type):
+        finite = pc.is_finite(values).fill_null(False)
+    else:  # integers: only a null can be wrong
+        finite = values.is_valid()
+    if len(values) and not pc.all(finite).as_py():
+        rows = _rows_of(offsets, ~finite.to_numpy(zero_copy_only=False))
+        text = _says("column 'logprobs' holds null or non-finite values")
+        yield Flagged("logprobs.value", rows, text)
+
+
+def empty_sequence(b: RowBatch) -> Iterator[Flagged]:
+    """``sequence.empty``: a sample without a single token."""
+    rows = np.flatnonzero((b.length == 0) & ~b.tokens_null)
+    yield Flagged("sequence.empty", rows, _says("the sequence is empty"))
+
+
+ROW_RULES: tuple[Callable[[RowBatch], Iterator[Flagged]], ...] = (
+    nulls,
+    reward_values,
+    mask_length,
+    mask_values,
+    token_ids,
+    logprobs_length,
+    logprobs_values,
+    empty_sequence,
+    finished_at_values,
+    advantage_values,
+)
