@@ -348,58 +348,67 @@ def _kind(value: Any) -> str:
 
 def _from_json(tp: Any, value: Any, key: str) -> Any:
     """`value` as type `tp` (a record, int, float, str, bool, X | None, tuple[...], Mapping)."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    origin = typing.get_origin(tp)
     if tp is Any:
         return value
     if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _from_json(inner, value, key)
+        return _union(tp, value, key)
     if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise _bad(key, "an object", value)
-        hints = typing.get_type_hints(tp)
-        kw = {}
-        for f in dataclasses.fields(tp):
-            sub = f"{key}.{f.name}" if key else f.name
-            if f.name in value:
-                kw[f.name] = _from_json(hints[f.name], value[f.name], sub)
-            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise _Bad(f"key {sub!r} is missing")
-        return typing.cast(Any, tp)(**kw)
+        return _record(tp, value, key)
     if origin is tuple:
-        if not isinstance(value, list):
-            raise _bad(key, "an array", value)
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_from_json(args[0], v, f"{key}[{i}]") for i, v in enumerate(value))
-        if len(value) != len(args):
-            raise _bad(key, f"an array of {len(args)}", value)
-        return tuple(
-            _from_json(a, v, f"{key}[{i}]")
-            for i, (a, v) in enumerate(zip(args, value, strict=True))
-        )
+        return _array(tp, value, key)
     if origin in (Mapping, dict):
         if not isinstance(value, dict):
             raise _bad(key, "an object", value)
-        return {k: _from_json(args[1], v, f"{key}.{k}") for k, v in value.items()}
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise _bad(key, "true or false", value)
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise _bad(key, "an integer", value)
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise _bad(key, "a number", value)
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise _bad(key, "a string", value)
-        return value
-    raise TypeError(f"format: no JSON reading for {tp!r}")  # a bug in the records above
+        inner = typing.get_args(tp)[1]
+        return {k: _from_json(inner, v, f"{key}.{k}") for k, v in value.items()}
+    ok, expected = _SCALARS[tp]
+    if not ok(value):
+        raise _bad(key, expected, value)
+    return float(value) if tp is float else value
+
+
+_SCALARS: dict[Any, tuple[Any, str]] = {
+    bool: (lambda v: isinstance(v, bool), "true or false"),
+    int: (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+    float: (lambda v: isinstance(v, int | float) and not isinstance(v, bool), "a number"),
+    str: (lambda v: isinstance(v, str), "a string"),
+}
+
+
+def _union(tp: Any, value: Any, key: str) -> Any:
+    args = typing.get_args(tp)
+    if value is None and type(None) in args:
+        return None
+    (inner,) = [a for a in args if a is not type(None)]
+    return _from_json(inner, value, key)
+
+
+def _record(tp: Any, value: Any, key: str) -> Any:
+    if not isinstance(value, dict):
+        raise _bad(key, "an object", value)
+    hints = typing.get_type_hints(tp)
+    kw = {}
+    for f in dataclasses.fields(tp):
+        sub = f"{key}.{f.name}" if key else f.name
+        if f.name in value:
+            kw[f.name] = _from_json(hints[f.name], value[f.name], sub)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise _Bad(f"key {sub!r} is missing")
+    return tp(**kw)
+
+
+def _array(tp: Any, value: Any, key: str) -> tuple[Any, ...]:
+    args = typing.get_args(tp)
+    if not isinstance(value, list):
+        raise _bad(key, "an array", value)
+    if len(args) == 2 and args[1] is Ellipsis:
+        return tuple(_from_json(args[0], v, f"{key}[{i}]") for i, v in enumerate(value))
+    if len(value) != len(args):
+        raise _bad(key, f"an array of {len(args)}", value)
+    return tuple(
+        _from_json(a, v, f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value, strict=True))
+    )
 
 
 class _Bad(Exception):

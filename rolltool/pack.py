@@ -223,7 +223,10 @@ def manifest_record(
             estimators={e: a.env_estimators.get(e, a.estimator) for e in ro.env_names},
         ),
         loss=LossRecord(agg=config.loss_agg, scale_factor=config.loss_scale_factor),
-        inputs=tuple(InputRecord(path=f.path, rows=f.rows) for f in ro.files),
+        inputs=tuple(
+            InputRecord(path=str(Path(f.path).resolve()), rows=f.rows, given=f.path)
+            for f in ro.files
+        ),
         columns=dict(columns or {}),
         dp=config.dp,
         samples=SampleCounts(total=ro.num_samples, **counts),

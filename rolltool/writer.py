@@ -43,7 +43,7 @@ from rolltool.layout import PackedRows
 from rolltool.outputs import atomic_path
 from rolltool.shards import file_record, row_bytes, split_rows, write_shard
 
-DEFAULT_PENDING_BYTES = 1 << 30
+DEFAULT_PENDING_BYTES = 256_000_000
 
 
 class PackedWriter:
