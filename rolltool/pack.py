@@ -17,12 +17,10 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from rolltool import __version__
 from rolltool.advantages import ESTIMATORS
 from rolltool.config import OVERLONG, PackConfig
-from rolltool.errors import RolltoolError
 from rolltool.format import (
     STATUSES,
     AdvantagesRecord,
@@ -37,64 +35,11 @@ from rolltool.layout import SampleTokens, step_rows
 from rolltool.loss import LOSS_AGGS
 from rolltool.outputs import check_target
 from rolltool.schedule import PlannedStep, Schedule, schedule
-from rolltool.schema import MAX_LISTED, Rollouts, scan
-from rolltool.source import invert_mapping, iter_batches, resolve_inputs
+from rolltool.schema import Rollouts, scan
+from rolltool.source import invert_mapping, resolve_inputs
 from rolltool.tokens import TokenReader
 from rolltool.workload import Workload
 from rolltool.writer import PackedWriter
-
-
-def _input_advantages(ro: Rollouts, rename: Mapping[str, str]) -> np.ndarray | None:
-    """The input's own 'advantage' column (float32 per sample), or None if it has none."""
-    if "advantage" not in ro.columns:
-        return None
-    parts = []
-    for f in ro.files:
-        got = 0
-        for batch in iter_batches(f, rename, ["advantage"]):
-            col = batch.column("advantage") if "advantage" in batch.schema.names else None
-            if col is None or (
-                not pa.types.is_floating(col.type) and not pa.types.is_integer(col.type)
-            ):
-                raise RolltoolError(
-                    f"{f.path}: column 'advantage' must be a float column present in every file"
-                )
-            parts.append(
-                np.asarray(
-                    pc.cast(col, pa.float64()).to_numpy(zero_copy_only=False), dtype=np.float64
-                )
-            )
-            got += batch.num_rows
-        if got != f.rows:
-            raise RolltoolError(
-                f"{f.path}: column 'advantage' is missing", hint="give it in every file or in none"
-            )
-    adv = np.concatenate(parts) if parts else np.zeros(0)
-    problems = [
-        f"{ro.label(int(i))}: column 'advantage' is not finite ({adv[i]})"
-        for i in np.flatnonzero(~np.isfinite(adv))
-    ]
-    # Every branch of a rollout carries the rollout's advantage, as its reward (schema.scan).
-    first = np.full(int(ro.rollout.max()) + 1 if len(ro.rollout) else 0, -1, dtype=np.int64)
-    first[ro.rollout[::-1]] = np.arange(len(ro.rollout))[::-1]  # first branch of each rollout
-    ref = adv[first[ro.rollout]]
-    differs = (adv != ref) & np.isfinite(adv) & np.isfinite(ref)
-    _, at = np.unique(ro.rollout[differs], return_index=True)  # first differing branch each
-    problems += [
-        f"{ro.label(int(i))}: column 'advantage': branches of one rollout have different "
-        f"advantages ({ref[i]} in {ro.label(int(first[ro.rollout[i]]))}, {adv[i]} here)"
-        for i in np.sort(np.flatnonzero(differs)[at])
-    ]
-    if problems:
-        listed = [f"  {p}" for p in problems[:MAX_LISTED]]
-        if len(problems) > MAX_LISTED:
-            listed.append(f"  ... and {len(problems) - MAX_LISTED} more")
-        raise RolltoolError(
-            f"the input's 'advantage' column has {len(problems)} problem(s); nothing was "
-            "written:\n" + "\n".join(listed),
-            hint="fix the column, or drop it to let --estimator compute advantages",
-        )
-    return adv.astype(np.float32)
 
 
 def run_pack(
@@ -121,8 +66,7 @@ def run_pack(
     files = resolve_inputs(inputs)
     reader = TokenReader(files, rename, cache_bytes=int(config.cache_mb * 1e6))
     ro = scan(files, rename, on_row_group=reader.offer)
-    given = _input_advantages(ro, rename)
-    plan = schedule(ro, config, workload, given)
+    plan = schedule(ro, config, workload, ro.advantage)
     wrap = progress or _no_progress
     with PackedWriter(output, force=force, shard_bytes=int(config.shard_mb * 1e6)) as writer:
         steps = [
@@ -130,7 +74,7 @@ def run_pack(
             for st, tokens in wrap(prefetch(reader, plan.steps), len(plan.steps), "packing steps")
         ]
         writer.write_samples(samples_table(ro, plan))
-        warnings = [*ro.warnings, *_given_warning(given, estimator_chosen), *plan.warnings]
+        warnings = [*ro.warnings, *_given_warning(ro.advantage, estimator_chosen), *plan.warnings]
         record = manifest_record(ro, plan, config, workload, steps, warnings, columns, command)
         return writer.finish(record)
 

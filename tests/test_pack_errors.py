@@ -163,7 +163,7 @@ def test_branches_with_different_given_advantages(tmp_path: Path) -> None:
     text = _fails_cleanly(
         cli("pack", path, "-o", tmp_path / "out", *BASE),
         1,
-        "2 problem(s)",
+        "the input has 2 problems",
         "math/g000/r0/b2",
         "math/g001/r1/b1",
         "'advantage'",
