@@ -438,6 +438,17 @@ def test_an_advantage_column_is_used_as_is(run: Any) -> None:
         assert np.all(v[0].arrays["advantages"] == given[i]), i
 
 
+@pytest.mark.parametrize("option", [("--estimator", "rloo"), ("--env-estimator", "nosuchenv=rloo")])
+def test_estimator_options_on_given_advantages_warn_alike(run: Any, option: tuple) -> None:
+    # Only the group statistics are computed from given advantages: an estimator option,
+    # even one naming an env the input lacks, is ignored with the same warning.
+    table = rollouts([_mixed("math", 4), _mixed("math", 4)], advantage=True)
+    r = run(table, "--batch-size", 8, *option)
+    assert any("used as is" in w for w in r.manifest["warnings"])
+    given = np.asarray(r.input["advantage"], dtype=np.float32)
+    assert all(np.all(v[0].arrays["advantages"] == given[i]) for i, v in placements(r.out).items())
+
+
 # --- partition options ---------------------------------------------------------------------
 
 
