@@ -10,6 +10,15 @@ For each synth dataset (cached under /tmp), in one run and on the same file:
 Prints medians, tokens/s, the ratio to the floor, and the peak RSS of each pack process, with
 the default --cache-mb 1024 (decoded input kept so that data that fits is read once) and with
 --cache-mb 0: then memory is bounded by a step and does not grow with the dataset.
+
+The memory bound (rolltool.writer / rolltool.pack): beyond the imports and the light columns,
+pack holds the token cache (--cache-mb), the decoded tokens of two steps (the one being laid out,
+the next being read), the row group being decoded (Parquet reads whole row groups: Arrow and
+NumPy copies) and the rows queued for writing (at most 256 MB plus one rank's rows).
+``step MB`` is the largest step's decoded tokens (9 bytes per token), ``rg MB`` the largest
+row group's; ``base MB`` the peak RSS of a process that only imports rolltool and scans the
+input (light columns); ``bound MB`` = base + cache + 2 x step + 2 x rg + min(256, step) +
+step / dp, which the peak should stay under.
 """
 
 from __future__ import annotations
@@ -25,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 from _data import synth_dataset
 
 
@@ -43,6 +54,31 @@ def _pack(src: Path, out: Path, dp: int, cache_mb: float) -> tuple[float, int, d
         stdout.seek(0)
         manifest = json.loads(stdout.read())
     return dt, usage.ru_maxrss // 1024, manifest
+
+
+BASE = """
+import sys
+from rolltool.schema import scan
+from rolltool.source import resolve_inputs
+scan(resolve_inputs([sys.argv[1]]), {})
+"""
+
+
+def _row_group_mb(src: Path) -> float:
+    """Decoded size (9 bytes per token) of the input's largest row group, in MB."""
+    f = pq.ParquetFile(src)
+    tokens = [
+        pc.sum(pc.list_value_length(f.read_row_group(i, columns=["input_ids"]).column(0))).as_py()
+        for i in range(f.num_row_groups)
+    ]
+    return max(tokens) * 9 / 1e6
+
+
+def _base_rss(src: Path) -> int:
+    """Peak RSS (MB) of a process that imports rolltool and scans the input: pack's floor."""
+    proc = subprocess.Popen([sys.executable, "-c", BASE, str(src)])
+    _, _, usage = os.wait4(proc.pid, 0)
+    return usage.ru_maxrss // 1024
 
 
 FLOOR = """
@@ -70,9 +106,11 @@ def main() -> None:
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp())
     print(f"{'groups':>7}{'samples':>9}{'tokens':>13}{'steps':>7}{'cache MB':>9}{'floor s':>9}"
-          f"{'pack s':>8}{'x floor':>9}{'Mtok/s':>8}{'peak MB':>9}")  # fmt: skip
+          f"{'pack s':>8}{'x floor':>9}{'Mtok/s':>8}{'step MB':>9}{'rg MB':>7}{'base MB':>9}{'bound MB':>9}"
+          f"{'peak MB':>9}")  # fmt: skip
     for groups in args.groups:
         src = synth_dataset(groups)
+        base, rg_mb = _base_rss(src), _row_group_mb(src)
         for cache_mb in args.cache_mb:
             # Runs alternate with the floor; each writes a fresh output (--force would add the
             # deletion of the old one).
@@ -85,10 +123,13 @@ def main() -> None:
             t_pack = statistics.median(r[0] for r in runs)
             t_floor = statistics.median(floors)
             tokens = sum(s["sampled_tokens"] for s in manifest["steps"])
+            step_mb = max(s["sampled_tokens"] for s in manifest["steps"]) * 9 / 1e6
+            bound = base + cache_mb + 2 * (step_mb + rg_mb) + min(256, step_mb) + step_mb / args.dp
             print(
                 f"{groups:>7}{manifest['samples']['total']:>9,}{tokens:>13,}{manifest['num_steps']:>7}"
                 f"{cache_mb:>9,.0f}{t_floor:>9.2f}{t_pack:>8.2f}{t_pack / t_floor:>9.2f}"
-                f"{tokens / t_pack / 1e6:>8.1f}{max(r[1] for r in runs):>9,}"
+                f"{tokens / t_pack / 1e6:>8.1f}{step_mb:>9,.0f}{rg_mb:>7,.0f}{base:>9,}{bound:>9,.0f}"
+                f"{max(r[1] for r in runs):>9,}"
             )
             shutil.rmtree(work, ignore_errors=True)
             work.mkdir()
