@@ -23,25 +23,8 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
+from rolltool.numfmt import count, num, over, pct
 from rolltool.stats.packed import ALTERNATIVES
-
-
-def _int(x: Any) -> str:
-    return "-" if x is None else f"{round(x):,}"
-
-
-def _num(x: Any, spec: str = ",.1f") -> str:
-    return "-" if x is None else format(x, spec)
-
-
-def _pct(x: Any) -> str:
-    return "-" if x is None else f"{x:.1%}"
-
-
-def _over(x: Any) -> str:
-    """A ratio to the ideal (1.0 = perfect) as the percentage above it."""
-    return "-" if x is None else f"{x - 1:+.2%}"
-
 
 ALL = "(all)"
 """The column of all envs together in the rollout table (an env may be named "all")."""
@@ -133,38 +116,38 @@ def _fit(
 
 # rollout Parquet: (label, getter, formatter); a None label starts a new section
 ROLLOUT_ROWS: list[tuple[str | None, str | tuple[str, ...], Any]] = [
-    ("groups", "groups", _int),
-    ("usual group size", "group_size.usual", _int),
-    ("groups of another size", "group_size.odd_size_groups", _int),
-    ("rollouts", "rollouts", _int),
-    ("samples", "samples", _int),
-    ("branches per rollout (mean)", "branches_per_rollout.mean", lambda x: _num(x, ".2f")),
-    ("branches per rollout (max)", "branches_per_rollout.max", _int),
+    ("groups", "groups", count),
+    ("usual group size", "group_size.usual", count),
+    ("groups of another size", "group_size.odd_size_groups", count),
+    ("rollouts", "rollouts", count),
+    ("samples", "samples", count),
+    ("branches per rollout (mean)", "branches_per_rollout.mean", lambda x: num(x, ".2f")),
+    ("branches per rollout (max)", "branches_per_rollout.max", count),
     (None, "", None),
-    ("sampled tokens", "sampled_tokens.total", _int),
-    ("  mean length", "sampled_tokens.mean", _int),
-    ("  p50 / p90", ("sampled_tokens.p50", "sampled_tokens.p90"), _int),
-    ("  p99 / max", ("sampled_tokens.p99", "sampled_tokens.max"), _int),
-    ("trainable tokens", "trainable_tokens.total", _int),
-    ("  mean per sample", "trainable_tokens.mean", _int),
-    ("  p50 / p90", ("trainable_tokens.p50", "trainable_tokens.p90"), _int),
-    ("  p99 / max", ("trainable_tokens.p99", "trainable_tokens.max"), _int),
+    ("sampled tokens", "sampled_tokens.total", count),
+    ("  mean length", "sampled_tokens.mean", count),
+    ("  p50 / p90", ("sampled_tokens.p50", "sampled_tokens.p90"), count),
+    ("  p99 / max", ("sampled_tokens.p99", "sampled_tokens.max"), count),
+    ("trainable tokens", "trainable_tokens.total", count),
+    ("  mean per sample", "trainable_tokens.mean", count),
+    ("  p50 / p90", ("trainable_tokens.p50", "trainable_tokens.p90"), count),
+    ("  p99 / max", ("trainable_tokens.p99", "trainable_tokens.max"), count),
     (None, "", None),
-    ("reward mean", "reward.mean", lambda x: _num(x, ".3f")),
-    ("reward std", "reward.std", lambda x: _num(x, ".3f")),
-    ("uniform groups (no signal)", "uniform_groups.total", _int),
-    ("  share of groups", "uniform_groups.share", _pct),
-    ("  all 0 / all 1 / other", ("uniform_groups.all_0", "uniform_groups.all_1", "uniform_groups.other"), _int),
+    ("reward mean", "reward.mean", lambda x: num(x, ".3f")),
+    ("reward std", "reward.std", lambda x: num(x, ".3f")),
+    ("uniform groups (no signal)", "uniform_groups.total", count),
+    ("  share of groups", "uniform_groups.share", pct),
+    ("  all 0 / all 1 / other", ("uniform_groups.all_0", "uniform_groups.all_1", "uniform_groups.other"), count),
 ]  # fmt: skip
 
 COMPLETION_ROWS: list[tuple[str | None, str | tuple[str, ...], Any]] = [
     (None, "", None),
-    ("groups completing out of order", "completion.out_of_order_groups", _int),
-    ("  share", "completion.out_of_order_share", _pct),
-    ("rank displacement mean / max", ("completion.displacement.mean", "completion.displacement.max"), lambda x: _num(x, ",.1f")),
-    ("input vs completion order (Spearman)", "completion.rank_correlation", lambda x: _num(x, ".2f")),
-    ("completion span (s)", "completion.span_s", _num),
-    ("group wait p50 / p90 (s)", ("completion.group_wait_s.p50", "completion.group_wait_s.p90"), _num),
+    ("groups completing out of order", "completion.out_of_order_groups", count),
+    ("  share", "completion.out_of_order_share", pct),
+    ("rank displacement mean / max", ("completion.displacement.mean", "completion.displacement.max"), lambda x: num(x, ",.1f")),
+    ("input vs completion order (Spearman)", "completion.rank_correlation", lambda x: num(x, ".2f")),
+    ("completion span (s)", "completion.span_s", num),
+    ("group wait p50 / p90 (s)", ("completion.group_wait_s.p50", "completion.group_wait_s.p90"), num),
 ]  # fmt: skip
 
 
@@ -244,24 +227,24 @@ def _run_table(report: dict[str, Any], width: int | None) -> Table:
     ]
     rows: list[list[str] | None] = []
     for label, key, fmt in (
-        ("samples", "samples", _int),
-        ("sampled tokens", "sampled_tokens", _int),
-        ("trainable tokens", "trainable_tokens", _int),
-        ("micro-batches per rank", "micro_batches_per_rank", lambda x: _num(x, ",.1f")),
-        ("packing efficiency", "packing_efficiency", _pct),
-        ("padding", "padding_fraction", _pct),
-        ("rank imbalance (cost)", "rank_imbalance.cost", _over),
-        ("rank imbalance (tokens)", "rank_imbalance.tokens", _over),
-        ("lockstep overhead (cost)", "lockstep_overhead.cost", _over),
-        ("lockstep overhead (tokens)", "lockstep_overhead.tokens", _over),
+        ("samples", "samples", count),
+        ("sampled tokens", "sampled_tokens", count),
+        ("trainable tokens", "trainable_tokens", count),
+        ("micro-batches per rank", "micro_batches_per_rank", lambda x: num(x, ",.1f")),
+        ("packing efficiency", "packing_efficiency", pct),
+        ("padding", "padding_fraction", pct),
+        ("rank imbalance (cost)", "rank_imbalance.cost", over),
+        ("rank imbalance (tokens)", "rank_imbalance.tokens", over),
+        ("lockstep overhead (cost)", "lockstep_overhead.cost", over),
+        ("lockstep overhead (tokens)", "lockstep_overhead.tokens", over),
     ):
         a = across[key]
         total = _get(tot, key) if "." not in key else None
         rows.append([label, fmt(total) if total is not None else "", *(fmt(a[k]) for k in ("mean", "p50", "p90", "min", "max"))])  # fmt: skip
     rows.append(None)
     rows.append(["groups (uniform kept / dropped)", f"{tot['groups']:,} ({tot['uniform_groups_kept']:,} / {tot['uniform_groups_dropped']:,})", *[""] * 5])  # fmt: skip
-    rows.append(["rollouts", _int(tot["rollouts"]), *[""] * 5])
-    rows.append(["over-long samples dropped", _int(tot["overlong_dropped"]), *[""] * 5])
+    rows.append(["rollouts", count(tot["rollouts"]), *[""] * 5])
+    rows.append(["over-long samples dropped", count(tot["overlong_dropped"]), *[""] * 5])
     rows.append(["rows (padding tokens)", f"{tot['rows']:,} ({tot['padding_tokens']:,})", *[""] * 5])  # fmt: skip
     return _fit("per step", cols, rows, width)
 
@@ -283,14 +266,14 @@ def _env_table(title: str, envs: dict[str, Any], width: int | None) -> Table:
     rows = [
         [
             env,
-            _int(e["groups"]),
-            _int(e["rollouts"]),
-            _int(e["samples"]),
-            _int(e["sampled_tokens"]),
-            _int(e["trainable_tokens"]),
-            _pct(e["token_share"]),
-            _pct(e["loss_weight_share"]),
-            f"{_int(e['uniform_groups_kept'])} / {_int(e['uniform_groups_dropped'])}",
+            count(e["groups"]),
+            count(e["rollouts"]),
+            count(e["samples"]),
+            count(e["sampled_tokens"]),
+            count(e["trainable_tokens"]),
+            pct(e["token_share"]),
+            pct(e["loss_weight_share"]),
+            f"{count(e['uniform_groups_kept'])} / {count(e['uniform_groups_dropped'])}",
         ]
         for env, e in envs.items()
     ]
@@ -318,12 +301,12 @@ def _balance_table(title: str, chosen: str, splits: dict[str, Any], width: int |
         rows.append(
             [
                 name,
-                _num(b["micro_batches_per_rank"], ",.1f"),
-                _over(b["rank_imbalance"]["cost"]),
-                _over(b["lockstep_overhead"]["cost"]),
-                _over(b["rank_imbalance"]["tokens"]),
-                _over(b["lockstep_overhead"]["tokens"]),
-                _over(vs),
+                num(b["micro_batches_per_rank"], ",.1f"),
+                over(b["rank_imbalance"]["cost"]),
+                over(b["lockstep_overhead"]["cost"]),
+                over(b["rank_imbalance"]["tokens"]),
+                over(b["lockstep_overhead"]["tokens"]),
+                over(vs),
             ]
         )
     return _fit(title, BALANCE_COLS, rows, width)
@@ -333,7 +316,7 @@ def _fill_table(hist: list[int]) -> Table:
     t = _table("micro-batch token fill", ["fill", "micro-batches", ""])
     top = max(hist) or 1
     for i, n in enumerate(hist):
-        t.add_row(f"{i * 10:>3}-{(i + 1) * 10}%", _int(n), "█" * round(24 * n / top))
+        t.add_row(f"{i * 10:>3}-{(i + 1) * 10}%", count(n), "█" * round(24 * n / top))
     return t
 
 
@@ -363,18 +346,18 @@ def _steps_table(steps: list[dict[str, Any]], width: int | None) -> Table:
             [
                 str(s["step"]),
                 str(s["status"]),
-                _int(s["groups"]),
-                _int(s["rollouts"]),
-                _int(s["samples"]),
-                _int(s["sampled_tokens"]),
-                _int(s["trainable_tokens"]),
-                _int(s["uniform_groups_dropped"]),
-                _int(s["micro_batches_per_rank"]),
-                _pct(s["packing_efficiency"]),
-                _pct(s["padding_fraction"]),
-                _over(s["rank_imbalance"]["cost"]),
-                _over(s["lockstep_overhead"]["cost"]),
-                *(_over((alts.get(k) or {}).get("step_cost_vs_chosen")) for k in ALTERNATIVES),
+                count(s["groups"]),
+                count(s["rollouts"]),
+                count(s["samples"]),
+                count(s["sampled_tokens"]),
+                count(s["trainable_tokens"]),
+                count(s["uniform_groups_dropped"]),
+                count(s["micro_batches_per_rank"]),
+                pct(s["packing_efficiency"]),
+                pct(s["padding_fraction"]),
+                over(s["rank_imbalance"]["cost"]),
+                over(s["lockstep_overhead"]["cost"]),
+                *(over((alts.get(k) or {}).get("step_cost_vs_chosen")) for k in ALTERNATIVES),
             ]
         )
     return _fit("steps", STEP_COLS, rows, width)
@@ -396,11 +379,11 @@ def _rank_table(s: dict[str, Any], width: int | None) -> Table:
     rows = [
         [
             str(r["rank"]),
-            _int(r["micro_batches"]),
-            _int(r["samples"]),
-            _int(r["row_tokens"]),
-            _int(r["real_tokens"]),
-            _pct(r["cost"] / total),
+            count(r["micro_batches"]),
+            count(r["samples"]),
+            count(r["row_tokens"]),
+            count(r["real_tokens"]),
+            pct(r["cost"] / total),
             " ".join(f"{x:,}" for x in r["micro_batch_tokens"]),
         ]
         for r in s["ranks"]
