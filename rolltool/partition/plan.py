@@ -30,19 +30,18 @@ each (7 tokens), where "KK into ceil(56 / 8 / 2) = 4 parts" would put 14 tokens 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from rolltool.errors import RolltoolError
+from rolltool.partition import metrics
 from rolltool.partition.balance import balance_labels, descending_order
 from rolltool.partition.binpack import ffd, pack_balanced
+from rolltool.partition.metrics import ALIGNS
 from rolltool.workload import Workload, make_workload
 
 __all__ = ["ALIGNS", "StepPlan", "plan_step"]
-
-ALIGNS = ("lockstep", "total")
-"""``lockstep``: minimize Σ_j max_r cost(r, j); ``total``: minimize max_r Σ_j cost(r, j)."""
 
 
 WIDER_GAIN = 1e-3
@@ -89,9 +88,9 @@ class StepPlan:
     def report(self) -> dict[str, Any]:
         """Per-step numbers: counts, token fill, rank imbalance and lockstep overhead.
 
-        ``imbalance_*`` = max over ranks of the rank total / mean rank total;
-        ``lockstep_overhead_*`` = Σ_j max_r x(r, j) / (Σ x / dp); both 1.0 when perfect, in
-        tokens and in the workload's cost. ``token_fill`` = tokens / (dp · M · max_tokens).
+        ``imbalance_*`` and ``lockstep_overhead_*`` are `rolltool.partition.metrics`'
+        ``imbalance`` and ``lockstep_overhead`` of the ``[dp, M]`` grid in tokens and in the
+        workload's cost (1.0 when perfect). ``token_fill`` = tokens / (dp · M · max_tokens).
         """
         dp, m = self.costs.shape if self.costs.ndim == 2 else (self.dp, 0)
         rep: dict[str, Any] = {
@@ -109,12 +108,8 @@ class StepPlan:
         if self.max_tokens and m:
             rep["token_fill"] = float(self.tokens.sum()) / (dp * m * self.max_tokens)
         for name, x in (("tokens", self.tokens.astype(np.float64)), ("cost", self.costs)):
-            total = float(x.sum())
-            if m == 0 or total <= 0:
-                rep[f"imbalance_{name}"] = rep[f"lockstep_overhead_{name}"] = 1.0
-                continue
-            rep[f"imbalance_{name}"] = float(x.sum(axis=1).max()) / (total / dp)
-            rep[f"lockstep_overhead_{name}"] = float(x.max(axis=0).sum()) / (total / dp)
+            rep[f"imbalance_{name}"] = metrics.imbalance(x)
+            rep[f"lockstep_overhead_{name}"] = metrics.lockstep_overhead(x)
         return rep
 
     def to_dict(self) -> dict[str, Any]:
@@ -148,40 +143,60 @@ def plan_step(
     gives every rank the same number of samples (n must be a multiple of dp). Deterministic.
     """
     length = _check_lengths(lengths)
+    dp = _check_args(len(length), dp, max_tokens, micro_batch_size, equal_count, align)
+    wl = workload if workload is not None else make_workload("flops")
+    cost = wl.cost(length)
+    settings: dict[str, Any] = {"align": align, "equal_count": equal_count, "workload": wl}
+    if micro_batch_size is not None:
+        size = _whole("micro_batch_size", micro_batch_size)
+        grid, short = _fixed_grid(cost, dp, size)
+        return _build(grid, length, cost, max_tokens=None, micro_batch_size=size, ffd_m=None,
+                      min_m=None, short=short, **settings)  # fmt: skip
+    assert max_tokens is not None
+    cap = _whole("max_tokens", max_tokens)
+    _check_cap(length, cap)
+    if align == "lockstep":
+        grid, ffd_m, min_m = _best_lockstep(cost, length, dp, cap, equal_count)
+    else:
+        grid, ffd_m, min_m = _rank_first_grid(cost, length, dp, cap, equal_count)
+    return _build(grid, length, cost, max_tokens=cap, micro_batch_size=None, ffd_m=ffd_m,
+                  min_m=min_m, short=[], **settings)  # fmt: skip
+
+
+def _check_args(
+    n: int,
+    dp: Any,
+    max_tokens: int | None,
+    micro_batch_size: int | None,
+    equal_count: bool,
+    align: str,
+) -> int:
+    """The settings' rules (before any work); returns dp as an int."""
     if isinstance(dp, bool) or not isinstance(dp, int | np.integer) or dp < 1:
         raise RolltoolError(f"dp (data-parallel ranks) must be an integer >= 1, got {dp!r}")
-    dp = int(dp)
     if align not in ALIGNS:
         raise RolltoolError(f"unknown align {align!r}", hint=f"choose one of {', '.join(ALIGNS)}")
     if (max_tokens is None) == (micro_batch_size is None):
         raise RolltoolError(
             "give exactly one of max_tokens (token budget mode) and micro_batch_size (fixed mode)"
         )
-    n = len(length)
     if equal_count and n % dp:
         raise RolltoolError(
             f"equal_count needs a step size divisible by dp: {n} samples over {dp} ranks",
             hint="drop or add samples so that the step divides, or turn equal_count off",
         )
-    wl = workload if workload is not None else make_workload("flops")
-    cost = wl.cost(length)
-    if micro_batch_size is not None:
-        if (
-            isinstance(micro_batch_size, bool)
-            or int(micro_batch_size) != micro_batch_size
-            or micro_batch_size < 1
-        ):
-            raise RolltoolError(
-                f"micro_batch_size must be an integer >= 1, got {micro_batch_size!r}"
-            )
-        grid, short = _fixed_grid(cost, dp, int(micro_batch_size))
-        return _build(grid, length, cost, max_tokens=None, micro_batch_size=int(micro_batch_size),
-                      ffd_m=None, min_m=None, short=short, align=align, equal_count=equal_count,
-                      workload=wl)  # fmt: skip
-    assert max_tokens is not None
-    if isinstance(max_tokens, bool) or int(max_tokens) != max_tokens or max_tokens < 1:
-        raise RolltoolError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
-    cap = int(max_tokens)
+    return int(dp)
+
+
+def _whole(name: str, value: Any) -> int:
+    """``value`` as an int >= 1 (a whole float is fine, a bool is not)."""
+    if isinstance(value, bool) or int(value) != value or value < 1:
+        raise RolltoolError(f"{name} must be an integer >= 1, got {value!r}")
+    return int(value)
+
+
+def _check_cap(length: np.ndarray, cap: int) -> None:
+    """No sample may be longer than the token cap: an error naming the first, never truncation."""
     over = np.flatnonzero(length > cap)
     if len(over):
         i = int(over[0])
@@ -190,13 +205,6 @@ def plan_step(
             f"sample {i} has {int(length[i])} tokens, more than max_tokens={cap}{more}",
             hint="raise max_tokens or drop over-long samples before planning (and count them)",
         )
-    if align == "lockstep":
-        grid, ffd_m, min_m = _best_lockstep(cost, length, dp, cap, equal_count)
-    else:
-        grid, ffd_m, min_m = _rank_first_grid(cost, length, dp, cap, equal_count)
-    return _build(grid, length, cost, max_tokens=cap, micro_batch_size=None,
-                  ffd_m=ffd_m, min_m=min_m, short=[], align=align, equal_count=equal_count,
-                  workload=wl)  # fmt: skip
 
 
 def _check_lengths(lengths: np.ndarray) -> np.ndarray:
@@ -332,9 +340,8 @@ def _best_lockstep(
 
 
 def _lockstep_cost(grid: Grid, cost: np.ndarray) -> float:
-    """Σ_j max_r cost(r, j) of a grid."""
-    m = len(grid[0])
-    return sum(max(float(cost[row[j]].sum()) for row in grid) for j in range(m))
+    """Σ_j max_r cost(r, j) of a grid (`metrics.lockstep_cost`)."""
+    return metrics.lockstep_cost(metrics.grid_costs(grid, cost))
 
 
 def _rank_first_grid(
@@ -359,22 +366,35 @@ def _rank_first_grid(
     min_m = max(1, max(-(-t // cap) for t in per_rank_tokens))
     ffds = [ffd(length[o], cap) for o in orders]
     ffd_m = max(1, max(b for _, b in ffds))
-    for m in range(min_m, ffd_m + 1):
-        if ffd_only:
-            continue
-        packed = [pack_balanced(cost[o], length[o], cap, m) for o in orders]
-        if all(p is not None for p in packed):
-            break
-    else:  # balanced packing needs more room than FFD (or was not asked for): FFD's bins
-        m = ffd_m
-        packed = [lab for lab, _ in ffds]
+    m, packed = ffd_m, [labels for labels, _ in ffds]  # FFD's bins, unless balanced fits
+    if not ffd_only:
+        balanced = _pack_ranks_balanced(cost, length, orders, cap, min_m, ffd_m)
+        if balanced is not None:
+            m, packed = balanced
     grid: Grid = []
     for o, labels in zip(orders, packed, strict=True):
-        assert labels is not None
         members = _members(labels, o, m)
         bin_cost = np.bincount(labels, weights=cost[o], minlength=m)
         grid.append([members[int(b)] for b in np.argsort(-bin_cost, kind="stable")])
     return grid, ffd_m, min_m
+
+
+def _pack_ranks_balanced(
+    cost: np.ndarray,
+    length: np.ndarray,
+    orders: list[np.ndarray],
+    cap: int,
+    min_m: int,
+    max_m: int,
+) -> tuple[int, list[np.ndarray]] | None:
+    """The fewest bins per rank, from ``min_m`` to ``max_m``, into which balanced packing fits
+    every rank's samples (``orders[r]``, longest first), with each rank's bin labels; ``None``
+    if it fits none of them (balanced packing can need more room than FFD)."""
+    for m in range(min_m, max_m + 1):
+        packed = [pack_balanced(cost[o], length[o], cap, m) for o in orders]
+        if all(p is not None for p in packed):
+            return m, cast(list[np.ndarray], packed)
+    return None
 
 
 def _fixed_grid(cost: np.ndarray, dp: int, size: int) -> tuple[Grid, list[tuple[int, int]]]:

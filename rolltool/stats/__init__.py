@@ -8,9 +8,9 @@
     render.py       rich tables of either report
     plot.py         a one-page matplotlib figure (optional extra ``plot``, imported lazily)
 
-``compute_stats(paths)`` picks the reader: one directory holding ``manifest.json`` is a packed
-run; anything else (Parquet files, directories, globs) is rollout Parquet. Nothing here imports
-torch.
+``compute_stats(paths)`` picks the reader: one directory written by ``rolltool pack``
+(`rolltool.format.is_packed_dir`) is a packed run; anything else (Parquet files, directories,
+globs) is rollout Parquet. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from rolltool.errors import RolltoolError
+from rolltool.format import MANIFEST, Manifest, is_packed_dir
 from rolltool.stats.accumulate import Moments, Stats, ValueCounts
 from rolltool.stats.packed import packed_stats
 from rolltool.stats.rollouts import HINT, rollout_stats
@@ -29,16 +30,19 @@ __all__ = [
     "Stats",
     "ValueCounts",
     "compute_stats",
-    "is_packed",
     "packed_stats",
     "rollout_stats",
 ]
 
 
-def is_packed(path: str | Path) -> bool:
-    """A directory written by ``rolltool pack`` (it holds ``manifest.json``)."""
-    p = Path(path)
-    return p.is_dir() and (p / "manifest.json").is_file()
+def _is_packed(path: str) -> bool:
+    """A directory written by ``rolltool pack``; one holding another ``manifest.json`` is an
+    error saying why it is not (never read as rollout Parquet)."""
+    if is_packed_dir(path):
+        return True
+    if (Path(path) / MANIFEST).is_file():
+        Manifest.load(path)  # raises: not rolltool's format, or not a version it reads
+    return False
 
 
 def compute_stats(
@@ -54,7 +58,7 @@ def compute_stats(
     ``limit``: the first N rows of rollout Parquet, or the first N steps of a packed run;
     ``step``: one step of a packed run; ``columns``: ``--column NEW=OLD`` pairs (rollouts).
     """
-    packed = [p for p in paths if is_packed(p)]
+    packed = [p for p in paths if _is_packed(p)]
     if packed:
         if len(paths) > 1:
             raise RolltoolError(

@@ -23,6 +23,8 @@ of rank r's micro-batch j:
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +32,8 @@ import numpy as np
 import polars as pl
 
 from rolltool.errors import RolltoolError
-from rolltool.partition import plan_step
+from rolltool.format import Manifest, StepRecord
+from rolltool.partition import metrics, plan_step
 from rolltool.reader import open_packed
 from rolltool.stats.accumulate import Stats, ValueCounts, percentiles
 from rolltool.workload import Workload, make_workload
@@ -69,23 +72,13 @@ ACROSS = (
 
 
 def balance_figures(tokens: np.ndarray, costs: np.ndarray, align: str) -> dict[str, Any]:
-    """Imbalance, lockstep overhead and step cost of a ``[R, M]`` grid (see the module doc)."""
-    out: dict[str, Any] = {"rank_imbalance": {}, "lockstep_overhead": {}}
-    r = tokens.shape[0]
-    for name, x in (("tokens", tokens.astype(np.float64)), ("cost", costs)):
-        total = float(x.sum())
-        if not x.size or total <= 0:
-            out["rank_imbalance"][name] = out["lockstep_overhead"][name] = 1.0
-            continue
-        out["rank_imbalance"][name] = float(x.sum(axis=1).max()) / (total / r)
-        out["lockstep_overhead"][name] = float(x.max(axis=0).sum()) / (total / r)
-    if not costs.size:
-        out["step_cost"] = 0.0
-    elif align == "total":
-        out["step_cost"] = float(costs.sum(axis=1).max())
-    else:
-        out["step_cost"] = float(costs.max(axis=0).sum())
-    return out
+    """Imbalance, lockstep overhead and step cost of a ``[R, M]`` grid (`partition.metrics`)."""
+    grids = {"tokens": tokens.astype(np.float64), "cost": costs}
+    return {
+        "rank_imbalance": {k: metrics.imbalance(x) for k, x in grids.items()},
+        "lockstep_overhead": {k: metrics.lockstep_overhead(x) for k, x in grids.items()},
+        "step_cost": metrics.step_cost(costs, align),
+    }
 
 
 def _grid(frame: pl.DataFrame, dp: int, m: int, workload: Workload) -> tuple[np.ndarray, ...]:
@@ -102,111 +95,134 @@ def _grid(frame: pl.DataFrame, dp: int, m: int, workload: Workload) -> tuple[np.
 
 
 def _alternative(
-    lengths: np.ndarray,
-    kind: str,
-    config: dict[str, Any],
-    dp: int,
-    workload: Workload,
-    chosen: float,
+    lengths: np.ndarray, kind: str, step: StepRecord, workload: Workload, chosen: float
 ) -> dict[str, Any] | None:
-    """The step re-planned balancing ``kind`` (tokens or count), priced with ``workload``."""
+    """The step re-planned balancing ``kind`` (tokens or count) with the step's own plan
+    settings (dp, budget, alignment), priced with ``workload``."""
+    plan = step.plan
     try:
-        plan = plan_step(
+        alt = plan_step(
             lengths,
-            dp=dp,
-            max_tokens=config.get("micro_batch_tokens"),
-            micro_batch_size=config.get("micro_batch_size"),
+            dp=len(step.ranks),
+            max_tokens=plan.max_tokens,
+            micro_batch_size=plan.micro_batch_size,
             workload=make_workload(kind),
-            equal_count=bool(config.get("equal_count")),
-            align=config.get("align") or "lockstep",
+            equal_count=plan.equal_count,
+            align=plan.align,
         )
     except RolltoolError:
         return None
-    costs = np.array(
-        [[float(workload.cost(lengths[mb]).sum()) for mb in row] for row in plan.micro_batches]
-    ).reshape(dp, plan.num_micro_batches)
-    fig = balance_figures(plan.tokens, costs, config.get("align") or "lockstep")
+    costs = metrics.grid_costs(alt.micro_batches, workload.cost(lengths))
+    fig = balance_figures(alt.tokens, costs, plan.align)
     fig["step_cost_vs_chosen"] = fig["step_cost"] / chosen if chosen > 0 else None
-    return {"micro_batches_per_rank": plan.num_micro_batches, **fig}
+    return {"micro_batches_per_rank": alt.num_micro_batches, **fig}
+
+
+def _counts(step: StepRecord) -> dict[str, Any]:
+    """The step's counts and each env's, with its shares of tokens and of the loss weight."""
+    out: dict[str, Any] = {
+        "step": step.step,
+        "status": step.status,
+        "nominal": step.nominal,
+        "actual": step.actual,
+        **{k: getattr(step, k) for k in (*COUNTS, "reward_mean")},
+        "advantage_mean": step.advantage_mean,
+        "advantage_std": step.advantage_std,
+    }
+    weight = step.loss_weight_sum
+    out["envs"] = {
+        env: {
+            **{k: getattr(e, k) for k in (*COUNTS, "reward_mean")},
+            "token_share": e.sampled_tokens / step.sampled_tokens if step.sampled_tokens else None,
+            "loss_weight_sum": e.loss_weight_sum,
+            "loss_weight_share": e.loss_weight_sum / weight if weight else None,
+        }
+        for env, e in step.envs.items()
+    }
+    return out
+
+
+def _rows(step: StepRecord, tokens: np.ndarray, per_row: int) -> dict[str, Any]:
+    """Rows, their tokens with and without padding, capacity and fill (see the module doc)."""
+    rows = sum(f.rows for r in step.ranks for f in r.files)
+    row_tokens = sum(r.tokens for r in step.ranks)
+    real_tokens = sum(r.real_tokens for r in step.ranks)
+    capacity = rows * per_row
+    fill = tokens.ravel() / per_row if per_row else np.zeros(tokens.size)
+    return {
+        "micro_batches_per_rank": step.plan.micro_batches_per_rank,
+        "ffd_micro_batches": step.plan.ffd_micro_batches,
+        "empty_micro_batches": int((tokens == 0).sum()),
+        "rows": rows,
+        "row_tokens": row_tokens,
+        "real_tokens": real_tokens,
+        "padding_tokens": row_tokens - real_tokens,
+        "padding_fraction": (row_tokens - real_tokens) / row_tokens if row_tokens else 0.0,
+        "row_capacity": capacity,
+        "packing_efficiency": real_tokens / capacity if capacity else None,
+        "fill_histogram": np.histogram(np.clip(fill, 0.0, 1.0), bins=FILL_BINS)[0].tolist(),
+    }
 
 
 def step_stats(
-    meta: dict[str, Any],
+    step: StepRecord,
     frame: pl.DataFrame,
     *,
-    config: dict[str, Any],
-    dp: int,
+    row_len: int | None,
     workload: Workload,
     alternatives: bool = True,
 ) -> dict[str, Any]:
-    """One step's figures from its manifest entry and its trained samples (``frame``)."""
-    plan = meta.get("plan") or {}
-    m = int(plan.get("micro_batches_per_rank", meta["ranks"][0]["micro_batches"]))
-    out: dict[str, Any] = {
-        k: meta.get(k) for k in ("step", "status", "nominal", "actual", *COUNTS, "reward_mean")
-    }
-    out["advantage_mean"] = meta.get("advantage_mean")
-    out["advantage_std"] = meta.get("advantage_std")
-    weight = float(meta.get("loss_weight_sum") or 0.0)
-    envs = {}
-    for env, e in meta.get("envs", {}).items():
-        envs[env] = {k: e.get(k) for k in (*COUNTS, "reward_mean")}
-        envs[env]["token_share"] = (
-            e["sampled_tokens"] / meta["sampled_tokens"] if meta["sampled_tokens"] else None
-        )
-        envs[env]["loss_weight_sum"] = e.get("loss_weight_sum")
-        envs[env]["loss_weight_share"] = e["loss_weight_sum"] / weight if weight else None
-    out["envs"] = envs
+    """One step's figures from its manifest record and its trained samples (``frame``).
 
-    ranks = meta["ranks"]
-    rows = sum(f["rows"] for r in ranks for f in r["files"])
-    row_tokens = sum(int(r["tokens"]) for r in ranks)
-    real_tokens = sum(int(r["real_tokens"]) for r in ranks)
+    ``row_len``: the run's ``--row-len`` (None without); a row's capacity is that, else the
+    micro-batch token budget, else the step's longest micro-batch.
+    """
+    dp, m = len(step.ranks), step.plan.micro_batches_per_rank
     tokens, costs = _grid(frame, dp, m, workload)
-    per_row = (
-        config.get("row_len") or config.get("micro_batch_tokens") or int(tokens.max(initial=0))
-    )
-    capacity = rows * per_row
-    fill = tokens.ravel() / per_row if per_row else np.zeros(tokens.size)
-    hist = np.histogram(np.clip(fill, 0.0, 1.0), bins=FILL_BINS)[0]
-    align = config.get("align") or "lockstep"
-    fig = balance_figures(tokens, costs, align)
-    out.update(
-        {
-            "micro_batches_per_rank": m,
-            "ffd_micro_batches": plan.get("ffd_micro_batches"),
-            "empty_micro_batches": int((tokens == 0).sum()),
-            "rows": rows,
-            "row_tokens": row_tokens,
-            "real_tokens": real_tokens,
-            "padding_tokens": row_tokens - real_tokens,
-            "padding_fraction": (row_tokens - real_tokens) / row_tokens if row_tokens else 0.0,
-            "row_capacity": capacity,
-            "packing_efficiency": real_tokens / capacity if capacity else None,
-            "fill_histogram": hist.tolist(),
-            **fig,
-        }
-    )
+    per_row = row_len or step.plan.max_tokens or int(tokens.max(initial=0))
+    fig = balance_figures(tokens, costs, step.plan.align)
+    out = {**_counts(step), **_rows(step, tokens, per_row), **fig}
     if alternatives:
         lengths = frame["length"].to_numpy()
         out["alternatives"] = {
-            kind: _alternative(lengths, kind, config, dp, workload, fig["step_cost"])
+            kind: _alternative(lengths, kind, step, workload, fig["step_cost"])
             for kind in ALTERNATIVES
         }
     out["ranks"] = [
         {
             "rank": i,
-            "micro_batches": int(r["micro_batches"]),
-            "samples": int(r["samples"]),
-            "row_tokens": int(r["tokens"]),
-            "real_tokens": int(r["real_tokens"]),
+            "micro_batches": r.micro_batches,
+            "samples": r.samples,
+            "row_tokens": r.tokens,
+            "real_tokens": r.real_tokens,
             "cost": float(costs[i].sum()),
             "micro_batch_tokens": tokens[i].tolist(),
             "micro_batch_cost": costs[i].tolist(),
         }
-        for i, r in enumerate(ranks)
+        for i, r in enumerate(step.ranks)
     ]
     return out
+
+
+def env_totals(steps: Sequence[StepRecord]) -> dict[str, dict[str, Any]]:
+    """Per env, in order of first appearance: the counts and loss-weight sum summed over
+    ``steps``, with the env's share of the sampled tokens and of the loss weight.
+
+    The one implementation of per-env run totals (the pack report and ``stats`` both use it).
+    """
+    keys = (*COUNTS, "loss_weight_sum")
+    sampled = sum(s.sampled_tokens for s in steps)
+    envs: dict[str, dict[str, Any]] = {}
+    for s in steps:
+        for env, e in s.envs.items():
+            acc = envs.setdefault(env, dict.fromkeys(keys, 0))
+            for k in keys:
+                acc[k] += getattr(e, k)
+    weight = sum(sum(e.loss_weight_sum for e in s.envs.values()) for s in steps)
+    for t in envs.values():
+        t["token_share"] = t["sampled_tokens"] / sampled if sampled else None
+        t["loss_weight_share"] = t["loss_weight_sum"] / weight if weight else None
+    return envs
 
 
 def _get(d: dict[str, Any], dotted: str) -> Any:
@@ -215,8 +231,9 @@ def _get(d: dict[str, Any], dotted: str) -> Any:
     return d
 
 
-def _totals(steps: list[dict[str, Any]]) -> dict[str, Any]:
-    """Sums over steps, overall and per env, with run-wide ratios."""
+def _totals(steps: list[dict[str, Any]], records: Sequence[StepRecord]) -> dict[str, Any]:
+    """Sums over steps (``steps``: their figures, ``records``: the same steps' manifest
+    records), overall and per env, with run-wide ratios."""
     t: dict[str, Any] = {k: sum(int(s[k] or 0) for s in steps) for k in COUNTS}
     for k in ("rows", "row_tokens", "real_tokens", "padding_tokens", "row_capacity"):
         t[k] = sum(int(s[k]) for s in steps)
@@ -229,19 +246,7 @@ def _totals(steps: list[dict[str, Any]]) -> dict[str, Any]:
         got = [(s.get("alternatives") or {}).get(kind) for s in steps]
         if got and all(g is not None for g in got):
             t["balance"][kind] = _balance_totals(got, t["step_cost"])  # type: ignore[arg-type]
-    weight = sum(sum(e["loss_weight_sum"] or 0.0 for e in s["envs"].values()) for s in steps)
-    envs: dict[str, Any] = {}
-    for s in steps:
-        for env, e in s["envs"].items():
-            acc = envs.setdefault(env, dict.fromkeys((*COUNTS, "loss_weight_sum"), 0))
-            for k in (*COUNTS, "loss_weight_sum"):
-                acc[k] += e[k] or 0
-    for e in envs.values():
-        e["token_share"] = (
-            e["sampled_tokens"] / t["sampled_tokens"] if t["sampled_tokens"] else None
-        )
-        e["loss_weight_share"] = e["loss_weight_sum"] / weight if weight else None
-    t["envs"] = envs
+    t["envs"] = env_totals(records)
     return t
 
 
@@ -291,46 +296,30 @@ def packed_stats(
     ``selected_step``; ``steps`` always lists every step read).
     """
     ds = open_packed(path)
-    manifest = ds.raw
-    if limit is not None and limit < 1:
-        raise RolltoolError(f"--limit must be at least 1, got {limit}")
-    n_steps = ds.num_steps if limit is None else min(limit, ds.num_steps)
-    if not n_steps:
-        raise RolltoolError(f"{ds.path}: the packed run has no steps")
-    if step is not None and not 0 <= step < n_steps:
-        raise RolltoolError(f"--step {step} out of range (the run has {n_steps} steps)")
-    config = manifest.get("config", {})
-    workload = Workload.from_dict(manifest["workload"])
+    manifest = ds.manifest
+    n_steps = _steps_read(ds.path, manifest.num_steps, step, limit)
+    workload = Workload.from_dict(manifest.workload)
     samples = read_samples(ds.path)
     by_step = samples.partition_by("step", as_dict=True)
     empty = samples.clear()
+    records = manifest.steps[:n_steps]
+    row_len = manifest.config.get("row_len")
     steps = [
-        step_stats(
-            manifest["steps"][s],
-            by_step.get((s,), empty),
-            config=config,
-            dp=ds.dp,
-            workload=workload,
-            alternatives=alternatives,
-        )
-        for s in range(n_steps)
-    ]
+        step_stats(r, by_step.get((r.step,), empty), row_len=row_len, workload=workload,
+                   alternatives=alternatives)
+        for r in records
+    ]  # fmt: skip
     across = {k: percentiles(np.array([_get(s, k) for s in steps], dtype=object)) for k in ACROSS}
     report = {
         "kind": "packed",
         "path": str(ds.path),
-        "dp": ds.dp,
-        "num_steps": ds.num_steps,
+        "dp": manifest.dp,
+        "num_steps": manifest.num_steps,
         "steps_read": n_steps,
-        "config": {
-            k: config.get(k)
-            for k in ("balance", "align", "micro_batch_tokens", "micro_batch_size", "row_len")
-        }
-        | {"batch_unit": config.get("steps", {}).get("batch_unit")}
-        | {"batch_size": config.get("steps", {}).get("batch_size")},
+        "config": _settings(manifest),
         "workload": {"kind": workload.kind, "describe": workload.describe()},
-        "samples": manifest.get("samples", {}),
-        "totals": _totals(steps),
+        "samples": dataclasses.asdict(manifest.samples),
+        "totals": _totals(steps, records),
         "across_steps": across,
         "selected_step": step,
         "steps": steps,
@@ -342,3 +331,27 @@ def packed_stats(
         )
     }
     return Stats(report=report, lengths=lengths)
+
+
+def _steps_read(path: Path, num_steps: int, step: int | None, limit: int | None) -> int:
+    """How many steps to read (``--limit``), checking ``--step`` against them."""
+    if limit is not None and limit < 1:
+        raise RolltoolError(f"--limit must be at least 1, got {limit}")
+    n_steps = num_steps if limit is None else min(limit, num_steps)
+    if not n_steps:
+        raise RolltoolError(f"{path}: the packed run has no steps")
+    if step is not None and not 0 <= step < n_steps:
+        raise RolltoolError(f"--step {step} out of range (the run has {n_steps} steps)")
+    return n_steps
+
+
+def _settings(manifest: Manifest) -> dict[str, Any]:
+    """The pack settings the report shows (from the manifest's recorded config)."""
+    config = manifest.config
+    steps = config.get("steps") or {}
+    return {
+        **{k: config.get(k) for k in ("balance", "align", "micro_batch_tokens",
+                                      "micro_batch_size", "row_len")},
+        "batch_unit": steps.get("batch_unit"),
+        "batch_size": steps.get("batch_size"),
+    }  # fmt: skip
