@@ -18,7 +18,8 @@ kind           coefficients                         meaning
 N counts the parameters that take part in a matmul per token: the transformer blocks plus the
 output projection (the embedding lookup is not a matmul). The attention term is the causal half
 of ``12·layers·L²·heads·head_dim`` (QKᵀ and AV, forward and backward); with ``heads·head_dim ==
-hidden`` it is the ``6·layers·hidden·L²`` of the usual formula.
+hidden`` it is the ``6·layers·hidden·L²`` of the usual formula. ``flops_coefficients`` is the
+one place this is written: ``rolltool bench`` counts the FLOPs it times with it too.
 
 Example, the ``dense-7b`` preset at L = 4,096 tokens::
 
@@ -48,9 +49,41 @@ __all__ = [
     "WORKLOADS",
     "ModelShape",
     "Workload",
+    "flops_coefficients",
     "load_model_config",
     "make_workload",
 ]
+
+MATMUL_FLOPS = 2.0
+"""Forward FLOPs per matmul weight per token: one multiply-add."""
+
+CAUSAL_ATTENTION_FLOPS = 2.0
+"""Forward FLOPs per token² per unit of ``heads·head_dim`` per layer: QKᵀ and AV are L²·head_dim
+multiply-adds each per head (4·L²·head_dim FLOPs), halved by the causal mask. A FLOP counter
+that counts the full square overstates causal work 2x."""
+
+BACKWARD_FACTOR = 2.0
+"""Backward FLOPs / forward FLOPs, matmuls and attention alike: the gradients of a product's
+two inputs (activations and weights; for attention Q and K, then the scores and V) cost a forward
+product each. These are model FLOPs: FlashAttention's backward also recomputes the scores (2.5x
+forward for attention), work the kernel chooses to redo, not work the model needs."""
+
+
+def flops_coefficients(
+    *, matmul_params: float, attention_width: int, layers: int, backward: bool = True
+) -> tuple[float, float]:
+    """``(a, b)``: FLOPs per token and per token² of a dense decoder, cost(L) = a·L + b·L².
+
+    ``matmul_params``: weights used in a matmul once per token (all layers; the output
+    projection too if counted); ``attention_width``: heads·head_dim; ``layers``: attention layers.
+    Forward only, or forward and backward (1 + ``BACKWARD_FACTOR`` = 3x forward).
+    Example, one layer of 9,216 matmul weights, 2 heads of 16, with backward:
+    ``(2 · 3 · 9216, 2 · 3 · 32) = (55296.0, 192.0)``.
+    """
+    passes = 1.0 + (BACKWARD_FACTOR if backward else 0.0)
+    a = MATMUL_FLOPS * passes * matmul_params
+    b = CAUSAL_ATTENTION_FLOPS * passes * layers * attention_width
+    return a, b
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -241,6 +274,27 @@ def _read_json(p: Path, what: str) -> Any:
         raise RolltoolError(f"cannot read {what} {p}: {e}") from None
 
 
+def _pick(
+    raw: Mapping[str, Any], p: Path, *names: str, default: int | None = None
+) -> tuple[int, str]:
+    """The first of ``names`` in the config, as a positive integer, and the name it had."""
+    for name in names:
+        value = raw.get(name)
+        if value is None:
+            continue
+        if not (_is_number(value) and math.isfinite(value) and value == int(value)) or value < 1:
+            raise RolltoolError(
+                f"model config {p}: {name!r} must be a positive integer, got {value!r}"
+            )
+        return int(value), name
+    if default is None:
+        raise RolltoolError(
+            f"model config {p} has no {names[-1]!r}",
+            hint="a Hugging Face config.json of a dense decoder-only model has all needed keys",
+        )
+    return default, names[-1]
+
+
 def load_model_config(path: str | Path) -> ModelShape:
     """Read a model shape from a JSON config; the keys of a Hugging Face ``config.json`` work.
 
@@ -270,30 +324,9 @@ def load_model_config(path: str | Path) -> ModelShape:
                 "--balance tokens",
             )
 
-    def pick(*names: str, default: int | None = None) -> tuple[int, str]:
-        for name in names:
-            value = raw.get(name)
-            if value is None:
-                continue
-            if not (_is_number(value) and math.isfinite(value) and value == int(value)):
-                raise RolltoolError(
-                    f"model config {p}: {name!r} must be a positive integer, got {value!r}"
-                )
-            if value < 1:
-                raise RolltoolError(
-                    f"model config {p}: {name!r} must be a positive integer, got {value!r}"
-                )
-            return int(value), name
-        if default is None:
-            raise RolltoolError(
-                f"model config {p} has no {names[-1]!r}",
-                hint="a Hugging Face config.json of a dense decoder-only model has all needed keys",
-            )
-        return default, names[-1]
-
-    hidden, hidden_key = pick("hidden_size")
-    heads, heads_key = pick("num_heads", "num_attention_heads")
-    head_dim, _ = pick("head_dim", default=0)
+    hidden, hidden_key = _pick(raw, p, "hidden_size")
+    heads, heads_key = _pick(raw, p, "num_heads", "num_attention_heads")
+    head_dim, _ = _pick(raw, p, "head_dim", default=0)
     if head_dim == 0 and hidden % heads:
         raise RolltoolError(
             f"model config {p}: {hidden_key!r} ({hidden}) is not a multiple of {heads_key!r} "
@@ -302,11 +335,11 @@ def load_model_config(path: str | Path) -> ModelShape:
         )
     return ModelShape(
         hidden_size=hidden,
-        num_layers=pick("num_layers", "num_hidden_layers")[0],
+        num_layers=_pick(raw, p, "num_layers", "num_hidden_layers")[0],
         num_heads=heads,
-        num_kv_heads=pick("num_kv_heads", "num_key_value_heads", default=heads)[0],
-        intermediate_size=pick("intermediate_size")[0],
-        vocab_size=pick("vocab_size")[0],
+        num_kv_heads=_pick(raw, p, "num_kv_heads", "num_key_value_heads", default=heads)[0],
+        intermediate_size=_pick(raw, p, "intermediate_size")[0],
+        vocab_size=_pick(raw, p, "vocab_size")[0],
         head_dim=head_dim,
     )
 
@@ -322,13 +355,12 @@ def _flops(model: str | None = None, calibration: str | Path | None = None) -> W
         shape = load_model_config(name)
     else:
         raise RolltoolError(f"unknown model {name!r}", hint=presets_hint)
-    return Workload(
-        kind="flops",
-        a=6.0 * shape.matmul_params,
-        b=6.0 * shape.num_layers * shape.attention_width,
-        source=name,
-        model=shape,
+    a, b = flops_coefficients(
+        matmul_params=shape.matmul_params,
+        attention_width=shape.attention_width,
+        layers=shape.num_layers,
     )
+    return Workload(kind="flops", a=a, b=b, source=name, model=shape)
 
 
 def _fixed(kind: str, a: float = 0.0, b: float = 0.0, c: float = 0.0) -> Callable[..., Workload]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 import numpy as np
 import pytest
@@ -38,6 +39,40 @@ def test_flops_formula_by_hand() -> None:
     expected = 6.0 * params * lengths + 6.0 * layers * h * lengths.astype(float) ** 2
     np.testing.assert_allclose(w.cost(lengths), expected, rtol=1e-12)
     assert w.cost(lengths).dtype == np.float64
+
+
+@pytest.mark.parametrize("name", ["dense-0.5b", "dense-7b", "dense-8b"])
+def test_bench_counts_the_flops_of_the_flops_workload(name: str) -> None:
+    """Defect 8: bench's FLOP count (the TFLOP/s it reports) and the ``flops`` workload (what
+    pack balances) were 7x and 6x heads·head_dim·L² per layer. One formula now: a model's layers
+    with backward, plus its output projection (2 FLOPs x 3 passes per weight and token, written
+    out here), are exactly the workload's cost, and attention alone is its L² term."""
+    from rolltool.bench import report as rp
+    from rolltool.bench.config import resolve_shape
+
+    layer, _ = resolve_shape(model=name)
+    model = MODEL_PRESETS[name]
+    w = make_workload("flops", model=name)
+    kw: dict[str, Any] = {
+        "heads": layer.heads,
+        "head_dim": layer.head_dim,
+        "layers": model.num_layers,
+    }
+    for n in (1, 700, 4096, 32_768):
+        bench = rp.layer_flops(
+            np.array([n]), matmul_params=layer.matmul_params, **kw, backward=True
+        )
+        output_projection = 2 * 3 * model.hidden_size * model.vocab_size * n
+        assert bench + output_projection == pytest.approx(w.cost(np.array([n]))[0], rel=1e-12)
+        assert rp.attention_flops(np.array([n]), **kw, backward=True) == pytest.approx(w.b * n * n)
+        # forward alone is a third of it, matmuls and attention alike
+        assert rp.layer_flops(
+            np.array([n]), matmul_params=layer.matmul_params, **kw
+        ) == pytest.approx(bench / 3, rel=1e-12)
+    # by hand: 2 heads of 1, two segments (3 and 4 tokens, Σ L² = 25), two layers, backward
+    assert rp.attention_flops(np.array([3, 4]), heads=2, head_dim=1, layers=2, backward=True) == (
+        2 * 25 * 2 * 2 * 3
+    )
 
 
 def test_default_is_flops_of_the_7b_preset() -> None:

@@ -15,6 +15,11 @@ efficiency         ideal / actual                1.0 = no rank ever waits
 
 Example: dp = 2, rank 0 takes (3, 1) s, rank 1 takes (1, 3) s. dp_time = max(4, 4) = 4,
 lockstep_time = max(3, 1) + max(1, 3) = 6, ideal = 8 / 2 = 4: dp efficiency 1.0, lockstep 0.67.
+These are `rolltool.partition.metrics`' ``dp_cost``, ``lockstep_cost`` and ``ideal`` of the
+measured grid, the figures ``stats`` and the planner compute from the workload's cost.
+
+FLOPs are counted with `rolltool.workload.flops_coefficients`, the formula of the ``flops``
+workload pack balances on, so a FLOP here is the same FLOP there.
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
+from rolltool.partition import metrics
+from rolltool.workload import flops_coefficients
 
 TIME_KEYS = ("dp_time", "lockstep_time", "ideal_time")
 
@@ -43,8 +51,10 @@ def step_times(
         m = int(micro_batch[sel].max()) + 1
         t = np.zeros((dp, m))
         np.add.at(t, (rank[sel], micro_batch[sel]), seconds[sel])
-        result.append(_figures({"step": int(s), "micro_batches_per_rank": m}, t.sum(1).max(),
-                               t.max(0).sum(), t.sum() / dp))  # fmt: skip
+        head = {"step": int(s), "micro_batches_per_rank": m}
+        result.append(
+            _figures(head, metrics.dp_cost(t), metrics.lockstep_cost(t), metrics.ideal(t))
+        )
     return result
 
 
@@ -68,16 +78,18 @@ def _figures(head: dict[str, Any], dp_time: float, lockstep: float, ideal: float
 def attention_flops(
     lengths: np.ndarray, *, heads: int, head_dim: int, layers: int = 1, backward: bool = False
 ) -> float:
-    """Causal attention FLOPs of segments of ``lengths`` tokens.
+    """Causal attention FLOPs of segments of ``lengths`` tokens: b·Σ L² with the ``flops``
+    workload's b (`rolltool.workload.flops_coefficients`).
 
-    Forward per sequence: QKᵀ and AV are 2·L²·head_dim·heads multiply-adds each, 4·L²·head_dim·
-    heads FLOPs, halved by the causal mask; backward is 2.5x forward. A FLOP counter would count
-    the full square and overstate causal work 2x. Example: L = 1,024, 32 heads of 128, forward:
-    2 · 1024² · 128 · 32 = 8.6 GFLOP.
+    Forward per sequence: QKᵀ and AV, 2·L²·head_dim·heads FLOPs after the causal mask; backward
+    2x forward (model FLOPs: FlashAttention's recomputation of the scores is not counted).
+    Example: L = 1,024, 32 heads of 128, forward: 2 · 1024² · 128 · 32 = 8.6 GFLOP.
     """
+    _, b = flops_coefficients(
+        matmul_params=0, attention_width=heads * head_dim, layers=layers, backward=backward
+    )
     length = np.asarray(lengths, dtype=np.float64)
-    forward = 2.0 * float(np.sum(length * length)) * head_dim * heads
-    return forward * layers * (3.5 if backward else 1.0)
+    return b * float(np.sum(length * length))
 
 
 def layer_flops(
@@ -89,23 +101,25 @@ def layer_flops(
     layers: int = 1,
     backward: bool = False,
 ) -> float:
-    """FLOPs of ``layers`` dense decoder layers over segments of ``lengths`` tokens.
+    """FLOPs of ``layers`` dense decoder layers over segments of ``lengths`` tokens: a·T + b·Σ L²
+    with the ``flops`` workload's coefficients (`rolltool.workload.flops_coefficients`).
 
     Matmuls: every token multiplies every matmul weight once, 2·T·``matmul_params`` forward;
-    backward computes the input's and the weights' gradients, 2x forward (3x in all). Attention:
-    the causal FLOPs of ``attention_flops`` (3.5x forward with backward). Norms, SiLU and
-    residual adds are not counted (a few FLOPs per element, memory-bound). Per layer this is the
-    ``flops`` workload's 6·N·L + 6·heads·head_dim·L² with backward, N the layer's matmul
-    parameters (the workload also counts the output projection to the vocabulary, once per model).
-    Example, dense-7b (N = 233.0 M), one sequence of 4,096 tokens, forward: 2 · 4096 · 233.0 M
-    + 2 · 4096² · 128 · 28 = 1.909 + 0.120 = 2.03 TFLOP.
+    attention: the causal FLOPs of ``attention_flops``; backward 2x forward for both (3x in all).
+    Norms, SiLU and residual adds are not counted (a few FLOPs per element, memory-bound). With
+    backward, all layers of a model plus its output projection (h·vocab, once per model) are
+    exactly the ``flops`` workload's cost. Example, dense-7b (N = 233.0 M per layer), one
+    sequence of 4,096 tokens, forward: 2 · 4096 · 233.0 M + 2 · 4096² · 128 · 28 = 1.909 + 0.120
+    = 2.03 TFLOP.
     """
-    tokens = float(np.sum(np.asarray(lengths, dtype=np.float64)))
-    matmul = 2.0 * tokens * matmul_params * layers * (3.0 if backward else 1.0)
-    attn = attention_flops(
-        lengths, heads=heads, head_dim=head_dim, layers=layers, backward=backward
+    a, b = flops_coefficients(
+        matmul_params=matmul_params * layers,
+        attention_width=heads * head_dim,
+        layers=layers,
+        backward=backward,
     )
-    return matmul + attn
+    length = np.asarray(lengths, dtype=np.float64)
+    return a * float(np.sum(length)) + b * float(np.sum(length * length))
 
 
 def peak_tflops(device_name: str, dtype: str) -> float | None:
