@@ -1,9 +1,11 @@
-"""`rolltool verify` is independent and exact: hash-consistent tampering is caught.
+"""`rolltool verify` is independent and exact: hash-consistent tampering is caught, once.
 
 Each tampering edits shard tensors and/or samples.parquet and then rewrites the manifest's sha256
 and size, so hashes cannot tell: only cross-checks between the shards, samples.parquet, the
-manifest, the aggregation formula and the input can. An untouched pack passes under every loss
-aggregation and layout option.
+manifest, the aggregation formula and the input can. Each test asserts exactly which problem
+kinds are reported (one defect, one problem where the defect is one fact). An untouched pack
+passes under every loss aggregation and layout option. One test per invariant is in
+test_verify_invariants.py; finding the input and malformed manifests in test_verify_input.py.
 """
 
 from __future__ import annotations
@@ -15,17 +17,24 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from pack_helpers import cli, pack
+from verify_helpers import (
+    ARGS,
+    Arrays,
+    edit_manifest,
+    edit_samples,
+    edit_segment,
+    flip_a_prompt_token,
+    kinds,
+    samples,
+    trained_with_prompt,
+)
 
 from rolltool.loss import LOSS_AGGS
-from rolltool.shards import file_record, read_shard, save_safetensors
 from rolltool.synth import SynthConfig, generate
 from rolltool.verify import verify
-
-ARGS = ("--dp", 2, "--batch-size", 16, "--micro-batch-tokens", 8192)
 
 
 @pytest.fixture(scope="module")
@@ -46,65 +55,6 @@ def out(base: dict[str, Path], tmp_path: Path) -> Path:
     return dst
 
 
-# -- tampering helpers: edit, then make the manifest's hashes agree ----------------------------
-
-
-def _rehash(out: Path, name: str) -> None:
-    manifest = json.loads((out / "manifest.json").read_text())
-    manifest["files"][name] = file_record(out / name)
-    (out / "manifest.json").write_text(json.dumps(manifest))
-
-
-def _edit_manifest(out: Path, edit: Callable[[dict[str, Any]], None]) -> None:
-    manifest = json.loads((out / "manifest.json").read_text())
-    edit(manifest)
-    (out / "manifest.json").write_text(json.dumps(manifest))
-
-
-def _find(out: Path, i: int) -> tuple[str, int]:
-    """(shard name, segment position in it) of sample i."""
-    for shard in sorted(out.glob("rank-*/step-*.safetensors")):
-        hit = np.flatnonzero(read_shard(shard)["sample_index"] == i)
-        if len(hit):
-            return shard.relative_to(out).as_posix(), int(hit[0])
-    raise AssertionError(f"sample {i} not found")
-
-
-def _edit_segment(
-    out: Path, i: int, edit: Callable[[dict[str, np.ndarray], int, int], None]
-) -> None:
-    """edit(arrays, segment k, first token of k) on sample i's shard, then rehash it."""
-    name, k = _find(out, i)
-    arrays = {key: np.array(v) for key, v in read_shard(out / name).items()}
-    start = int(arrays["seq_lens"][:k].astype(np.int64).sum())
-    edit(arrays, k, start)
-    save_safetensors(out / name, arrays, {})
-    _rehash(out, name)
-
-
-def _edit_samples(out: Path, column: str, edit: Callable[[np.ndarray], None]) -> None:
-    t = pq.read_table(out / "samples.parquet")
-    values = t.column(column).to_numpy().copy()
-    edit(values)
-    t = t.set_column(
-        t.schema.get_field_index(column), column, pa.array(values, t.schema.field(column).type)
-    )
-    pq.write_table(t, out / "samples.parquet")
-    _rehash(out, "samples.parquet")
-
-
-def _samples(out: Path) -> dict[str, np.ndarray]:
-    t = pq.read_table(out / "samples.parquet")
-    return {c: np.asarray(t.column(c).to_pylist()) for c in t.column_names}
-
-
-def _trained_with_prompt(out: Path) -> int:
-    """A trained sample with an untrained (prompt) token."""
-    s = _samples(out)
-    ok = np.flatnonzero((s["status"] == "trained") & (s["trainable_tokens"] < s["length"]))
-    return int(ok[0])
-
-
 def _run(out: Path, *args: Any) -> str:
     result = cli("verify", out, *args)
     assert "Traceback" not in result.stdout + result.stderr
@@ -113,67 +63,65 @@ def _run(out: Path, *args: Any) -> str:
     return result.stdout
 
 
-def _flip_a_prompt_token(out: Path, i: int) -> None:
-    def edit(a: dict[str, np.ndarray], k: int, start: int) -> None:
-        t = start + int(np.flatnonzero(a["loss_mask"][start:] == 0)[0])
-        a["loss_mask"][t] = 1
-
-    _edit_segment(out, i, edit)
-
-
 # -- tampering ----------------------------------------------------------------------------------
 
 
 def test_untouched_pack_passes_and_is_compared_with_its_input(out: Path) -> None:
     result = cli("verify", out)
     assert result.exit_code == 0, result.stdout
-    assert "compared with the input" in result.stdout
+    assert "compared with the input" in result.stdout and not result.stderr
     report = verify(out)
-    assert report["ok"] and report["checked"]["input_samples"] == report["checked"]["segments"]
-    assert "input_samples" not in verify(out, recorded_inputs=False)["checked"]
+    assert report["ok"] and report["input"] == "compared"
+    assert report["checked"]["input_samples"] == report["checked"]["segments"] > 0
+    skipped = verify(out, recorded_inputs=False)
+    assert skipped["input"] == "skipped" and "input_samples" not in skipped["checked"]
 
 
-def test_a_flipped_loss_mask_token_is_caught(out: Path) -> None:
-    i = _trained_with_prompt(out)
-    _flip_a_prompt_token(out, i)
+def test_a_flipped_loss_mask_token_is_one_problem(out: Path) -> None:
+    i = trained_with_prompt(out)
+    flip_a_prompt_token(out, i)
     text = _run(out, "--no-input")
     assert f"sample {i}: " in text and "samples.parquet trainable_tokens says" in text
-    assert "loss_mask differ from the input at 1 of" in _run(out)
+    # The rows disagree with samples.parquet: reported there, not again against the input.
+    assert kinds(out, recorded_inputs=False) == {"sample.trainable": 1}
+    assert kinds(out) == {"sample.trainable": 1}
 
 
 def test_a_flipped_mask_with_samples_parquet_edited_to_match_is_caught(out: Path) -> None:
-    i = _trained_with_prompt(out)
-    _flip_a_prompt_token(out, i)
+    i = trained_with_prompt(out)
+    flip_a_prompt_token(out, i)
 
     def plus_one(v: np.ndarray) -> None:
         v[i] += 1
 
-    _edit_samples(out, "trainable_tokens", plus_one)
+    edit_samples(out, "trainable_tokens", plus_one)
     text = _run(out, "--no-input")
-    step = int(_samples(out)["step"][i])
-    # T recomputed from samples.parquet no longer matches the manifest; the step's token counts
-    # no longer match the rows' metadata.
+    step = int(samples(out)["step"][i])
+    # T recomputed from samples.parquet no longer matches the step's denominators nor its
+    # trainable-token counts (overall and the sample's env); the rows agree with samples.parquet.
     assert f"step {step}: denominators trainable_tokens" in text
-    assert f"step {step}: " in text and "trainable tokens in the rows, the manifest says" in text
+    assert kinds(out, recorded_inputs=False) == {"step.denominators": 1, "step.counts": 2}
+    assert kinds(out) == {"step.denominators": 1, "step.counts": 2, "input.loss_mask": 1}
 
 
 def test_a_raised_advantage_is_caught(out: Path) -> None:
-    i = _trained_with_prompt(out)
+    i = trained_with_prompt(out)
 
-    def raise_adv(a: dict[str, np.ndarray], k: int, start: int) -> None:
+    def raise_adv(a: Arrays, k: int, start: int) -> None:
         a["seg_advantage"][k] += 5
 
-    _edit_segment(out, i, raise_adv)
-    text = _run(out)
-    assert f"sample {i}: advantage" in text and "samples.parquet says" in text
+    edit_segment(out, i, raise_adv)
+    assert f"sample {i}: advantage" in _run(out)
+    assert kinds(out) == {"sample.advantage": 1}
 
-    # Edited in samples.parquet too: the step's advantage mean no longer matches the manifest.
+    # Edited in samples.parquet too: the step's advantage mean (overall and the sample's env)
+    # no longer matches the manifest.
     def raise5(v: np.ndarray) -> None:
         v[i] += 5
 
-    _edit_samples(out, "advantage", raise5)
-    text = _run(out)
-    assert "advantage_mean of the rows" in text and f"sample {i}: advantage" not in text
+    edit_samples(out, "advantage", raise5)
+    assert "the trained samples have advantage_mean" in _run(out)
+    assert kinds(out) == {"step.advantage": 2}
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum"])
@@ -182,7 +130,7 @@ def test_weight_moved_between_samples_is_caught(
 ) -> None:
     out = tmp_path / "packed"
     pack(base["input"], out, *ARGS, "--loss-agg", agg)
-    s = _samples(out)
+    s = samples(out)
     step0 = np.flatnonzero(
         (s["status"] == "trained") & (s["step"] == 0) & (s["trainable_tokens"] > 0)
     )
@@ -191,44 +139,45 @@ def test_weight_moved_between_samples_is_caught(
     w_i, w_j = float(s["token_loss_weight"][i]), float(s["token_loss_weight"][j])
     new_i = np.float32(w_i + w_j * t_j / t_i)  # the step's weight sum stays the same
 
-    def set_weight(value: float) -> Callable[[dict[str, np.ndarray], int, int], None]:
-        def edit(a: dict[str, np.ndarray], k: int, start: int) -> None:
+    def set_weight(value: float) -> Callable[[Arrays, int, int], None]:
+        def edit(a: Arrays, k: int, start: int) -> None:
             a["seg_weight"][k] = value
 
         return edit
 
-    _edit_segment(out, i, set_weight(float(new_i)))
-    _edit_segment(out, j, set_weight(0.0))
+    edit_segment(out, i, set_weight(float(new_i)))
+    edit_segment(out, j, set_weight(0.0))
 
     def move(v: np.ndarray) -> None:
         v[i], v[j] = new_i, 0
 
-    _edit_samples(out, "token_loss_weight", move)
+    edit_samples(out, "token_loss_weight", move)
     text = _run(out, "--no-input")
     assert f"sample {i}: loss weights" in text and f"the {agg} formula gives" in text
     assert f"sample {j}: loss weights 0 per trainable token" in text
-    assert "samples.parquet token_loss_weight says" not in text  # the two records agree...
-    assert "loss weights sum to" not in text  # ...and the sum is kept: only the formula tells
+    # The two records agree and the sum is kept: only the formula tells.
+    assert kinds(out) == {"sample.formula": 2}
 
 
 def test_edited_tokens_and_logprobs_are_caught_only_with_the_input(
     out: Path, base: dict[str, Path]
 ) -> None:
-    s = _samples(out)
+    s = samples(out)
     i, j = np.flatnonzero(s["status"] == "trained")[:2].tolist()
 
-    def new_token(a: dict[str, np.ndarray], k: int, start: int) -> None:
+    def new_token(a: Arrays, k: int, start: int) -> None:
         a["input_ids"][start + 1] += 1
 
-    def new_logprob(a: dict[str, np.ndarray], k: int, start: int) -> None:
+    def new_logprob(a: Arrays, k: int, start: int) -> None:
         a["logprobs"][start + 2] -= 0.5
 
-    _edit_segment(out, i, new_token)
-    _edit_segment(out, j, new_logprob)
+    edit_segment(out, i, new_token)
+    edit_segment(out, j, new_logprob)
     assert cli("verify", out, "--no-input").exit_code == 0
     text = _run(out)
     assert f"sample {i}: input_ids differ from the input at 1 of" in text
     assert f"sample {j}: logprobs differ from the input at 1 of" in text
+    assert kinds(out) == {"input.input_ids": 1, "input.logprobs": 1}
     # The input moved elsewhere: given explicitly.
     moved = out.parent / "moved.parquet"
     shutil.copy(base["input"], moved)
@@ -239,45 +188,70 @@ def test_a_different_input_is_reported(out: Path, tmp_path: Path) -> None:
     other = tmp_path / "other.parquet"
     pq.write_table(generate(SynthConfig(groups=3, seed=9, max_len=1024)), other)
     assert "the pack was made from" in _run(out, "--input", other)
+    report = verify(out, inputs=[other])
+    assert report["counts"] == {"input.mismatch": 1}
+    assert report["input"].startswith("not compared") and "input_samples" not in report["checked"]
 
 
 @pytest.mark.parametrize(
-    ("edit", "words"),
+    ("edit", "expected"),
     [
         (
             lambda m: m["steps"][0]["denominators"].update(trainable_tokens=1),
-            "step 0: denominators trainable_tokens",
+            {"step.denominators": 1},
         ),
         (
             lambda m: m["steps"][0]["denominators"].update(trained_samples=1),
-            "step 0: denominators trained_samples",
+            {"step.denominators": 1},
         ),
         (
             lambda m: m["steps"][0]["denominators"].update(weight_sum=1.01),
-            "step 0: denominators weight_sum",
+            {"step.denominators": 1},
         ),
-        (lambda m: m["steps"][0].update(samples=1), "step 0: "),
-        (lambda m: m["steps"][0].update(sampled_tokens=1), "sampled tokens in the rows"),
-        (lambda m: m["steps"][0].update(trainable_tokens=1), "trainable tokens in the rows"),
-        (lambda m: m["loss"].update(agg="seq-mean-token-sum"), "formula gives"),
-        (lambda m: m["samples"].update(total=1), "the manifest says 1"),
+        (lambda m: m["steps"][0].update(samples=1), {"step.counts": 1}),
+        (lambda m: m["steps"][0].update(sampled_tokens=1), {"step.counts": 1}),
+        (lambda m: m["steps"][0].update(trainable_tokens=1), {"step.counts": 1}),
+        (lambda m: m["steps"][0].update(loss_weight_sum=0.5), {"step.weight_sum": 1}),
+        (lambda m: m["steps"][0].update(advantage_std=9.0), {"step.advantage": 1}),
+        (lambda m: m["samples"].update(total=1), {"samples.total": 1}),
+        (lambda m: m["samples"].update(leftover=0), {"samples.status": 1}),
+        (lambda m: m["loss"].update(agg="nonsense"), {"loss.formula": 1}),
     ],
 )
-def test_manifest_records_are_recomputed(out: Path, edit: Any, words: str) -> None:
-    _edit_manifest(out, edit)
-    assert words in _run(out, "--no-input")
+def test_manifest_records_are_recomputed(
+    out: Path, edit: Callable[[dict[str, Any]], Any], expected: dict[str, int]
+) -> None:
+    edit_manifest(out, edit)
+    assert kinds(out, recorded_inputs=False) == expected
+    _run(out, "--no-input")
+
+
+def test_another_aggregation_in_the_manifest_is_one_problem_per_step(out: Path) -> None:
+    edit_manifest(out, lambda m: m["loss"].update(agg="seq-mean-token-sum"))
+    steps = len(json.loads((out / "manifest.json").read_text())["steps"])
+    # Every step's weight sum (1 for token-mean, T/S now) is off; its samples' weights are not
+    # judged again by a formula whose denominators are wrong.
+    assert kinds(out, recorded_inputs=False) == {"step.denominators": steps}
+    assert "aggregation gives" in _run(out, "--no-input")
 
 
 def test_report_is_json_and_bounded(out: Path) -> None:
     def all_plus_one(v: np.ndarray) -> None:
         v += 1
 
-    _edit_samples(out, "trainable_tokens", all_plus_one)
+    edit_samples(out, "trainable_tokens", all_plus_one)
     result = cli("verify", out, "--json", "--no-input")
     assert result.exit_code == 1
     report = json.loads(result.stdout)
-    assert not report["ok"] and len(report["problems"]) == 20
-    assert report["checked"]["problems"] > 20
+    assert not report["ok"] and report["input"] == "skipped"
+    assert set(report) == {"ok", "problems", "counts", "checked", "input"}
+    assert report["counts"]["sample.trainable"] == report["checked"]["segments"] > 8
+    for kind, n in report["counts"].items():
+        assert len([p for p in report["problems"] if p["kind"] == kind]) == min(n, 8)
+    assert all(set(p) == {"kind", "where", "text"} for p in report["problems"])
+    text = _run(out, "--no-input")
+    assert f"FAILED: {sum(report['counts'].values())} problem(s)" in text
+    assert "more like the above (sample.trainable)" in text
 
 
 # -- untouched packs pass ------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from rolltool.cli._common import err, handle_errors, out, print_json
+from rolltool.cli._common import handle_errors, out, print_json, warn
 
 
 @click.command()
@@ -18,7 +18,7 @@ from rolltool.cli._common import err, handle_errors, out, print_json
     multiple=True,
     metavar="PATH",
     help="Compare tokens, loss mask and logprobs with this input (files, directories or globs; "
-    "repeatable). Default: the input files the manifest records, when they exist.",
+    "repeatable). Default: the input files the manifest records, when they are all found.",
 )
 @click.option("--no-input", is_flag=True, help="Do not read the input, even where it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
@@ -29,33 +29,34 @@ def verify(
     """Check a packed directory: hashes, every layout invariant, every sample's length, trainable
     tokens, advantage and loss weight against samples.parquet and the aggregation formula, the
     step counts and denominators, and the tokens against the input. Exit 1 if anything is off."""
-    from rolltool.verify import verify as run_verify
+    from rolltool.verify import run_verify
 
     if inputs and no_input:
         raise click.UsageError("--input and --no-input exclude each other")
     report = run_verify(
         path, hashes=not no_hash, inputs=list(inputs) or None, recorded_inputs=not no_input
     )
-    if as_json:
-        print_json(report)
-    else:
-        c = report["checked"]
-        if report["ok"]:
-            compared = (
-                f", {c['input_samples']} compared with the input" if "input_samples" in c else ""
-            )
-            out.print(
-                f"OK: {c.get('files', 0)} files, {c.get('steps', 0)} steps, {c.get('rows', 0)} "
-                f"rows, {c.get('segments', 0)} samples checked{compared}"
-            )
-        else:
-            out.print(f"FAILED: {c.get('problems', 0)} problem(s) in {path}")
-            for p in report["problems"]:
-                out.print(f"  {p}")
-    if "input_samples" not in report["checked"] and not no_input:
-        err.print(
-            "note: tokens not compared with the input (the recorded input files are not here; "
-            "give --input PATH)"
+    if report.input.startswith("not found"):
+        warn(
+            f"tokens NOT compared with the input: the recorded input is {report.input} "
+            "(give --input PATH, or --no-input to skip the comparison)"
         )
-    if not report["ok"]:
+    if as_json:
+        print_json(report.to_json())
+    elif report.ok:
+        c = report.checked
+        compared = (
+            f", {c['input_samples']} compared with the input"
+            if "input_samples" in c
+            else ", tokens not compared with the input"
+        )
+        out.print(
+            f"OK: {c.get('files', 0)} files, {c.get('steps', 0)} steps, {c.get('rows', 0)} "
+            f"rows, {c.get('segments', 0)} samples checked{compared}"
+        )
+    else:
+        out.print(f"FAILED: {report.problems.count} problem(s) in {path}", markup=False)
+        for line in report.problems.lines():
+            out.print(f"  {line}", markup=False)
+    if not report.ok:
         sys.exit(1)

@@ -1,0 +1,159 @@
+"""`rolltool verify`: check a packed directory against its own records, independently and exactly.
+
+A pack has three records that must agree: the shards (what a trainer reads), ``samples.parquet``
+(where every sample went, its length, trainable tokens, advantage and weight) and
+``manifest.json`` (config, per-step counts and denominators, file hashes). Hashes only show that
+files were not changed after the manifest was written; the invariants below also catch files
+edited with the hashes updated, because each value is recomputed from another record. Each
+invariant is a function ``(Context) -> Iterator[Problem]`` with stable problem kinds:
+
+==================  ===========================================================================
+invariant           kinds
+==================  ===========================================================================
+files_and_hashes    file.missing, file.size, file.hash, file.unlisted (gates everything else)
+samples_table       samples.order, samples.tokens, samples.total, samples.status, samples.place
+rank_files          step.ranks, rank.files
+denominators        loss.formula, step.denominators (T, S, scale factor, weight sum)
+weight_formula      sample.formula (token_loss_weight against the aggregation, float32 rounding)
+step_metadata       step.counts, step.weight_sum, step.advantage (overall and per env)
+rank_counts         rank.counts (samples, real tokens, tokens)
+shards_readable     shard.corrupt
+row_structure       row.budget, row.size, row.length, row.mask
+padding             row.padding
+placement           segment.index, sample.placement, sample.repeated, sample.missing
+sample_fields       sample.length, sample.trainable, sample.advantage, sample.weight
+content             input.length, input.input_ids, input.loss_mask, input.logprobs,
+                    input.unreadable (plus input.mismatch when the input is opened)
+==================  ===========================================================================
+
+The record invariants (samples.parquet against the manifest and the formula) run first; the
+row invariants judge tables read in one pass over the shards (`rolltool.verify.segments`); the
+content invariant reads the shards once more with the input. One defect is reported once: a
+value is compared where it is first wrong, and the checks downstream of it are skipped (a step
+with wrong denominators is not judged by the formula, a misplaced segment not by its record's
+fields, a segment that disagrees with its record not against the input).
+
+The input is the one given (``inputs``), else the input files the manifest records when they
+are all found (``recorded_inputs``); the report's ``input`` says what happened: "compared",
+"skipped", "not found: <paths>" or "not compared: see problems".
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rolltool.errors import RolltoolError
+from rolltool.format import SAMPLES
+from rolltool.problems import Problem, Problems
+from rolltool.reader import open_packed
+from rolltool.verify.content import compared, content
+from rolltool.verify.context import Context, layout_settings, load_samples, open_input
+from rolltool.verify.records import files_and_hashes, rank_files, samples_table
+from rolltool.verify.rows import (
+    padding,
+    placement,
+    row_structure,
+    sample_fields,
+    shards_readable,
+)
+from rolltool.verify.segments import read_segments
+from rolltool.verify.steps import denominators, rank_counts, step_metadata, weight_formula
+
+Invariant = Callable[[Context], Iterator[Problem]]
+
+INVARIANTS: tuple[Invariant, ...] = (
+    samples_table,
+    rank_files,
+    denominators,
+    weight_formula,
+    step_metadata,
+    rank_counts,
+    shards_readable,
+    row_structure,
+    padding,
+    placement,
+    sample_fields,
+    content,
+)
+"""In the order they run, the cheap record checks first (files_and_hashes runs before all)."""
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """What `run_verify` found (``problems``), what it looked at (``checked``) and whether the
+    tokens were compared with the input (``input``: see the module docstring)."""
+
+    problems: Problems
+    checked: Mapping[str, int]
+    input: str
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "problems": [p.to_dict() for p in self.problems.listed()],
+            "counts": dict(self.problems.counts),
+            "checked": dict(self.checked),
+            "input": self.input,
+        }
+
+
+def run_verify(
+    path: str | os.PathLike[str],
+    *,
+    hashes: bool = True,
+    inputs: Sequence[str | os.PathLike[str]] | None = None,
+    recorded_inputs: bool = True,
+) -> VerifyReport:
+    """Check a packed directory; never raises on bad data (a missing or malformed manifest, or
+    a given input that does not exist, is a `RolltoolError`)."""
+    ds = open_packed(path)
+    m = ds.manifest
+    problems = Problems()
+    problems.extend(files_and_hashes(ds.path, m, hashes=hashes))
+    checked = {"files": sum((ds.path / name).is_file() for name in m.files)}
+    if problems:
+        return VerifyReport(problems, checked, "not compared: see problems")
+    row_len, pad_id = layout_settings(m)
+    state, found = open_input(m, ds.path, inputs, recorded_inputs)
+    problems.extend(found)
+    try:
+        samples = load_samples(ds.path / SAMPLES, m.num_steps)
+    except RolltoolError as e:
+        problems.add("samples.unreadable", SAMPLES, e.message)
+        return VerifyReport(problems, checked, state.status)
+    segments = read_segments(ds.path, m, pad_id)
+    ctx = Context(ds.path, m, samples, segments, row_len, pad_id, state.reader)
+    for invariant in INVARIANTS:
+        problems.extend(invariant(ctx))
+    checked |= {
+        "steps": m.num_steps,
+        "rows": len(segments.row_tokens),
+        "segments": int((segments.sample >= 0).sum()),
+    }
+    status = state.status
+    if "input.unreadable" in problems.counts:
+        status = "not compared: see problems"
+    elif state.reader is not None:
+        checked["input_samples"] = compared(ctx)
+    return VerifyReport(problems, checked, status)
+
+
+def verify(
+    path: str | os.PathLike[str],
+    *,
+    hashes: bool = True,
+    inputs: Sequence[str | os.PathLike[str]] | None = None,
+    recorded_inputs: bool = True,
+) -> dict[str, Any]:
+    """`run_verify`'s report as one JSON document: ``{"ok", "problems": [{"kind", "where",
+    "text"}] (the first few of each kind), "counts": {kind: n}, "checked": {...}, "input"}``;
+    ``checked["input_samples"]`` (only when the input was read) counts the samples compared."""
+    report = run_verify(path, hashes=hashes, inputs=inputs, recorded_inputs=recorded_inputs)
+    return report.to_json()

@@ -1,0 +1,208 @@
+"""What `verify` reads, once: samples.parquet, the layout settings and the input.
+
+`Context` is frozen and built once; every invariant is a function of it (see the package
+docstring). Reading is separated from judging: nothing here decides that data is wrong, except
+that a samples.parquet that cannot be read or an input that is not the one the pack was made
+from leaves nothing to check against (those are problems the driver reports).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from rolltool.errors import RolltoolError
+from rolltool.format import SAMPLES, InputRecord, Manifest
+from rolltool.problems import Problem
+from rolltool.source import InputFile, invert_mapping, resolve_inputs
+from rolltool.tokens import TokenReader
+from rolltool.verify.segments import Segments
+
+_INT_COLUMNS = ("sample_index", "step", "rank", "micro_batch", "length", "trainable_tokens")
+_FLOAT_COLUMNS = ("advantage", "token_loss_weight")
+
+
+@dataclass(frozen=True)
+class Samples:
+    """samples.parquet as NumPy columns; row i is sample i (``n`` rows)."""
+
+    index: np.ndarray  # [n] int64, sample_index as stored (should be 0..n-1)
+    step: np.ndarray  # [n] int64, -1 unless trained
+    rank: np.ndarray  # [n] int64
+    micro_batch: np.ndarray  # [n] int64
+    length: np.ndarray  # [n] int64, tokens
+    trainable: np.ndarray  # [n] int64, trainable tokens (loss-mask count)
+    advantage: np.ndarray  # [n] float32
+    weight: np.ndarray  # [n] float32, token_loss_weight (per trainable token)
+    trained: np.ndarray  # [n] bool, status == "trained"
+    env: np.ndarray  # [n] int64, index into env_names
+    env_names: tuple[str, ...]
+    status_counts: Mapping[str, int]
+    by_step: np.ndarray  # trained samples of steps 0..num_steps-1, sorted by step (stable)
+    step_bounds: np.ndarray  # [num_steps + 1]: by_step[bounds[s]:bounds[s + 1]] train at step s
+
+    @property
+    def n(self) -> int:
+        return len(self.index)
+
+    def planned(self, step: int) -> np.ndarray:
+        """Samples trained at `step`, in sample order."""
+        return self.by_step[self.step_bounds[step] : self.step_bounds[step + 1]]
+
+    def inside_run(self, num_steps: int, dp: int) -> np.ndarray:
+        """[n] bool: step, rank and micro-batch name a place the run has (for trained samples)."""
+        step_ok = (self.step >= 0) & (self.step < num_steps)
+        return step_ok & (self.rank >= 0) & (self.rank < dp) & (self.micro_batch >= 0)
+
+    def where(self, i: int | np.integer) -> str:
+        """Where samples.parquet puts sample i (its planned place when trained)."""
+        if not self.trained[i]:
+            return f"sample {i}"
+        return (
+            f"step {self.step[i]} rank {self.rank[i]} micro-batch {self.micro_batch[i]} sample {i}"
+        )
+
+
+def load_samples(path: Path, num_steps: int) -> Samples:
+    """Read samples.parquet; a `RolltoolError` when it cannot be read or lacks a column."""
+    try:
+        t = pq.read_table(path, columns=[*_INT_COLUMNS, *_FLOAT_COLUMNS, "status", "env"])
+        nulls = [c for c in t.column_names if t.column(c).null_count]
+        if nulls:
+            raise RolltoolError(f"{SAMPLES}: null values in {', '.join(nulls)}")
+        ints = {c: t.column(c).to_numpy().astype(np.int64) for c in _INT_COLUMNS}
+        adv, weight = (t.column(c).to_numpy().astype(np.float32) for c in _FLOAT_COLUMNS)
+        status = pc.cast(t.column("status"), pa.string()).combine_chunks()
+        env = pc.cast(t.column("env"), pa.string()).combine_chunks().dictionary_encode()
+    except (pa.ArrowException, KeyError, OSError, ValueError, TypeError) as e:
+        raise RolltoolError(f"{SAMPLES}: unreadable or missing columns ({e})") from None
+    trained = pc.equal(status, "trained").to_numpy(zero_copy_only=False)
+    step = ints["step"]
+    order = np.flatnonzero(trained & (step >= 0) & (step < num_steps))
+    order = order[np.argsort(step[order], kind="stable")]
+    counts = {c["values"]: c["counts"] for c in pc.value_counts(status).to_pylist()}
+    return Samples(
+        index=ints["sample_index"],
+        step=step,
+        rank=ints["rank"],
+        micro_batch=ints["micro_batch"],
+        length=ints["length"],
+        trainable=ints["trainable_tokens"],
+        advantage=adv,
+        weight=weight,
+        trained=trained,
+        env=env.indices.to_numpy(zero_copy_only=False).astype(np.int64),
+        env_names=tuple(env.dictionary.to_pylist()),
+        status_counts=counts,
+        by_step=order,
+        step_bounds=np.searchsorted(step[order], np.arange(num_steps + 1), side="left"),
+    )
+
+
+@dataclass(frozen=True)
+class Context:
+    """Everything the invariants look at, read once."""
+
+    root: Path
+    manifest: Manifest
+    samples: Samples
+    segments: Segments
+    row_len: int | None
+    """Every row's length when the pack pads rows to a fixed length."""
+    pad_id: int
+    """Token id of padding."""
+    reader: TokenReader | None
+    """The input's tokens by sample_index; None when the input is not compared."""
+
+
+def layout_settings(manifest: Manifest) -> tuple[int | None, int]:
+    """(row_len, pad_id) of the recorded pack config (the manifest types it only as a mapping)."""
+    row_len, pad_id = manifest.config.get("row_len"), manifest.config.get("pad_id", 0)
+    for key, value in (("row_len", row_len), ("pad_id", pad_id)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise RolltoolError(f"manifest.json: 'config.{key}' must be an integer, got {value!r}")
+    return row_len, pad_id or 0
+
+
+# -- the input ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class InputState:
+    """The input's token reader, or why there is none (``status``, shown in the report)."""
+
+    reader: TokenReader | None
+    status: str
+    """"compared", "skipped", "not found: <paths>" or "not compared: <why>"."""
+
+
+def candidates(record: InputRecord, root: Path) -> list[Path]:
+    """Where a recorded input file may be: its path when absolute; a relative path (manifests
+    written before paths were resolved) or the path as given, against the packed directory's
+    parent, then the current directory."""
+    found: list[Path] = []
+    for text in (record.path, record.given):
+        if text is None:
+            continue
+        p = Path(text)
+        tries = [p] if p.is_absolute() else [root.absolute().parent / p, Path.cwd() / p]
+        found.extend(t for t in tries if t not in found)
+    return found
+
+
+def locate_recorded(manifest: Manifest, root: Path) -> tuple[list[Path], list[str]]:
+    """(the recorded input files where they are found, the recorded paths that are not)."""
+    found: list[Path] = []
+    missing: list[str] = []
+    for record in manifest.inputs:
+        hit = next((p for p in candidates(record, root) if p.is_file()), None)
+        if hit is None:
+            missing.append(record.path)
+        else:
+            found.append(hit)
+    return found, missing
+
+
+def open_input(
+    manifest: Manifest,
+    root: Path,
+    inputs: Sequence[str | os.PathLike[str]] | None,
+    recorded: bool,
+) -> tuple[InputState, list[Problem]]:
+    """The token reader over `inputs`, else over the recorded input files when `recorded` and
+    all of them are found; a problem when they are not the input the pack was made from."""
+    if inputs is not None:
+        files = resolve_inputs(inputs)
+    elif not recorded or not manifest.inputs:
+        return InputState(None, "skipped"), []
+    else:
+        paths, missing = locate_recorded(manifest, root)
+        if missing:
+            return InputState(None, "not found: " + ", ".join(missing)), []
+        try:
+            files = [InputFile(str(p), pq.ParquetFile(p).metadata.num_rows) for p in paths]
+        except (pa.ArrowException, OSError) as e:
+            return _failed("input.unreadable", f"not readable ({e})")
+    have, want = [f.rows for f in files], [r.rows for r in manifest.inputs]
+    if have != want:
+        return _failed(
+            "input.mismatch",
+            f"{len(files)} file(s) with {have} rows, the pack was made from {len(want)} file(s) "
+            f"with {want} rows",
+        )
+    try:
+        reader = TokenReader(files, invert_mapping(manifest.columns), cache_bytes=int(1e9))
+    except (RolltoolError, pa.ArrowException, OSError) as e:
+        return _failed("input.unreadable", e.message if isinstance(e, RolltoolError) else str(e))
+    return InputState(reader, "compared"), []
+
+
+def _failed(kind: str, text: str) -> tuple[InputState, list[Problem]]:
+    return InputState(None, "not compared: see problems"), [Problem(kind, "input", text)]

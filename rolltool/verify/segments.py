@@ -1,0 +1,184 @@
+"""The one pass over the shards: every segment and row of the run as flat tables.
+
+Each shard is memory-mapped, checked for self-consistency (`rolltool.layout.check_rows`: what
+the reader relies on to derive ``cu_seqlens`` and ``position_ids``) and summarised per segment
+and per row; the invariants then judge these tables, never the shards again (except the input
+comparison, which needs the tokens). A (step, rank) with an unreadable or inconsistent shard is
+``broken``: reported once, and left out of everything else.
+
+Summaries per segment ``k`` (padding included): its place (step, rank, micro-batch), sample
+(-1: padding), length, loss-mask count (values != 0), loss-mask values above 1, weight and
+advantage; for padding also the tokens that are not ``pad_id`` and the non-zero logprobs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import numpy as np
+
+from rolltool.errors import RolltoolError
+from rolltool.format import PAD_SAMPLE, Manifest, ShardRef
+from rolltool.layout import check_rows, segment_positions
+from rolltool.shards import read_shard
+
+
+@dataclass(frozen=True)
+class Broken:
+    """A (step, rank) whose shard `path` cannot be used, and why."""
+
+    step: int
+    rank: int
+    path: str
+    why: str
+
+
+@dataclass(frozen=True)
+class ShardPart:
+    """A shard read: its (step, rank), path and its segments' range in `Segments`."""
+
+    step: int
+    rank: int
+    path: str
+    first: int
+    end: int
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Every segment of every usable shard, in (step, rank, row) order, and every row."""
+
+    step: np.ndarray  # [K] int64
+    rank: np.ndarray  # [K] int64
+    row: np.ndarray  # [K] int64, micro-batch (row of the rank in the step)
+    sample: np.ndarray  # [K] int64, sample_index (-1: padding)
+    length: np.ndarray  # [K] int64, tokens
+    trainable: np.ndarray  # [K] int64, loss_mask values != 0
+    mask_over_one: np.ndarray  # [K] int64, loss_mask values > 1
+    weight: np.ndarray  # [K] float32, loss weight per trainable token
+    advantage: np.ndarray  # [K] float32
+    pad_ids: np.ndarray  # [K] int64, tokens != pad_id (padding segments; 0 for samples)
+    pad_logprobs: np.ndarray  # [K] int64, logprobs != 0 (padding segments; 0 for samples)
+    row_step: np.ndarray  # [R] int64
+    row_rank: np.ndarray  # [R] int64
+    row_index: np.ndarray  # [R] int64, micro-batch
+    row_tokens: np.ndarray  # [R] int64, padding included
+    row_real_tokens: np.ndarray  # [R] int64, tokens of segments with sample_index >= 0
+    row_real_segments: np.ndarray  # [R] int64
+    parts: tuple[ShardPart, ...]
+    broken: tuple[Broken, ...]
+
+    def where(self, k: int | np.integer) -> str:
+        """Segment k's place (its sample, if any, is named by the caller)."""
+        return f"step {self.step[k]} rank {self.rank[k]} micro-batch {self.row[k]}"
+
+    def row_where(self, r: int | np.integer) -> str:
+        return f"step {self.row_step[r]} rank {self.row_rank[r]} micro-batch {self.row_index[r]}"
+
+    def broken_pairs(self) -> set[tuple[int, int]]:
+        return {(b.step, b.rank) for b in self.broken}
+
+
+def read_segments(root: Path, manifest: Manifest, pad_id: int) -> Segments:
+    """Read every shard once (see the module docstring)."""
+    tables: list[dict[str, np.ndarray]] = []
+    parts: list[ShardPart] = []
+    broken: list[Broken] = []
+    first = 0
+    for s, step in enumerate(manifest.steps):
+        for r, rank in enumerate(step.ranks):
+            got, rows = [], 0
+            for ref in rank.files:
+                table = _summarise(root, s, r, ref, pad_id, rows)
+                if isinstance(table, str):
+                    broken.append(Broken(s, r, ref.path, table))
+                    break
+                got.append((ref, table))
+                rows += ref.rows
+            else:
+                for ref, table in got:
+                    n = len(table["sample"])
+                    parts.append(ShardPart(s, r, ref.path, first, first + n))
+                    tables.append(table)
+                    first += n
+    return _concat(tables, tuple(parts), tuple(broken))
+
+
+def _concat(
+    tables: list[dict[str, np.ndarray]], parts: tuple[ShardPart, ...], broken: tuple[Broken, ...]
+) -> Segments:
+    arrays = {}
+    for f in fields(Segments):
+        if f.name in ("parts", "broken"):
+            continue
+        dtype = np.float32 if f.name in ("weight", "advantage") else np.int64
+        pieces = [t[f.name] for t in tables]
+        arrays[f.name] = np.concatenate(pieces).astype(dtype) if pieces else np.zeros(0, dtype)
+    return Segments(**arrays, parts=parts, broken=broken)
+
+
+def _summarise(
+    root: Path, step: int, rank: int, ref: ShardRef, pad_id: int, first_row: int
+) -> dict[str, np.ndarray] | str:
+    """One shard's per-segment and per-row summaries, or why it cannot be used. `first_row`:
+    rows of the rank's files before it (its recorded ``first_row`` is judged by `rank_files`)."""
+    try:
+        a = read_shard(root / ref.path)
+    except RolltoolError as e:
+        return e.message
+    why = check_rows(a)
+    if why is None and len(a["row_offsets"]) - 1 != ref.rows:
+        why = f"{len(a['row_offsets']) - 1} rows, the manifest says {ref.rows}"
+    if why is not None:
+        return f"{ref.path}: corrupt shard ({why})"
+    lens = a["seq_lens"].astype(np.int64)
+    idx = a["sample_index"].astype(np.int64)
+    n_rows = len(a["row_offsets"]) - 1
+    per_row = np.diff(a["row_segments"]).astype(np.int64)
+    local = np.repeat(np.arange(n_rows), per_row)
+    starts = np.zeros(len(lens), dtype=np.int64)
+    np.cumsum(lens[:-1], out=starts[1:])
+    mask = a["loss_mask"]
+    real = idx >= 0
+    table = {
+        "step": np.full(len(lens), step),
+        "rank": np.full(len(lens), rank),
+        "row": first_row + local,
+        "sample": idx,
+        "length": lens,
+        "trainable": _count(mask != 0, starts),
+        "mask_over_one": _count(mask > 1, starts),
+        "weight": a["seg_weight"],
+        "advantage": a["seg_advantage"],
+        **_padding(a, idx == PAD_SAMPLE, starts, lens, pad_id),
+        "row_step": np.full(n_rows, step),
+        "row_rank": np.full(n_rows, rank),
+        "row_index": first_row + np.arange(n_rows),
+        "row_tokens": np.diff(a["row_offsets"].astype(np.int64)),
+        "row_real_tokens": np.bincount(local, weights=lens * real, minlength=n_rows),
+        "row_real_segments": np.bincount(local[real], minlength=n_rows),
+    }
+    return table
+
+
+def _count(flags: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Per segment (non-empty, starting at `starts`), how many of its `flags` are set."""
+    if not len(starts):
+        return np.zeros(0, dtype=np.int64)
+    return np.add.reduceat(flags, starts, dtype=np.int64)
+
+
+def _padding(
+    a: dict[str, np.ndarray], pad: np.ndarray, starts: np.ndarray, lens: np.ndarray, pad_id: int
+) -> dict[str, np.ndarray]:
+    """Per segment, padding tokens that are not ``pad_id`` and non-zero padding logprobs."""
+    out = {"pad_ids": np.zeros(len(lens), np.int64), "pad_logprobs": np.zeros(len(lens), np.int64)}
+    k = np.flatnonzero(pad)
+    if len(k):
+        tok = np.repeat(starts[k], lens[k]) + segment_positions(lens[k])
+        at = np.zeros(len(k), dtype=np.int64)
+        np.cumsum(lens[k][:-1], out=at[1:])
+        out["pad_ids"][k] = _count(a["input_ids"][tok] != pad_id, at)
+        out["pad_logprobs"][k] = _count(a["logprobs"][tok] != 0, at)
+    return out
