@@ -4,10 +4,17 @@ Inputs are files, directories (searched recursively for ``*.parquet``; ``key=val
 names become string columns, as in hive partitioning) or glob patterns. The file order is the
 sorted path order, so the row order ("sample_index") is deterministic.
 
+A file named twice (``a.parquet`` and its absolute path, or through a glob and a directory, or
+a symlink) is read once: inputs are deduplicated by resolved path, keeping the first spelling.
+
 A directory walk skips names starting with ``.`` or ``_`` (Spark/Hive bookkeeping such as
 ``_SUCCESS``, ``_temporary/``, ``.tmp`` files) and any folder written by ``rolltool pack`` (it
 holds rolltool's ``manifest.json``), so packing into a folder inside the input directory does not
 read its own ``samples.parquet`` back next time.
+
+Open files are bounded: a Parquet file is opened for one read (its footer, a row group, a
+stream of batches) and closed after it, never kept per input file, so any number of input files
+fits a small ``ulimit -n``.
 
 Example: ``data/env=math/part-0.parquet`` read through the input ``data`` gets a column
 ``env = "math"`` unless the file already has one.
@@ -16,7 +23,6 @@ Example: ``data/env=math/part-0.parquet`` read through the input ``data`` gets a
 from __future__ import annotations
 
 import glob
-import json
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,17 +32,25 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rolltool.errors import RolltoolError
-from rolltool.shards import FORMAT as PACKED_FORMAT
+from rolltool.format import is_packed_dir
 
 
 @dataclass(frozen=True)
 class InputFile:
     path: str
-    """Path as resolved (sorted order defines the global row order)."""
+    """Path as given or found (relative paths stay relative; sorted order defines the global row
+    order); messages name files by it."""
     rows: int
     """Number of rows in the file (from the Parquet footer)."""
     partitions: Mapping[str, str] = field(default_factory=dict)
     """Hive partition values taken from `key=value` directory names under the input root."""
+    resolved: str = ""
+    """Absolute path with symlinks resolved (what a manifest records: valid from any directory);
+    filled in from `path` when not given."""
+
+    def __post_init__(self) -> None:
+        if not self.resolved:
+            object.__setattr__(self, "resolved", str(Path(self.path).resolve()))
 
 
 def _partitions(root: Path, file: Path) -> dict[str, str]:
@@ -52,18 +66,6 @@ def _partitions(root: Path, file: Path) -> dict[str, str]:
     return parts
 
 
-def is_packed_output(folder: Path) -> bool:
-    """A folder written by ``rolltool pack``: it holds a manifest.json of rolltool's format."""
-    manifest = folder / "manifest.json"
-    if not manifest.is_file():
-        return False
-    try:
-        doc = json.loads(manifest.read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
-        return False
-    return isinstance(doc, dict) and doc.get("format") == PACKED_FORMAT
-
-
 def _skipped(name: str) -> bool:
     return name.startswith((".", "_"))
 
@@ -73,7 +75,7 @@ def _walk(root: Path) -> list[Path]:
     files: list[Path] = []
     for dirpath, dirnames, filenames in os.walk(root):
         folder = Path(dirpath)
-        dirnames[:] = [d for d in dirnames if not _skipped(d) and not is_packed_output(folder / d)]
+        dirnames[:] = [d for d in dirnames if not _skipped(d) and not is_packed_dir(folder / d)]
         files.extend(
             folder / f
             for f in filenames
@@ -82,49 +84,59 @@ def _walk(root: Path) -> list[Path]:
     return sorted(files)
 
 
+def _expand(text: str) -> list[tuple[Path, dict[str, str]]]:
+    """One input (file, directory or glob) -> its Parquet files with their hive partitions."""
+    path = Path(text)
+    if path.is_dir():
+        if is_packed_dir(path):
+            raise RolltoolError(
+                f"{text}: is a directory written by `rolltool pack`, not rollout Parquet",
+                hint="give the rollout files it was packed from; `rolltool stats` reads it",
+            )
+        files = _walk(path)
+        if not files:
+            raise RolltoolError(
+                f"{text}: directory holds no *.parquet files "
+                "(names starting with '.' or '_' and folders written by `rolltool pack` "
+                "are skipped)"
+            )
+        return [(f, _partitions(path, f)) for f in files]
+    if path.is_file():
+        return [(path, {})]
+    if glob.has_magic(text):
+        matches = sorted(m for m in glob.glob(text, recursive=True) if Path(m).is_file())
+        if not matches:
+            raise RolltoolError(f"{text}: no file matches this pattern")
+        return [(Path(m), {}) for m in matches]
+    raise RolltoolError(f"{text}: no such file or directory")
+
+
+def _rows(path: str) -> int:
+    """Rows of a Parquet file from its footer (the file is closed again at once)."""
+    try:
+        return pq.read_metadata(path).num_rows
+    except (pa.ArrowException, OSError) as e:
+        raise RolltoolError(f"{path}: not a readable Parquet file ({e})") from None
+
+
 def resolve_inputs(inputs: Sequence[str | os.PathLike[str]]) -> list[InputFile]:
-    """Expand files, directories and globs into a sorted, de-duplicated list of Parquet files."""
+    """Expand files, directories and globs into a sorted list of Parquet files, each once.
+
+    A file reached twice (``a.parquet`` and its absolute path, a glob and a directory, a
+    symlink) keeps its first spelling and partitions; the list is sorted by that spelling.
+    """
     if not inputs:
         raise RolltoolError(
             "no input given", hint="pass one or more Parquet files, directories or globs"
         )
-    found: dict[str, dict[str, str]] = {}
+    found: dict[str, tuple[str, dict[str, str]]] = {}  # resolved -> (first spelling, partitions)
     for raw in inputs:
-        text = os.fspath(raw)
-        path = Path(text)
-        if path.is_dir():
-            if is_packed_output(path):
-                raise RolltoolError(
-                    f"{text}: is a directory written by `rolltool pack`, not rollout Parquet",
-                    hint="give the rollout files it was packed from; `rolltool stats` reads it",
-                )
-            files = _walk(path)
-            if not files:
-                raise RolltoolError(
-                    f"{text}: directory holds no *.parquet files "
-                    "(names starting with '.' or '_' and folders written by `rolltool pack` "
-                    "are skipped)"
-                )
-            for f in files:
-                found.setdefault(str(f), _partitions(path, f))
-        elif path.is_file():
-            found.setdefault(str(path), {})
-        elif glob.has_magic(text):
-            matches = sorted(m for m in glob.glob(text, recursive=True) if Path(m).is_file())
-            if not matches:
-                raise RolltoolError(f"{text}: no file matches this pattern")
-            for m in matches:
-                found.setdefault(m, {})
-        else:
-            raise RolltoolError(f"{text}: no such file or directory")
-    result = []
-    for path_str in sorted(found):
-        try:
-            rows = pq.ParquetFile(path_str).metadata.num_rows
-        except (pa.ArrowException, OSError) as e:
-            raise RolltoolError(f"{path_str}: not a readable Parquet file ({e})") from None
-        result.append(InputFile(path=path_str, rows=rows, partitions=found[path_str]))
-    return result
+        for path, partitions in _expand(os.fspath(raw)):
+            found.setdefault(str(path.resolve()), (str(path), partitions))
+    return [
+        InputFile(path=path, rows=_rows(path), partitions=partitions, resolved=resolved)
+        for resolved, (path, partitions) in sorted(found.items(), key=lambda kv: kv[1][0])
+    ]
 
 
 def _read_schema(file: InputFile) -> pa.Schema:
@@ -234,29 +246,47 @@ def iter_batches(
     `columns` are schema names; columns the file lacks are skipped (the caller validates).
     """
     try:
-        pf = pq.ParquetFile(file.path)
-        for batch in pf.iter_batches(batch_size=batch_rows, columns=_wanted(pf, rename, columns)):
-            names, arrays = _named(batch, file, rename, columns)
-            yield pa.RecordBatch.from_arrays(arrays, names=names)
+        with pq.ParquetFile(file.path) as pf:
+            wanted = _wanted(pf, rename, columns)
+            for batch in pf.iter_batches(batch_size=batch_rows, columns=wanted):
+                names, arrays = _named(batch, file, rename, columns)
+                yield pa.RecordBatch.from_arrays(arrays, names=names)
     except (pa.ArrowException, OSError) as e:
         raise RolltoolError(f"{file.path}: could not be read ({e})") from None
 
 
 def iter_row_groups(
-    file: InputFile,
-    rename: Mapping[str, str],
-    columns: Sequence[str] | None = None,
-    only: int | None = None,
+    file: InputFile, rename: Mapping[str, str], columns: Sequence[str] | None = None
 ) -> Iterator[tuple[int, pa.Table]]:
-    """(row group number, its rows as a table with schema names), like `iter_batches`;
-    `only` reads just that row group."""
+    """(row group number, its rows as a table with schema names), like `iter_batches`."""
     try:
-        pf = pq.ParquetFile(file.path)
-        wanted = _wanted(pf, rename, columns)
-        groups = range(pf.metadata.num_row_groups) if only is None else [only]
-        for rg in groups:
-            table = pf.read_row_group(rg, columns=wanted)
-            names, arrays = _named(table, file, rename, columns)
-            yield rg, pa.Table.from_arrays(arrays, names=names)
+        with pq.ParquetFile(file.path) as pf:
+            wanted = _wanted(pf, rename, columns)
+            for rg in range(pf.metadata.num_row_groups):
+                table = pf.read_row_group(rg, columns=wanted)
+                names, arrays = _named(table, file, rename, columns)
+                yield rg, pa.Table.from_arrays(arrays, names=names)
     except (pa.ArrowException, OSError) as e:
         raise RolltoolError(f"{file.path}: could not be read ({e})") from None
+
+
+def read_row_group(
+    file: InputFile, rename: Mapping[str, str], columns: Sequence[str] | None, row_group: int
+) -> pa.Table:
+    """One row group as a table with schema names; the file is closed again before returning."""
+    try:
+        with pq.ParquetFile(file.path) as pf:
+            table = pf.read_row_group(row_group, columns=_wanted(pf, rename, columns))
+    except (pa.ArrowException, OSError) as e:
+        raise RolltoolError(f"{file.path}: could not be read ({e})") from None
+    names, arrays = _named(table, file, rename, columns)
+    return pa.Table.from_arrays(arrays, names=names)
+
+
+def row_group_rows(file: InputFile) -> list[int]:
+    """Rows in each row group of a file, from its footer."""
+    try:
+        meta = pq.read_metadata(file.path)
+    except (pa.ArrowException, OSError) as e:
+        raise RolltoolError(f"{file.path}: not a readable Parquet file ({e})") from None
+    return [meta.row_group(rg).num_rows for rg in range(meta.num_row_groups)]

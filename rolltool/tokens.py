@@ -16,10 +16,11 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
+from rolltool.errors import RolltoolError
 from rolltool.layout import SampleTokens, segment_positions
-from rolltool.source import InputFile, file_schema, iter_row_groups
+from rolltool.schema import FORMAT_COLUMNS, token_format
+from rolltool.source import InputFile, file_schema, read_row_group, row_group_rows
 
 
 def _flat(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
@@ -50,8 +51,26 @@ class _Block:
         )
 
 
+def _token_columns(file: InputFile, rename: Mapping[str, str]) -> list[str]:
+    """The columns a file's tokens are read from (its token format's, plus logprobs)."""
+    names = set(file_schema(file, rename).names)
+    fmt = token_format(names)
+    if fmt is None or not set(FORMAT_COLUMNS[fmt]) <= names:
+        raise RolltoolError(
+            f"{file.path}: has no token columns ('input_ids' and 'loss_mask', or "
+            "'prompt_ids' and 'response_ids')"
+        )
+    return [*FORMAT_COLUMNS[fmt], *["logprobs"] * ("logprobs" in names)]
+
+
 class TokenReader:
-    """Random access to the token columns of the ordered input, by sample_index."""
+    """Random access to the token columns of the ordered input, by sample_index.
+
+    The cache holds row groups (as Arrow tables offered by the scan, or decoded `_Block`s) in
+    least-recently-used order; `cached_bytes`, their real size, never exceeds `cache_bytes`:
+    decoding a kept table (bit-packed bool masks become bytes, missing logprobs zeros) re-counts
+    it and evicts. No file is held open between reads.
+    """
 
     def __init__(
         self,
@@ -65,66 +84,56 @@ class TokenReader:
         self.cache_bytes = cache_bytes
         self._cache: OrderedDict[int, _Block | pa.Table] = OrderedDict()
         self._cached = 0
-        self.hits = self.misses = 0
-        # Global row number where each (file, row group) starts; block b = (file, row group).
-        starts: list[int] = []
-        self._block_of: dict[tuple[int, int], int] = {}
-        row = 0
-        self._handles = []
-        self._columns: list[list[str]] = []
+        self._columns = [_token_columns(f, self.rename) for f in self.files]
+        # Block b = (file, row group), numbered over the ordered input.
+        self._where: list[tuple[int, int]] = []
+        sizes: list[int] = []
         for fi, f in enumerate(self.files):
-            pf = pq.ParquetFile(f.path)
-            self._handles.append(pf)
-            names = set(file_schema(f, self.rename).names)
-            cols = (
-                ["input_ids", "loss_mask"]
-                if {"input_ids", "loss_mask"} <= names
-                else ["prompt_ids", "response_ids"]
-            )
-            self._columns.append(cols + ["logprobs"] * ("logprobs" in names))
-            for rg in range(pf.metadata.num_row_groups):
-                self._block_of[(fi, rg)] = len(starts)
-                starts.append(row)
-                row += pf.metadata.row_group(rg).num_rows
-        self._starts = np.array(starts, dtype=np.int64)
-        self._where = list(self._block_of)
-        self.num_rows = row
+            for rg, rows in enumerate(row_group_rows(f)):
+                self._where.append((fi, rg))
+                sizes.append(rows)
+        self._block_of = {w: b for b, w in enumerate(self._where)}
+        # Global row number where each block starts.
+        self._starts = np.cumsum([0, *sizes], dtype=np.int64)[:-1]
+        self.num_rows = int(sum(sizes))
+
+    @property
+    def cached_bytes(self) -> int:
+        """Bytes the cache holds now (at most `cache_bytes`)."""
+        return self._cached
 
     def offer(self, file_index: int, row_group: int, table: pa.Table) -> None:
         """Keep a row group another reader already decoded, while the cache has room."""
         b = self._block_of[(file_index, row_group)]
-        if b in self._cache or self._cached >= self.cache_bytes:
-            return
-        if not set(self._columns[file_index]) <= set(table.column_names):
-            return  # a malformed file: the scan reports it
+        if b in self._cache or not set(self._columns[file_index]) <= set(table.column_names):
+            return  # already kept, or a malformed file: the scan reports it
         # Kept as Arrow and converted on first use, on the fetching thread, off the scan's path.
         kept = table.select(self._columns[file_index])
         if self._cached + kept.nbytes <= self.cache_bytes:
-            self._insert(b, kept)
+            self._put(b, kept)
 
-    def _insert(self, b: int, block: _Block | pa.Table) -> None:
+    def _put(self, b: int, block: _Block | pa.Table) -> None:
+        """Keep `block` as the most recently used; evict the least recent ones (`block` itself
+        last, when it alone is larger than the cache) until the cache fits."""
+        old = self._cache.pop(b, None)
+        if old is not None:
+            self._cached -= old.nbytes
         self._cache[b] = block
         self._cached += block.nbytes
-        while self._cached > self.cache_bytes and len(self._cache) > 1:
-            _, old = self._cache.popitem(last=False)
-            self._cached -= old.nbytes
+        while self._cached > self.cache_bytes:
+            _, victim = self._cache.popitem(last=False)
+            self._cached -= victim.nbytes
 
     def _block(self, b: int) -> _Block:
-        if b in self._cache:
-            self.hits += 1
+        cached = self._cache.get(b)
+        if isinstance(cached, _Block):
             self._cache.move_to_end(b)
-            cached = self._cache[b]
-            if isinstance(cached, _Block):
-                return cached
-            block = _to_block(cached)
-            self._cached += block.nbytes - cached.nbytes
-            self._cache[b] = block
-            return block
-        self.misses += 1
-        fi, rg = self._where[b]
-        _, table = next(iter_row_groups(self.files[fi], self.rename, self._columns[fi], only=rg))
-        block = _to_block(table)
-        self._insert(b, block)
+            return cached
+        if cached is None:
+            fi, rg = self._where[b]
+            cached = read_row_group(self.files[fi], self.rename, self._columns[fi], rg)
+        block = _to_block(cached)
+        self._put(b, block)
         return block
 
     def fetch(self, sample_index: np.ndarray) -> SampleTokens:
