@@ -435,3 +435,18 @@ def test_id_type_conflicts_stop_before_any_row_is_read(tmp_path: Path) -> None:
     )
     schema.scan(resolve_inputs([b, ok]), on_row_group=lambda k, rg, t: read.append((k, rg)))
     assert read == [(0, 0), (1, 0)]  # the counter does count reads
+
+
+def test_stats_with_limit_refuses_an_id_type_conflict_in_a_file_it_does_not_read(
+    tmp_path: Path,
+) -> None:
+    """`stats --limit 2` reads only a.parquet, but the schemas already show the conflict."""
+    from rolltool.stats import rollout_stats
+
+    a = _write(tmp_path, "a.parquet", good(group_id=[1, 1, 2, 2]))
+    b = _write(tmp_path, "b.parquet", good(sample_id=["t0", "t1", "t2", "t3"]))
+    with pytest.raises(
+        RolltoolError, match=f"column 'group_id' is integer in {a} but string in {b}"
+    ):
+        rollout_stats([str(a), str(b)], limit=2)
+    assert rollout_stats([str(a)], limit=2).report["rows"] == 2

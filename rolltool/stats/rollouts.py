@@ -35,7 +35,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rolltool.errors import RolltoolError
-from rolltool.schema import DEFAULT_ENV, id_type_conflicts
+from rolltool.schema import DEFAULT_ENV, id_type_conflicts, token_format
 from rolltool.source import (
     InputFile,
     check_mapping,
@@ -244,20 +244,18 @@ def _completion(groups: pl.DataFrame) -> dict[str, Any]:
 
 
 def _token_format(file: InputFile, schema: pa.Schema) -> str:
+    """The file's token format (`rolltool.schema.token_format`: a lone ``loss_mask`` is enough
+    here, as stats reads only the mask); an error naming what is missing."""
     names = set(schema.names)
     missing = [c for c in ("group_id", "reward") if c not in names]
-    if "loss_mask" in names:
-        fmt = "input_ids"
-    elif {"prompt_ids", "response_ids"} <= names:
-        fmt = "prompt_response"
-    else:
-        fmt = ""
+    fmt = token_format(names)
+    if fmt is None:
         missing.append("loss_mask (or prompt_ids and response_ids)")
     if missing:
         raise RolltoolError(
             f"{file.path}: not rollout Parquet: column {', '.join(missing)} missing", hint=HINT
         )
-    return fmt
+    return str(fmt)
 
 
 def _ones(col: pl.Expr, dtype: pa.DataType) -> pl.Expr:
@@ -406,24 +404,23 @@ def rollout_stats(
     rename = invert_mapping(columns or {})
     files = resolve_inputs(inputs)
     check_mapping(files, rename)
-    wrap = progress or (lambda it, total, desc: it)
-    read = None if limit is None else group_end(files, rename, limit)
-    acc = RolloutStats()
-    first = 0
-    schemas = []
-    for f in wrap(files, len(files), "reading rollouts"):
-        left = None if read is None else read - acc.rows
-        if left is not None and left <= 0:
-            break
-        acc = acc + file_stats(f, rename, first, left)
-        schemas.append((f.path, file_schema(f, rename)))
-        first += f.rows
-    conflicts = id_type_conflicts(schemas)
+    # From the schemas alone, before reading a row: also the files --limit will not reach.
+    conflicts = id_type_conflicts((f.path, file_schema(f, rename)) for f in files)
     if conflicts:  # as `rolltool pack` and `advantages` refuse it (rolltool.schema.scan)
         raise RolltoolError(
             "; ".join(conflicts),
             hint='use one type per id column in every file (1 and "1" are not the same id)',
         )
+    wrap = progress or (lambda it, total, desc: it)
+    read = None if limit is None else group_end(files, rename, limit)
+    acc = RolloutStats()
+    first = 0
+    for f in wrap(files, len(files), "reading rollouts"):
+        left = None if read is None else read - acc.rows
+        if left is not None and left <= 0:
+            break
+        acc = acc + file_stats(f, rename, first, left)
+        first += f.rows
     report = {
         "kind": "rollouts",
         "inputs": [{"path": f.path, "rows": f.rows} for f in files],
