@@ -450,3 +450,16 @@ def test_stats_with_limit_refuses_an_id_type_conflict_in_a_file_it_does_not_read
     ):
         rollout_stats([str(a), str(b)], limit=2)
     assert rollout_stats([str(a)], limit=2).report["rows"] == 2
+
+
+def test_an_ignored_column_is_neither_read_nor_checked(tmp_path: Path) -> None:
+    """`rolltool advantages` replaces an input 'advantage' column: a bad one is no problem."""
+    bad = _write(tmp_path, "a.parquet", good(advantage=["x", "y", None, "z"]))
+    with pytest.raises(RolltoolError, match="'advantage' has type string"):
+        schema.scan(resolve_inputs([bad]))
+    tables: list[pa.Table] = []
+    ro = schema.scan(
+        resolve_inputs([bad]), on_row_group=lambda k, rg, t: tables.append(t), ignore={"advantage"}
+    )
+    assert ro.advantage is None and "advantage" in ro.columns
+    assert tables and all("advantage" not in t.column_names for t in tables)

@@ -94,8 +94,8 @@ class FileColumns:
     """After --column renames and hive partition columns (`source.file_schema`)."""
     token_format: str | None
     """None when a required column is missing or mistyped: the file's rows are not scanned."""
-    mistyped: frozenset[str]
-    """Columns of the wrong type: left out of the row scan."""
+    skip: frozenset[str]
+    """Columns left out of the row scan: those of the wrong type and those ignored."""
 
 
 # -- per file ------------------------------------------------------------------------------------
@@ -137,8 +137,12 @@ def mistyped_columns(file: InputFile, schema: pa.Schema) -> Iterator[Problem]:
         yield Problem("column.type", file.path, f"column '{name}' has type {t}, expected {desc}")
 
 
-def file_columns(file: InputFile, schema: pa.Schema, out: list[Problem]) -> FileColumns:
-    """Run the per-file rules, appending their problems to `out`."""
+def file_columns(
+    file: InputFile, schema: pa.Schema, out: list[Problem], ignore: Collection[str] = ()
+) -> FileColumns:
+    """Run the per-file rules, appending their problems to `out`; columns in `ignore` are
+    neither checked nor scanned (nor seen by the rules across files)."""
+    schema = pa.schema([f for f in schema if f.name not in ignore])
     missing = list(missing_columns(file, schema))
     out += missing
     out += mistyped_columns(file, schema)
@@ -146,7 +150,7 @@ def file_columns(file: InputFile, schema: pa.Schema, out: list[Problem]) -> File
     fmt = token_format(schema.names)
     required = {"group_id", "reward", *FORMAT_COLUMNS.get(fmt or "", ())}
     ok = not missing and not (bad & required)
-    return FileColumns(file, schema, fmt if ok else None, bad)
+    return FileColumns(file, schema, fmt if ok else None, bad | frozenset(ignore))
 
 
 # -- across files --------------------------------------------------------------------------------

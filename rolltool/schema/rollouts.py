@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -118,7 +118,7 @@ def _scan_batch(
     batch: pa.RecordBatch, fc: FileColumns, first_row: int, acc: _Columns, problems: Problems
 ) -> None:
     """Run the row rules on one batch and keep its light columns."""
-    b = row_batch(batch, fc.token_format or "", fc.mistyped)
+    b = row_batch(batch, fc.token_format or "", fc.skip)
     if "sample_id" in b.cols:
         sid = b.cols["sample_id"]
     else:
@@ -147,7 +147,7 @@ def _batches(
     if table is not None:
         yield from table.to_batches(max_chunksize=65_536)
         return
-    for rg, t in iter_row_groups(fc.file, rename, SCAN_COLUMNS):
+    for rg, t in iter_row_groups(fc.file, rename, [c for c in SCAN_COLUMNS if c not in fc.skip]):
         if on_row_group is not None:
             on_row_group(k, rg, t)
         yield from t.to_batches(max_chunksize=65_536)
@@ -234,20 +234,25 @@ def _frame(acc: _Columns, sample_id: pa.Array, advantage: np.ndarray | None) -> 
 
 
 def _check_schemas(
-    files: Sequence[InputFile], rename: Mapping[str, str], problems: Problems
-) -> tuple[list[FileColumns], bool]:
-    """The column rules on every file's schema, before a row is read: (files, whether their
-    problems leave rows that cannot be compared across the input). Raises at once on a
-    problem of the whole input (mixed token formats, an id column typed two ways)."""
+    files: Sequence[InputFile],
+    rename: Mapping[str, str],
+    ignore: Collection[str],
+    problems: Problems,
+) -> tuple[list[FileColumns], list[str], bool]:
+    """The column rules on every file's schema, before a row is read: (files, every column of
+    the input, whether the problems leave rows that cannot be compared across the input).
+    Raises at once on a problem of the whole input (mixed token formats, an id column typed
+    two ways)."""
     found: list[Problem] = []
-    checked = [file_columns(f, file_schema(f, rename), found) for f in files]
+    schemas = [file_schema(f, rename) for f in files]
+    checked = [file_columns(f, s, found, ignore) for f, s in zip(files, schemas, strict=True)]
     for rule in INPUT_RULES:
         found += rule(checked)
     problems.extend(found)
     if any(p.kind in STOPPING for p in found):
         problems.raise_if_any("the input", hint=HINT)
     blocking = any(p.kind in ("column.missing", "column.type") for p in found)
-    return checked, blocking
+    return checked, list(dict.fromkeys(n for s in schemas for n in s.names)), blocking
 
 
 def _raise_if_any(problems: Problems) -> None:
@@ -260,6 +265,8 @@ def scan(
     rename: Mapping[str, str] | None = None,
     tables: Iterable[pa.Table] | None = None,
     on_row_group: Callable[[int, int, pa.Table], None] | None = None,
+    *,
+    ignore: Collection[str] = (),
 ) -> Rollouts:
     """Check the input and return its light columns; raises RolltoolError listing every problem.
 
@@ -267,12 +274,14 @@ def scan(
     read row group by row group, and `on_row_group(file_index, row_group, table)` sees each one
     (the packer keeps the token columns of as many as its cache allows, to avoid a second read).
     Problems of one file's columns do not stop the others' rows being checked; problems of the
-    whole input's schemas stop before any row is read.
+    whole input's schemas stop before any row is read. Columns in `ignore` are neither read nor
+    checked (``rolltool advantages`` replaces an input 'advantage' column: ``{"advantage"}``);
+    `Rollouts.columns` still lists them.
     """
     rename = dict(rename or {})
     check_mapping(files, rename)
     problems = Problems()
-    checked, blocking = _check_schemas(files, rename, problems)
+    checked, columns, blocking = _check_schemas(files, rename, ignore, problems)
     acc = _scan_rows(checked, rename, tables, on_row_group, problems)
     if blocking:  # rows can't be compared across the input: stop here
         _raise_if_any(problems)
@@ -284,7 +293,7 @@ def scan(
     for rule in CROSS_RULES:
         _report(problems, rule(df), _input_name(checked, acc, sample_id))
     _raise_if_any(problems)
-    return _rollouts(checked, acc, df, sample_id, (rollout, rollout_uniques), advantage)
+    return _rollouts(checked, columns, acc, df, sample_id, (rollout, rollout_uniques), advantage)
 
 
 def _input_name(
@@ -297,6 +306,7 @@ def _input_name(
 
 def _rollouts(
     checked: Sequence[FileColumns],
+    columns: list[str],
     acc: _Columns,
     df: pl.DataFrame,
     sample_id: pa.Array,
@@ -311,7 +321,6 @@ def _rollouts(
     warnings = [f"{no_train} sample(s) have no trainable token (loss_mask all 0)"] * (no_train > 0)
     formats = {fc.token_format for fc in checked if fc.token_format}
     scanned = [fc for fc in checked if fc.token_format]
-    columns = list(dict.fromkeys(n for fc in checked for n in fc.schema.names))
     return Rollouts(
         files=[fc.file for fc in checked],
         file_index=np.concatenate(acc.file_index) if acc.file_index else np.zeros(0, np.int32),
