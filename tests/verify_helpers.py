@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+import rolltool.verify
 from rolltool.shards import file_record, read_shard, save_safetensors
 from rolltool.verify import verify
 
@@ -39,6 +40,7 @@ def kinds(out: Path, **kwargs: Any) -> dict[str, int]:
     assert set(listed) == set(report["counts"]), report
     assert all(listed[k] == min(n, 8) for k, n in report["counts"].items()), report
     assert report["ok"] == (not report["counts"])
+    assert all(f" {kind}" in rolltool.verify.__doc__ for kind in report["counts"]), "undocumented"
     return report["counts"]
 
 

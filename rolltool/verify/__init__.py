@@ -11,6 +11,8 @@ invariant is a function ``(Context) -> Iterator[Problem]`` with stable problem k
 invariant           kinds
 ==================  ===========================================================================
 files_and_hashes    file.missing, file.size, file.hash, file.unlisted (gates everything else)
+(reading)           samples.unreadable (nothing else can be judged), input.mismatch,
+                    input.unreadable (the input is not the one packed, or cannot be read)
 samples_table       samples.order, samples.tokens, samples.total, samples.status, samples.place
 rank_files          step.ranks, rank.files
 denominators        loss.formula, step.denominators (T, S, scale factor, weight sum)
@@ -23,7 +25,7 @@ padding             row.padding
 placement           segment.index, sample.placement, sample.repeated, sample.missing
 sample_fields       sample.length, sample.trainable, sample.advantage, sample.weight
 content             input.length, input.input_ids, input.loss_mask, input.logprobs,
-                    input.unreadable (plus input.mismatch when the input is opened)
+                    input.unreadable
 ==================  ===========================================================================
 
 The record invariants (samples.parquet against the manifest and the formula) run first; the
