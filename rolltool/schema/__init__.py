@@ -34,7 +34,6 @@ Identity: a group is its ``group_id``; a rollout is the pair (``group_id``, ``ro
 rollout ids may restart in every group; without ``rollout_id`` every row is its own rollout.
 """
 
-from rolltool.problems import MAX_LISTED  # pack.py imports it from here (stopgap: to be removed)
 from rolltool.schema.columns import (
     DEFAULT_ENV,
     FORMAT_COLUMNS,
@@ -50,7 +49,6 @@ __all__ = [
     "FORMAT_COLUMNS",
     "ID_COLUMNS",
     "MAX_ID",
-    "MAX_LISTED",
     "Rollouts",
     "id_type_conflicts",
     "scan",
