@@ -409,7 +409,7 @@ def test_random_cases_reach_every_status_and_error() -> None:
     """Guard against a strategy that never exercises a branch (a test that cannot fail)."""
     seen: set[str] = set()
 
-    @settings(max_examples=400, deadline=None)
+    @settings(max_examples=300, deadline=None)
     @given(case=cases())
     def collect(case: tuple[Groups, StepConfig]) -> None:
         groups, config = case
