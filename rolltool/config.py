@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,17 +17,55 @@ from rolltool.workload import WORKLOADS, Workload, make_workload
 OVERLONG = ("error", "drop")
 """What to do with a sample longer than the token budget."""
 
+DEFAULT_BATCH_SIZE = 128
+"""Step size in batch units when none is given (``PackConfig.steps``, ``--batch-size``)."""
+
+DEFAULT_MICRO_BATCH_TOKENS = 32_768
+"""The micro-batch token budget when neither a budget, a micro-batch size nor a row length is
+given (see ``PackConfig.micro_batch_tokens``)."""
+
+
+class OptionConflict(RolltoolError):
+    """Settings that exclude each other, or one given without the setting it applies to: a
+    usage mistake. The API and the CLI refuse the same combinations (declared here, once); the
+    CLI exits 2 on it, as for its own usage errors."""
+
+
+def _default_steps() -> StepConfig:
+    return StepConfig(batch_size=DEFAULT_BATCH_SIZE)
+
+
+def _field_names(record: Any) -> list[str]:
+    return [f.name for f in dataclasses.fields(record)]
+
 
 @dataclass(frozen=True, kw_only=True)
 class PackConfig:
+    """What ``rolltool pack`` does; the one place of its defaults and of its cross-setting rules.
+
+    ``PackConfig(...)`` and the CLI build the same record from the same settings: every default
+    that depends on another setting is resolved here (``micro_batch_tokens``), and every
+    combination the CLI refuses is refused here (``OptionConflict``). The resolved record goes
+    into the manifest (``to_dict``).
+
+    >>> PackConfig(dp=2, row_len=8192).micro_batch_tokens  # a row holds one micro-batch
+    8192
+    >>> PackConfig(dp=2).micro_batch_tokens, PackConfig(dp=2, micro_batch_size=4).micro_batch_tokens
+    (32768, None)
+    """
+
     dp: int
     """Data-parallel ranks."""
-    steps: StepConfig
-    """How optimizer steps are assembled (batch semantics)."""
+    steps: StepConfig = field(default_factory=_default_steps)
+    """How optimizer steps are assembled (batch semantics); default: ``DEFAULT_BATCH_SIZE``
+    rollouts per step."""
     advantages: AdvantageConfig = field(default_factory=AdvantageConfig)
     """Estimator used when the input has no 'advantage' column."""
-    micro_batch_tokens: int | None = 32_768
-    """Hard token budget per micro-batch (None with micro_batch_size)."""
+    micro_batch_tokens: int | None = None
+    """Hard token budget per micro-batch. None resolves to: no budget with ``micro_batch_size``
+    (fixed mode); else ``row_len`` when given (a row holds one micro-batch: fill it); else
+    ``DEFAULT_MICRO_BATCH_TOKENS``. ``dataclasses.replace`` keeps the resolved value: pass
+    ``micro_batch_tokens=None`` to resolve it again."""
     micro_batch_size: int | None = None
     """Fixed number of samples per micro-batch instead of a token budget."""
     row_len: int | None = None
@@ -40,7 +79,9 @@ class PackConfig:
     calibration: str | None = None
     """Calibration JSON for the calibrated workload (written by rolltool bench)."""
     align: str = "lockstep"
-    """lockstep: minimize sum_j max_r cost(r, j) (FSDP/ZeRO-3/TP); total: max_r sum_j (DDP)."""
+    """lockstep: minimize sum_j max_r cost(r, j) (FSDP/ZeRO-3/TP); total: max_r sum_j (DDP).
+    Token-budget mode only: fixed mode (``micro_batch_size``) lays out the same rows either way,
+    so ``total`` with it is an ``OptionConflict``."""
     equal_count: bool = False
     """Give every rank the same number of samples."""
     overlong: str = "error"
@@ -48,36 +89,63 @@ class PackConfig:
     loss_agg: str = "token-mean"
     """Loss aggregation the per-token weights implement (see rolltool.loss)."""
     loss_scale_factor: float | None = None
-    """Constant f of seq-mean-token-sum-norm."""
+    """Constant f of seq-mean-token-sum-norm (required by it, refused with any other)."""
     shard_mb: float = 256.0
     """Largest shard file in MB; a (step, rank) above it is split by rows."""
     cache_mb: float = 1024.0
     """Decoded input row groups kept in memory (MB); input that fits is read from disk once."""
 
     def __post_init__(self) -> None:
+        self._check_choices()
+        self._check_conflicts()
+        if self.micro_batch_tokens is None and self.micro_batch_size is None:
+            budget = self.row_len if self.row_len is not None else DEFAULT_MICRO_BATCH_TOKENS
+            object.__setattr__(self, "micro_batch_tokens", budget)  # resolved once, recorded
+        self._check_sizes()
+        if self.shard_mb <= 0:
+            raise RolltoolError(f"--shard-mb must be positive, got {self.shard_mb}")
+        if self.cache_mb < 0:
+            raise RolltoolError(f"--cache-mb must be >= 0, got {self.cache_mb}")
+
+    def _check_conflicts(self) -> None:
+        """The combinations the CLI refuses as usage errors (exit 2)."""
+        if self.micro_batch_tokens is not None and self.micro_batch_size is not None:
+            raise OptionConflict("give --micro-batch-tokens or --micro-batch-size, not both")
+        if self.micro_batch_size is not None and self.align != "lockstep":
+            raise OptionConflict(
+                f"--align {self.align} has no effect with --micro-batch-size: fixed-size "
+                "micro-batches are laid out the same way whatever the alignment",
+                hint="drop --align total, or balance with a token budget (--micro-batch-tokens)",
+            )
+        if self.loss_scale_factor is not None and self.loss_agg != "seq-mean-token-sum-norm":
+            raise OptionConflict(
+                f"--loss-scale-factor applies to --loss-agg seq-mean-token-sum-norm only, "
+                f"not to {self.loss_agg}"
+            )
+
+    def _check_sizes(self) -> None:
+        for name, value in (
+            ("--micro-batch-tokens", self.micro_batch_tokens),
+            ("--micro-batch-size", self.micro_batch_size),
+            ("--row-len", self.row_len),
+        ):
+            if value is not None and value < 1:
+                raise RolltoolError(f"{name} must be positive, got {value}")
         if self.dp < 1:
             raise RolltoolError(f"--dp must be at least 1, got {self.dp}")
-        if (self.micro_batch_tokens is None) == (self.micro_batch_size is None):
-            raise RolltoolError("give exactly one of --micro-batch-tokens and --micro-batch-size")
-        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
+        budget = self.micro_batch_tokens
+        if self.row_len is not None and budget is not None and self.row_len < budget:
             raise RolltoolError(
-                f"--micro-batch-tokens must be positive, got {self.micro_batch_tokens}"
+                f"--row-len {self.row_len} is shorter than --micro-batch-tokens {budget}",
+                hint="a row holds one micro-batch; make the row at least as long as the budget",
             )
-        if self.micro_batch_size is not None and self.micro_batch_size < 1:
-            raise RolltoolError(f"--micro-batch-size must be positive, got {self.micro_batch_size}")
-        if self.row_len is not None:
-            if self.row_len < 1:
-                raise RolltoolError(f"--row-len must be positive, got {self.row_len}")
-            if self.micro_batch_tokens is not None and self.row_len < self.micro_batch_tokens:
-                raise RolltoolError(
-                    f"--row-len {self.row_len} is shorter than --micro-batch-tokens {self.micro_batch_tokens}",
-                    hint="a row holds one micro-batch; make the row at least as long as the budget",
-                )
         if not 0 <= self.pad_id <= MAX_ID:
             raise RolltoolError(
                 f"--pad-id must be between 0 and {MAX_ID:,} (2**31 - 1: token ids are int32), "
                 f"got {self.pad_id}"
             )
+
+    def _check_choices(self) -> None:
         if self.balance not in WORKLOADS:
             raise RolltoolError(
                 f"unknown --balance {self.balance!r}",
@@ -88,10 +156,22 @@ class PackConfig:
         if self.overlong not in OVERLONG:
             raise RolltoolError(f"--overlong must be one of {', '.join(OVERLONG)}")
         check_loss_agg(self.loss_agg, self.loss_scale_factor)
-        if self.shard_mb <= 0:
-            raise RolltoolError(f"--shard-mb must be positive, got {self.shard_mb}")
-        if self.cache_mb < 0:
-            raise RolltoolError(f"--cache-mb must be >= 0, got {self.cache_mb}")
+
+    @classmethod
+    def from_options(cls, **options: Any) -> PackConfig:
+        """A PackConfig from one flat set of settings (how the CLI and a script both name them):
+        `StepConfig`'s fields go to ``steps``, `AdvantageConfig`'s to ``advantages``, the rest to
+        the PackConfig; anything not given takes its default.
+
+        >>> c = PackConfig.from_options(dp=8, batch_size=64, estimator="rloo", row_len=8192)
+        >>> c.steps.batch_size, c.advantages.estimator, c.micro_batch_tokens
+        (64, 'rloo', 8192)
+        """
+        parts: dict[str, Any] = {}
+        for name, record in (("steps", _default_steps()), ("advantages", AdvantageConfig())):
+            given = {k: options.pop(k) for k in _field_names(record) if k in options}
+            parts[name] = dataclasses.replace(record, **given)
+        return cls(**parts, **options)
 
     @property
     def token_cap(self) -> int | None:

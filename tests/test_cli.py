@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import click
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from rolltool import __version__
+from rolltool.cli import main
 
 
 def _python(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -46,10 +49,26 @@ def test_console_script_version() -> None:
     assert __version__ in proc.stdout
 
 
-def test_help_lists_the_subcommands(run_cli) -> None:
+def _listed_commands(help_text: str) -> list[str]:
+    block = help_text.split("Commands:\n", 1)[1]
+    return [line.split()[0] for line in block.splitlines() if re.match(r"  \S", line)]
+
+
+def test_help_lists_every_registered_subcommand(run_cli) -> None:
+    """Defect #15: the list was written by hand and left out bench; now it is generated, in the
+    order the commands are registered (the data flow)."""
     result = run_cli("--help")
     assert result.exit_code == 0
-    assert "synth" in result.stdout and "advantages" in result.stdout
+    listed = _listed_commands(result.stdout)
+    assert (
+        listed == list(main.commands) == ["synth", "advantages", "pack", "verify", "stats", "bench"]
+    )
+    extra = click.Command("zzz-extra", help="A command registered later.")
+    main.add_command(extra)
+    try:
+        assert _listed_commands(run_cli("--help").stdout)[-1] == "zzz-extra"
+    finally:
+        del main.commands["zzz-extra"]
 
 
 def test_usage_errors_exit_2(run_cli, tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""Shared pieces of the thin CLI layer: error handling, JSON output, consoles, progress."""
+"""Shared pieces of the thin CLI layer: error handling, JSON output, consoles, progress, and
+the parsing of repeated KEY=VALUE options."""
 
 from __future__ import annotations
 
@@ -25,18 +26,25 @@ err = Console(stderr=True, highlight=False, soft_wrap=True)  # log lines: never 
 
 
 def handle_errors(fn: F) -> F:
-    """Turn a RolltoolError into `Error: ...` + hint on stderr and exit code 1.
+    """Turn a RolltoolError into `Error: ...` + hint on stderr and exit code 1; options that
+    exclude each other (`rolltool.config.OptionConflict`) are a usage error, exit 2.
 
     Set ROLLTOOL_DEBUG=1 to get the traceback instead.
     """
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from rolltool.config import OptionConflict
+
         try:
             return fn(*args, **kwargs)
         except RolltoolError as e:
             if os.environ.get("ROLLTOOL_DEBUG"):
                 raise
+            if isinstance(e, OptionConflict):
+                hint = f"\nHint: {e.hint}" if e.hint else ""
+                ctx = click.get_current_context(silent=True)
+                raise click.UsageError(e.message + hint, ctx) from None
             click.echo(f"Error: {e.message}", err=True)
             if e.hint:
                 click.echo(f"Hint: {e.hint}", err=True)
@@ -70,15 +78,6 @@ def progress(items: Iterable[T], total: int | None, description: str) -> Iterato
         for item in items:
             yield item
             bar.advance(task)
-
-
-column_option = click.option(
-    "--column",
-    multiple=True,
-    metavar="NEW=OLD",
-    help="Read schema column NEW from input column OLD (repeatable).",
-)
-"""The `--column NEW=OLD` option every command that reads rollout Parquet takes."""
 
 
 def parse_mapping(pairs: Iterable[str], option: str) -> dict[str, str]:

@@ -4,18 +4,14 @@ from __future__ import annotations
 
 import click
 
-from rolltool.cli._common import (
-    column_option,
-    err,
-    handle_errors,
-    out,
-    parse_columns,
-    print_json,
-    progress,
+from rolltool.cli._common import err, handle_errors, out, print_json, progress
+from rolltool.cli.options import SectionedCommand, column_option, section
+
+
+@click.command(
+    cls=SectionedCommand,
+    short_help="What rollout Parquet or a packed directory contains, at a glance.",
 )
-
-
-@click.command()
 @click.argument("paths", nargs=-1, required=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of tables.")
 @click.option("--per-step", is_flag=True, help="Packed run: add the table of every step.")
@@ -36,7 +32,7 @@ from rolltool.cli._common import (
     metavar="FILE.png",
     help="Also draw a one-page figure (needs matplotlib: pip install 'rolltool[plot]').",
 )
-@column_option
+@section("Input", column_option())
 @handle_errors
 def stats(
     paths: tuple[str, ...],
@@ -45,7 +41,7 @@ def stats(
     step: int | None,
     limit: int | None,
     plot_path: str | None,
-    column: tuple[str, ...],
+    columns: dict[str, str],
 ) -> None:
     """Statistics of rollout Parquet PATHS (files, directories, globs) or of one packed directory.
 
@@ -60,7 +56,7 @@ def stats(
 
     result = compute_stats(
         list(paths),
-        columns=parse_columns(column),
+        columns=columns,
         step=step,
         limit=limit,
         progress=progress,

@@ -1,31 +1,30 @@
-"""`rolltool synth`: write a realistic synthetic rollout dataset."""
+"""`rolltool synth`: options -> `SynthConfig` -> `run_synth` -> one line."""
 
 from __future__ import annotations
 
 import click
 
 from rolltool.cli._common import handle_errors, out, print_json
+from rolltool.cli.options import SectionedCommand, force_option, json_option, opt, section
 from rolltool.synth import ENVS, SynthConfig
 
+D = SynthConfig()
+"""Every default, as the API has it."""
 
-@click.command()
-@click.option(
-    "-o", "--output", required=True, type=click.Path(dir_okay=False), help="Parquet file to write."
-)
-@click.option("--groups", default=64, show_default=True, type=int, help="Number of groups (tasks).")
-@click.option("--seed", default=0, show_default=True, type=int, help="Random seed.")
-@click.option(
-    "--envs",
-    default="math,code,agent",
-    show_default=True,
-    help=f"Comma-separated environments ({', '.join(sorted(ENVS))}).",
-)
-@click.option(
-    "--max-len", default=32_768, show_default=True, type=int, help="Longest sample, tokens."
-)
-@click.option("--force", is_flag=True, help="Replace an existing output.")
-@click.option(
-    "--json", "as_json", is_flag=True, help="Print one JSON document instead of a summary."
+
+@click.command(cls=SectionedCommand, short_help="Write a realistic synthetic rollout dataset.")
+@section(
+    "Dataset",
+    opt("--groups", int, D.groups, "Number of groups (tasks)."),
+    opt("--seed", int, D.seed, "Random seed."),
+    opt("--envs", str, ",".join(D.envs), f"Comma-separated environments ({', '.join(sorted(ENVS))})."),
+    opt("--max-len", int, D.max_len, "Longest sample, tokens."),
+)  # fmt: skip
+@section(
+    "Output",
+    opt("-o --output", click.Path(dir_okay=False), None, "Parquet file to write.", required=True),
+    force_option(),
+    json_option("one JSON document instead of a summary"),
 )
 @handle_errors
 def synth(

@@ -1,6 +1,10 @@
-"""Rich tables of a stats report: numbers right-aligned with thousands separators.
+"""Rich tables of a stats report, and of pack's and advantages' reports: numbers right-aligned
+with thousands separators, every figure formatted by ``rolltool.numfmt`` (rank imbalance and
+lockstep overhead read ``+1.23%`` above the ideal, in stats and in pack alike).
 
 ``render(report, per_step=..., step=..., width=...)`` returns renderables; the CLI prints them.
+``render_pack(manifest, output)`` and ``render_advantages(report)`` are the tables those commands
+print, sized the same way.
 Tables of rollout Parquet have one column per env (and "(all)", which no env name can take), so
 they stay narrow however many metrics there are; tables of a packed run have one row per figure,
 env, split or step.
@@ -23,8 +27,9 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
+from rolltool.format import Manifest, StepCounts
 from rolltool.numfmt import count, num, over, pct
-from rolltool.stats.packed import ALTERNATIVES
+from rolltool.stats.packed import ALTERNATIVES, env_totals
 
 ALL = "(all)"
 """The column of all envs together in the rollout table (an env may be named "all")."""
@@ -441,3 +446,133 @@ def render(
     for p in parts:
         spaced.extend([p, Text("")])
     return Group(*spaced[:-1])
+
+
+# --- the pack and advantages reports: the same figures, formatted the same way -----------------
+
+MAX_ENV_STEPS = 20
+"""Beyond this many steps, pack's per-env table shows run totals (the stats table of them)."""
+
+PACK_STEP_COLS = [
+    Col("step"),
+    Col("size (status)"),  # named for the batch unit in _pack_steps_table
+    Col("groups", keep=3),
+    Col("rollouts", keep=1),
+    Col("samples", keep=6),
+    Col("sampled tokens", "sampled\ntokens"),
+    Col("trainable tokens", "trainable\ntokens", keep=5),
+    Col("uniform kept / dropped", "uniform\nkept/drop", keep=4),
+    Col("over-long", "over-\nlong", keep=2),
+    Col("mb / rank", "mb /\nrank", keep=7),
+    Col("token fill", "token\nfill", keep=8),
+    Col("rank imb. (cost)", "rank imb.\n(cost)"),
+    Col("lockstep ovh. (cost)", "lockstep\n(cost)"),
+]
+
+PACK_ENV_COLS = [
+    Col("step"),
+    Col("env", left=True),
+    Col("groups", keep=3),
+    Col("rollouts", keep=1),
+    Col("samples", keep=6),
+    Col("sampled tokens", "sampled\ntokens"),
+    Col("trainable tokens", "trainable\ntokens", keep=5),
+    Col("uniform kept / dropped", "uniform\nkept/drop", keep=4),
+    Col("over-long", "over-\nlong", keep=2),
+    Col("reward mean", "reward\nmean"),
+    Col("adv mean", "adv\nmean"),
+    Col("adv std", "adv\nstd", keep=7),
+    Col("loss weight", "loss\nweight"),
+]
+
+
+def _counts(c: StepCounts) -> list[str]:
+    """The columns a step and an env of it share (groups .. over-long)."""
+    return [
+        count(c.groups),
+        count(c.rollouts),
+        count(c.samples),
+        count(c.sampled_tokens),
+        count(c.trainable_tokens),
+        f"{count(c.uniform_groups_kept)} / {count(c.uniform_groups_dropped)}",
+        count(c.overlong_dropped),
+    ]
+
+
+def _pack_steps_table(manifest: Manifest, output: str, width: int | None) -> Table:
+    """One row per step: size in batch units (and why it is not full), counts, layout, balance."""
+    unit, align = manifest.config["steps"]["batch_unit"], manifest.config["align"]
+    rows: list[Sequence[str] | None] = []
+    for st in manifest.steps:
+        size = f"{count(st.actual)}/{count(st.nominal)}"
+        p = st.plan
+        rows.append(
+            [str(st.step), size if st.status == "full" else f"{size} {st.status}", *_counts(st),
+             str(p.micro_batches_per_rank), pct(p.token_fill), over(p.imbalance_cost),
+             over(p.lockstep_overhead_cost)]
+        )  # fmt: skip
+    cols = [PACK_STEP_COLS[0], Col(f"{unit} (status)", f"{unit}\n(status)"), *PACK_STEP_COLS[2:]]
+    return _fit(
+        f"pack -> {output} ({manifest.workload['kind']} balance, {align})", cols, rows, width
+    )
+
+
+def _pack_envs_table(manifest: Manifest, width: int | None) -> Table:
+    """Per step and env what each env contributes; for long runs, the per-env run totals."""
+    steps = manifest.steps
+    if len(steps) > MAX_ENV_STEPS:
+        title = f"per env, all {len(steps)} steps (rolltool stats --per-step for each)"
+        return _env_table(title, env_totals(steps), width)
+    rows: list[Sequence[str] | None] = [
+        [str(st.step), env, *_counts(e), num(e.reward_mean, ".3f"), num(e.advantage_mean, "+.3f"),
+         num(e.advantage_std, ".3f"), num(e.loss_weight_sum, ".3f")]
+        for st in steps
+        for env, e in st.envs.items()
+    ]  # fmt: skip
+    return _fit("per step and env", PACK_ENV_COLS, rows, width)
+
+
+def render_pack(manifest: Manifest, output: str, *, width: int | None = None) -> RenderableType:
+    """What ``rolltool pack`` prints on stdout: its steps, and its envs per step (or in total)."""
+    return Group(
+        _pack_steps_table(manifest, output, width), Text(""), _pack_envs_table(manifest, width)
+    )
+
+
+def pack_summary(manifest: Manifest, output: str) -> str:
+    """The one line ``rolltool pack`` ends with (on stderr): where every sample went."""
+    s = manifest.samples
+    return (
+        f"wrote {manifest.num_steps} steps x {manifest.dp} ranks to {output}: "
+        f"{s.trained:,} of {s.total:,} samples trained, {s.uniform_dropped:,} in dropped "
+        f"uniform groups, {s.overlong_dropped:,} over-long, {s.leftover:,} left over"
+    )
+
+
+ADVANTAGE_COLS = [
+    Col("env", left=True),
+    Col("estimator", left=True),
+    Col("groups", keep=2),
+    Col("rollouts", keep=1),
+    Col("samples", keep=3),
+    Col("uniform"),
+    Col("reward mean±std", "reward\nmean±std"),
+    Col("adv mean±std", "adv\nmean±std"),
+    Col("adv min", "adv\nmin", keep=4),
+    Col("adv max", "adv\nmax", keep=4),
+]
+
+
+def render_advantages(report: dict[str, Any], *, width: int | None = None) -> Table:
+    """``rolltool advantages``' table: per env (and all envs), the estimator's figures."""
+    rows: list[Sequence[str] | None] = []
+    for r in report["envs"] + ([report["overall"]] if len(report["envs"]) > 1 else []):
+        rows.append(
+            [ALL if r["env"] is None else r["env"], r["estimator"] or "", count(r["groups"]),
+             count(r["rollouts"]), count(r["samples"]),
+             f"{count(r['uniform_groups'])} ({pct(r['uniform_share'], '.0%')})",
+             f"{num(r['reward_mean'], '.3f')}±{num(r['reward_std'], '.3f')}",
+             f"{num(r['advantage_mean'], '.3f')}±{num(r['advantage_std'], '.3f')}",
+             num(r["advantage_min"], ".3f"), num(r["advantage_max"], ".3f")]
+        )  # fmt: skip
+    return _fit(f"advantages -> {report['output']}", ADVANTAGE_COLS, rows, width)
