@@ -85,24 +85,31 @@ def read_segments(root: Path, manifest: Manifest, pad_id: int) -> Segments:
     tables: list[dict[str, np.ndarray]] = []
     parts: list[ShardPart] = []
     broken: list[Broken] = []
-    first = 0
     for s, step in enumerate(manifest.steps):
         for r, rank in enumerate(step.ranks):
-            got, rows = [], 0
-            for ref in rank.files:
-                table = _summarise(root, s, r, ref, pad_id, rows)
-                if isinstance(table, str):
-                    broken.append(Broken(s, r, ref.path, table))
-                    break
-                got.append((ref, table))
-                rows += ref.rows
-            else:
-                for ref, table in got:
-                    n = len(table["sample"])
-                    parts.append(ShardPart(s, r, ref.path, first, first + n))
-                    tables.append(table)
-                    first += n
+            got = _read_rank(root, s, r, rank.files, pad_id)
+            if isinstance(got, Broken):
+                broken.append(got)
+                continue
+            for ref, table in got:
+                first = parts[-1].end if parts else 0
+                parts.append(ShardPart(s, r, ref.path, first, first + len(table["sample"])))
+                tables.append(table)
     return _concat(tables, tuple(parts), tuple(broken))
+
+
+def _read_rank(
+    root: Path, step: int, rank: int, files: tuple[ShardRef, ...], pad_id: int
+) -> list[tuple[ShardRef, dict[str, np.ndarray]]] | Broken:
+    """A (step, rank)'s files summarised, or its first unusable file."""
+    got, rows = [], 0
+    for ref in files:
+        table = _summarise(root, step, rank, ref, pad_id, rows)
+        if isinstance(table, str):
+            return Broken(step, rank, ref.path, table)
+        got.append((ref, table))
+        rows += ref.rows
+    return got
 
 
 def _concat(
