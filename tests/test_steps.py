@@ -406,10 +406,12 @@ def test_keep_last_only_appends_the_partial_step(case: tuple[Groups, StepConfig]
 
 
 def test_random_cases_reach_every_status_and_error() -> None:
-    """Guard against a strategy that never exercises a branch (a test that cannot fail)."""
+    """Guard against a strategy that never exercises a branch (a test that cannot fail).
+
+    Derandomized in every profile: it checks the draws CI makes, not a lucky fresh run."""
     seen: set[str] = set()
 
-    @settings(max_examples=300, deadline=None)
+    @settings(max_examples=300, deadline=None, derandomize=True)
     @given(case=cases())
     def collect(case: tuple[Groups, StepConfig]) -> None:
         groups, config = case
