@@ -35,6 +35,9 @@ value is compared where it is first wrong, and the checks downstream of it are s
 with wrong denominators is not judged by the formula, a misplaced segment not by its record's
 fields, a segment that disagrees with its record not against the input).
 
+Modules: ``context`` (what is read: samples.parquet, layout settings, the input), ``segments``
+(the pass over the shards), ``records``, ``steps``, ``rows`` and ``content`` (the invariants).
+
 The input is the one given (``inputs``), else the input files the manifest records when they
 are all found (``recorded_inputs``); the report's ``input`` says what happened: "compared",
 "skipped", "not found: <paths>" or "not compared: see problems".
