@@ -289,7 +289,7 @@ def cases(draw: st.DrawFn) -> tuple[Groups, StepConfig]:
         ),
     )
     config = StepConfig(
-        batch_size=draw(st.integers(1, 24)),
+        batch_size=draw(st.one_of(st.integers(1, 3), st.integers(1, 24))),
         batch_unit=draw(st.sampled_from(["rollouts", "samples", "tokens"])),
         exact=draw(st.booleans()),
         uniform=draw(st.sampled_from(["keep", "drop"])),
