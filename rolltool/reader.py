@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from glob import escape as glob_escape
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,16 @@ class PackedDataset:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         if not self.path.is_dir():
-            raise RolltoolError(f"{self.path}: no such directory")
+            aside = sorted(self.path.parent.glob(f".{glob_escape(self.path.name)}.old-*"))
+            raise RolltoolError(
+                f"{self.path}: no such directory"
+                + (
+                    f" ({aside[0].name} is an output a killed --force run moved aside)"
+                    if aside
+                    else ""
+                ),
+                hint="the next `rolltool pack` to this path restores it" if aside else None,
+            )
         if not (self.path / MANIFEST).is_file():
             raise RolltoolError(
                 f"{self.path}: not a rolltool packed directory (no {MANIFEST})",

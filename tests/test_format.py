@@ -174,3 +174,14 @@ def test_the_writer_bounds_queued_bytes_and_records_every_file(
     assert set(m.files) == {f.path for r in ranks for f in r.files} | {"samples.parquet"}
     assert all(isinstance(f, FileRecord) for f in m.files.values())
     assert Manifest.load(out) == m
+
+
+def test_opening_an_output_a_killed_force_run_moved_aside_says_so(tmp_path: Path) -> None:
+    import rolltool
+
+    (tmp_path / ".packed.old-999999").mkdir()
+    with pytest.raises(RolltoolError, match=r"moved aside") as e:
+        rolltool.open_packed(tmp_path / "packed")
+    assert e.value.hint and "restores it" in e.value.hint
+    with pytest.raises(RolltoolError, match=r"no such directory$"):
+        rolltool.open_packed(tmp_path / "other")
