@@ -183,7 +183,7 @@ def _move_a_boundary(a: dict[str, np.ndarray]) -> None:
     [
         (_double_weights, "loss weights"),
         (_duplicate_sample, "sample"),
-        (_move_a_boundary, "tokens, the input has"),
+        (_move_a_boundary, "tokens, samples.parquet says"),
     ],
 )
 def test_verify_checks_invariants_not_just_hashes(
