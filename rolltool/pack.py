@@ -168,7 +168,7 @@ def manifest_record(
         ),
         loss=LossRecord(agg=config.loss_agg, scale_factor=config.loss_scale_factor),
         inputs=tuple(
-            InputRecord(path=str(Path(f.path).resolve()), rows=f.rows, given=f.path)
+            InputRecord(path=f.resolved, rows=f.rows, given=f.path)
             for f in ro.files
         ),
         columns=dict(columns or {}),
