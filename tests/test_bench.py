@@ -10,6 +10,7 @@ keys; several directories compare with the best marked.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -24,7 +25,7 @@ import pytest
 from rolltool.bench import report as rp
 from rolltool.bench.backends import Backend, make_backend
 from rolltool.bench.check import check_row, sample_rows
-from rolltool.bench.config import BenchConfig, LayerShape, resolve_shape
+from rolltool.bench.config import BenchConfig, BenchSetup, LayerShape, resolve_shape
 from rolltool.bench.layer import LayerWeights, layer_forward, make_weights
 from rolltool.bench.rows import Row
 from rolltool.errors import RolltoolError
@@ -170,11 +171,11 @@ def test_layer_weights_are_made_once_and_rows_are_timed(monkeypatch) -> None:
     monkeypatch.setattr(timing, "make_weights", counting)
     rows = [make_row([40, 9]), make_row([60], mb=1), make_row([5, 5, 5], rank=1)]
     for backward in (False, True):
-        config = BenchConfig(backend="sdpa", shape=TINY_SHAPE, backward=backward, repeats=2)
+        config = BenchSetup(backend="sdpa", shape=TINY_SHAPE, backward=backward, repeats=2)
         times = timing.time_rows(torch, sdpa(), rows, config)
         assert times.shape == (2, 3) and np.all(times > 0)
     assert made == [TINY_SHAPE, TINY_SHAPE]  # once per run (shape), not per row or pass
-    st = timing.stage(torch, sdpa(), rows, BenchConfig(backend="sdpa", shape=TINY_SHAPE))
+    st = timing.stage(torch, sdpa(), rows, BenchSetup(backend="sdpa", shape=TINY_SHAPE))
     assert st.x.shape == (60, 32) and st.q is None and st.weights is not None
 
 
@@ -191,7 +192,7 @@ def _leaky(torch: Any) -> Backend:
 def test_check_passes_sdpa_and_catches_cross_contamination(backward: bool) -> None:
     # --check compares attention per segment in either mode (attention is what mixes tokens).
     shape = LayerShape(heads=4, kv_heads=2, head_dim=8, hidden=32, intermediate=64)
-    config = BenchConfig(backend="sdpa", shape=shape, backward=backward, check_rows=1)
+    config = BenchSetup(backend="sdpa", shape=shape, backward=backward, check_rows=1)
     row = make_row([5, 17, 1, 30])
     good = check_row(torch, sdpa(), row, config)
     assert good["ok"] and good["segments"] == 4
@@ -256,7 +257,7 @@ def test_torch_varlen_handles_both_signatures(monkeypatch, signature: str, expec
 @pytest.mark.parametrize("name", ["torch-varlen", "auto"])
 def test_cuda_backend_matches_sequences_alone(name: str) -> None:
     backend, _ = make_backend(name, torch, device="cuda", dtype="bf16")
-    config = BenchConfig(backend=backend.name, shape=LayerShape(heads=8, kv_heads=2, head_dim=64),
+    config = BenchSetup(backend=backend.name, shape=LayerShape(heads=8, kv_heads=2, head_dim=64),
                          what="attention", dtype="bf16", device="cuda", backward=True, check_rows=1)  # fmt: skip
     assert check_row(torch, backend, make_row([100, 1, 700, 33]), config)["ok"]
 
@@ -268,7 +269,7 @@ def test_cuda_layer_mode_times_rows_and_keeps_segments_apart() -> None:
     backend, _ = make_backend("auto", torch, device="cuda", dtype="bf16")
     shape = LayerShape(heads=8, kv_heads=2, head_dim=64, hidden=512, intermediate=1024)
     rows = [make_row([100, 1, 700, 33]), make_row([834], rank=1)]
-    config = BenchConfig(backend=backend.name, shape=shape, dtype="bf16", device="cuda",
+    config = BenchSetup(backend=backend.name, shape=shape, dtype="bf16", device="cuda",
                          backward=True, repeats=2)  # fmt: skip
     times = timing.time_rows(torch, backend, rows, config)
     assert times.shape == (2, 2) and np.all(np.isfinite(times)) and np.all(times > 0)
@@ -320,10 +321,10 @@ def test_step_times_invariants_on_random_tables() -> None:
 
 
 def test_attention_flops_and_peak_share() -> None:
-    # 2 · 1024² · 128 · 32 = 8.59 GFLOP forward; backward adds 2.5x.
+    # 2 · 1024² · 128 · 32 = 8.59 GFLOP forward; backward adds 2x (the flops workload's count).
     assert rp.attention_flops(np.array([1024]), heads=32, head_dim=128) == 2 * 1024**2 * 128 * 32
     assert rp.attention_flops(np.array([3, 4]), heads=1, head_dim=1, layers=2, backward=True) == (
-        2 * 25 * 2 * 3.5
+        2 * 25 * 2 * 3
     )
     t = rp.throughput(989e12, 2.0, "NVIDIA H200", "bf16")
     assert t["tflops"] == pytest.approx(494.5) and t["peak_share"] == pytest.approx(0.5)
@@ -337,7 +338,7 @@ def test_layer_flops_formula() -> None:
     kw = {"matmul_params": 9216, "heads": 2, "head_dim": 16}
     assert rp.layer_flops(np.array([3, 4]), **kw) == 2 * 7 * 9216 + 2 * 25 * 16 * 2
     assert rp.layer_flops(np.array([3, 4]), **kw, layers=2, backward=True) == 2 * (
-        3 * 2 * 7 * 9216 + 3.5 * 2 * 25 * 16 * 2
+        3 * 2 * 7 * 9216 + 3 * 2 * 25 * 16 * 2
     )
     # dense-7b: 233.0 M matmul parameters per layer; 2.03 TFLOP forward for 4,096 tokens.
     shape, _ = resolve_shape(model="dense-7b")
@@ -345,8 +346,7 @@ def test_layer_flops_formula() -> None:
     f = rp.layer_flops(np.array([4096]), matmul_params=shape.matmul_params, heads=28, head_dim=128)
     assert f == pytest.approx(2.029e12, rel=1e-3)
     # All layers with backward = the flops workload, but for the output projection (h·vocab,
-    # once per model) and attention's backward: bench counts the scores' recomputation
-    # (FlashAttention's convention, 2.5x forward), the workload 2x forward.
+    # once per model): one formula (workload.flops_coefficients), attention backward 2x forward.
     for name in ("dense-7b", "dense-8b"):
         shape, _ = resolve_shape(model=name)
         w, model = make_workload("flops", model=name), MODEL_PRESETS[name]
@@ -355,7 +355,6 @@ def test_layer_flops_formula() -> None:
             rp.layer_flops(np.array([n]), matmul_params=shape.matmul_params, heads=shape.heads,
                            head_dim=shape.head_dim, layers=model.num_layers, backward=True)
             + 6.0 * model.hidden_size * model.vocab_size * n
-            - 0.5 * 2 * n * n * shape.heads * shape.head_dim * model.num_layers
             for n in lengths
         )  # fmt: skip
         assert got == pytest.approx(float(w.cost(lengths).sum()), rel=1e-12)
@@ -404,10 +403,69 @@ def test_shape_resolution() -> None:
     # Layer mode needs both widths; attention mode does not.
     bare = LayerShape(heads=2, kv_heads=1, head_dim=16)
     with pytest.raises(RolltoolError, match="--hidden"):
-        BenchConfig(backend="sdpa", shape=bare)
-    assert BenchConfig(backend="sdpa", shape=bare, what="attention").what == "attention"
+        BenchSetup(backend="sdpa", shape=bare)
+    assert BenchSetup(backend="sdpa", shape=bare, what="attention").what == "attention"
     with pytest.raises(RolltoolError, match="--what"):
-        BenchConfig(backend="sdpa", shape=bare, what="mlp")
+        BenchSetup(backend="sdpa", shape=bare, what="mlp")
+
+
+def test_bench_config_refuses_what_it_cannot_run() -> None:
+    """The settings are checked where they are made (before torch), with the option's name."""
+    assert BenchConfig() == BenchConfig(backend="auto", device="auto", dtype="auto", what="layer")
+    for kw, words in (({"device": "tpu"}, "--device"), ({"backend": "nope"}, "--backend"),
+                      ({"what": "mlp"}, "--what"), ({"dtype": "fp8"}, "--dtype"),
+                      ({"model": "nope"}, "nope"), ({"repeats": 0}, "--repeats"),
+                      ({"warmup": -1}, "--warmup"), ({"check_rows": -1}, "check"),
+                      ({"steps": (1, -1)}, "steps")):  # fmt: skip
+        with pytest.raises(RolltoolError, match=words):
+            BenchConfig(**kw)
+
+
+def test_parse_steps_and_device() -> None:
+    from rolltool.bench.config import parse_device, parse_steps
+
+    assert parse_steps("0,2-4") == (0, 2, 3, 4) and parse_steps(" 3 , 1,1") == (1, 3)
+    for bad in ("2-1", "-1", "a", "1,,2", "1-b", ""):
+        with pytest.raises(ValueError, match="0,2-4"):
+            parse_steps(bad)
+    assert [parse_device(d) for d in ("auto", "cpu", "cuda", "cuda:3")]
+    with pytest.raises(ValueError, match="cuda:N"):
+        parse_device("cuda:")
+
+
+def test_cli_hands_run_bench_the_config_the_api_would_build(monkeypatch) -> None:
+    """Options map to BenchConfig fields one to one; --check without --check-rows takes the
+    config module's default, no --check means no rows."""
+    from click.testing import CliRunner
+
+    from rolltool.bench import run
+    from rolltool.bench.config import DEFAULT_CHECK_ROWS
+    from rolltool.cli import main
+
+    seen: list[tuple[Any, dict[str, Any]]] = []
+
+    def capture(paths: Any, config: BenchConfig, **kw: Any) -> Any:
+        seen.append((config, kw))
+        raise LookupError("stop here: the config is all this test wants")
+
+    monkeypatch.setattr(run, "run_bench", capture)
+    for args, want in (
+        ([], BenchConfig()),
+        (["--check"], BenchConfig(check_rows=DEFAULT_CHECK_ROWS)),
+        (["--check-rows", "9"], BenchConfig()),
+        ([*TINY, "--steps", "3,1-2", "--what", "attention", "--backward", "--device", "cpu",
+          "--dtype", "fp32", "--seed", "5", "--layers", "2", "--model", "dense-8b", "--check",
+          "--check-rows", "2"],
+         BenchConfig(backend="sdpa", heads=2, kv_heads=1, head_dim=16, hidden=32,
+                     intermediate=64, repeats=1, warmup=0, steps=(1, 2, 3), what="attention",
+                     backward=True, device="cpu", dtype="fp32", seed=5, layers=2,
+                     model="dense-8b", check_rows=2)),
+    ):  # fmt: skip
+        result = CliRunner().invoke(main, ["bench", "some/dir", *args, "--calibrate", "c.json"])
+        assert isinstance(result.exception, LookupError), result.output
+        config, kw = seen.pop()
+        assert config == want, args
+        assert kw["calibrate"] == "c.json" and kw["force"] is False
 
 
 # --- the command ------------------------------------------------------------------------------
@@ -510,11 +568,12 @@ def test_layer_calibration_recovers_known_coefficients(
     _synthetic_device(monkeypatch, k)
     cal = tmp_path / "cal.json"
     dirs = [packed_dirs[b] for b in ("flops", "tokens", "count")]
-    doc = run_bench(dirs, backend="sdpa", device="cpu", model="dense-7b", backward=backward,
-                    repeats=1, warmup=0, calibrate=cal)  # fmt: skip
+    config = BenchConfig(backend="sdpa", device="cpu", model="dense-7b", backward=backward,
+                         repeats=1, warmup=0)  # fmt: skip
+    doc = run_bench(dirs, config, calibrate=cal)
     shape, _ = resolve_shape(model="dense-7b")
     a = k * 2 * shape.matmul_params * (3 if backward else 1)
-    b = k * 2 * shape.heads * shape.head_dim * (3.5 if backward else 1)
+    b = k * 2 * shape.heads * shape.head_dim * (3 if backward else 1)
     written = json.loads(cal.read_text())
     assert written["a"] == pytest.approx(a, rel=1e-6) and written["b"] == pytest.approx(b, rel=1e-6)
     assert written["r2"] == pytest.approx(1.0) and written["what"] == "layer"
@@ -530,8 +589,7 @@ def test_layer_calibration_recovers_known_coefficients(
     # pack balanced (R² short of 1 by the output projection and the backward's attention
     # convention only). Attention-only times on the same device it does not predict.
     assert flops_run["workload_fit"]["r2"] > 0.999 and flops_run["workload_fit"]["rel_rmse"] < 0.01
-    attn = run_bench(dirs[:1], backend="sdpa", device="cpu", model="dense-7b", what="attention",
-                     backward=backward, repeats=1, warmup=0)  # fmt: skip
+    attn = run_bench(dirs[:1], dataclasses.replace(config, what="attention"))
     assert attn["workload_fit"]["rel_rmse"] > 0.05
 
 
@@ -656,7 +714,7 @@ def test_unknown_device_is_a_usage_error(run_cli, packed_dirs, device: str) -> N
     from rolltool.bench.run import run_bench
 
     with pytest.raises(RolltoolError, match="--device"):
-        run_bench([packed_dirs["count"]], backend="sdpa", device=device)
+        run_bench([packed_dirs["count"]], BenchConfig(backend="sdpa", device=device))
 
 
 def test_missing_cuda_index_is_a_clear_error(run_cli, packed_dirs) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from rolltool.bench.backends import Backend
-from rolltool.bench.config import TOLERANCES, BenchConfig
+from rolltool.bench.config import TOLERANCES, BenchSetup
 from rolltool.bench.rows import Row
 from rolltool.bench.timing import torch_dtype
 
@@ -51,83 +51,100 @@ def _excess(torch: Any, got: Any, want: Any, atol: float, rtol: float) -> tuple[
     return float(diff.max()), float((diff / (atol + rtol * want.abs())).max())
 
 
-def check_row(torch: Any, backend: Backend, row: Row, config: BenchConfig) -> dict[str, Any]:
-    """Compare every segment of one row (see the module docstring); returns the row's figures."""
-    shape, device = config.shape, torch.device(config.device)
-    dtype = torch_dtype(torch, config.dtype)
-    atol, rtol = TOLERANCES[config.dtype]
-    gen = torch.Generator(device="cpu").manual_seed(config.seed + 1)
-    t = row.tokens
-
-    def rand(heads: int) -> Any:
-        x = torch.randn(t, heads, shape.head_dim, generator=gen, dtype=torch.float32)
-        return x.to(device=device, dtype=dtype)
-
-    q, k, v = rand(shape.heads), rand(shape.kv_heads), rand(shape.kv_heads)
-    group = shape.heads // shape.kv_heads
+def _whole_row(
+    torch: Any, backend: Backend, row: Row, qkv: tuple[Any, Any, Any], go: Any
+) -> tuple[Any, Any]:
+    """The backend over the whole row: its output and, given the output gradient ``go``, the
+    gradients of q, k, v (summed back onto the kv heads when k, v were repeated for GQA)."""
+    q, k, v = qkv
+    group = q.shape[1] // k.shape[1]
     kb, vb = k, v
     if not backend.gqa and group > 1:
         kb, vb = (x.repeat_interleave(group, dim=1) for x in (k, v))
-    cu = torch.from_numpy(row.cu_seqlens).to(device=device, dtype=torch.int32)
+    cu = torch.from_numpy(row.cu_seqlens).to(device=q.device, dtype=torch.int32)
     bounds = [int(x) for x in row.cu_seqlens]
+    leaves = tuple(x.detach().requires_grad_(go is not None) for x in (q, kb, vb))
+    out = backend.attend(leaves[0], leaves[1], leaves[2], cu, row.max_len, bounds)
+    if go is None:
+        return out, None
+    grads = torch.autograd.grad(out, leaves, go)
+    if kb is not k:
+        grads = (grads[0], *(g.unflatten(1, (k.shape[1], group)).sum(2) for g in grads[1:]))
+    return out, grads
+
+
+def _segments(
+    torch: Any,
+    row: Row,
+    qkv: tuple[Any, ...],
+    out: Any,
+    grads: Any,
+    go: Any,
+    tol: tuple[float, float],
+) -> dict[str, Any]:
+    """Each segment of the row against the reference run alone: the largest error, the worst
+    output ratio to the tolerance (and its segment), the worst gradient ratio."""
+    atol, rtol = tol
     worst_out = worst_grad = max_err = 0.0
     worst_segment = -1
+    for i, (s, e) in enumerate(pairwise(int(x) for x in row.cu_seqlens)):
+        if e == s:
+            continue
+        alone = [x[s:e].detach().float().clone().requires_grad_(go is not None) for x in qkv]
+        ref = reference(torch, *alone)
+        err, excess = _excess(torch, out[s:e].detach(), ref.detach(), atol, rtol)
+        max_err = max(max_err, err)
+        if excess > worst_out:
+            worst_out, worst_segment = excess, i
+        if grads is not None:
+            ref_grads = torch.autograd.grad(ref, alone, go[s:e].float())
+            for g, rg in zip(grads, ref_grads, strict=True):
+                scale = float(rg.abs().max()) or 1.0
+                rel = float((g[s:e].float() - rg).abs().max()) / scale
+                worst_grad = max(worst_grad, rel / (2 * rtol))
+    return {"max_abs_error": max_err, "worst_output_ratio": worst_out,
+            "worst_grad_ratio": worst_grad, "worst_segment": worst_segment}  # fmt: skip
+
+
+def check_row(torch: Any, backend: Backend, row: Row, setup: BenchSetup) -> dict[str, Any]:
+    """Compare every segment of one row (see the module docstring); returns the row's figures."""
+    shape, device = setup.shape, torch.device(setup.device)
+    dtype = torch_dtype(torch, setup.dtype)
+    gen = torch.Generator(device="cpu").manual_seed(setup.seed + 1)
+
+    def rand(heads: int) -> Any:
+        x = torch.randn(row.tokens, heads, shape.head_dim, generator=gen, dtype=torch.float32)
+        return x.to(device=device, dtype=dtype)
+
+    qkv = (rand(shape.heads), rand(shape.kv_heads), rand(shape.kv_heads))
     with torch.enable_grad():
-        leaves = tuple(x.detach().requires_grad_(config.backward) for x in (q, kb, vb))
-        out = backend.attend(leaves[0], leaves[1], leaves[2], cu, row.max_len, bounds)
-        grads = None
-        if config.backward:
-            go = rand(shape.heads)
-            grads = torch.autograd.grad(out, leaves, go)
-            if kb is not k:  # gradients of repeated k, v heads sum back onto the kv heads
-                grads = (
-                    grads[0],
-                    *(g.unflatten(1, (shape.kv_heads, group)).sum(2) for g in grads[1:]),
-                )
-        for i, (s, e) in enumerate(pairwise(bounds)):
-            if e == s:
-                continue
-            alone = [
-                x[s:e].detach().float().clone().requires_grad_(config.backward) for x in (q, k, v)
-            ]
-            ref = reference(torch, *alone)
-            err, excess = _excess(torch, out[s:e].detach(), ref.detach(), atol, rtol)
-            max_err = max(max_err, err)
-            if excess > worst_out:
-                worst_out, worst_segment = excess, i
-            if grads is not None:
-                ref_grads = torch.autograd.grad(ref, alone, go[s:e].float())
-                for g, rg in zip(grads, ref_grads, strict=True):
-                    scale = float(rg.abs().max()) or 1.0
-                    rel = float((g[s:e].float() - rg).abs().max()) / scale
-                    worst_grad = max(worst_grad, rel / (2 * rtol))
-    ok = worst_out <= 1.0 and worst_grad <= 1.0
+        go = rand(shape.heads) if setup.backward else None
+        out, grads = _whole_row(torch, backend, row, qkv, go)
+        fig = _segments(torch, row, qkv, out, grads, go, TOLERANCES[setup.dtype])
     return {
         "step": row.step,
         "rank": row.rank,
         "micro_batch": row.micro_batch,
-        "segments": len(bounds) - 1,
-        "tokens": t,
-        "max_abs_error": max_err,
-        "worst_output_ratio": worst_out,
-        "worst_grad_ratio": worst_grad if config.backward else None,
-        "worst_segment": worst_segment,
-        "ok": ok,
+        "segments": len(row.cu_seqlens) - 1,
+        "tokens": row.tokens,
+        **fig,
+        "worst_grad_ratio": fig["worst_grad_ratio"] if setup.backward else None,
+        "ok": fig["worst_output_ratio"] <= 1.0 and fig["worst_grad_ratio"] <= 1.0,
     }
 
 
 def check_rows(
-    torch: Any, backend: Backend, rows: Sequence[Row], config: BenchConfig
+    torch: Any, backend: Backend, rows: Sequence[Row], setup: BenchSetup
 ) -> dict[str, Any]:
-    """Check ``config.check_rows`` sampled rows; ``ok`` is False if any element is off."""
+    """Check ``setup.check_rows`` sampled rows; ``ok`` is False if any element is off."""
     results = [
-        check_row(torch, backend, rows[i], config) for i in sample_rows(rows, config.check_rows)
+        check_row(torch, backend, rows[i], setup) for i in sample_rows(rows, setup.check_rows)
     ]
-    atol, rtol = TOLERANCES[config.dtype]
+    atol, rtol = TOLERANCES[setup.dtype]
     return {
         "ok": all(r["ok"] for r in results),
         "rows_checked": len(results),
         "segments_checked": sum(r["segments"] for r in results),
-        "tolerance": {"atol": atol, "rtol": rtol, "dtype": config.dtype},
+        "tolerance": {"atol": atol, "rtol": rtol, "dtype": setup.dtype},
         "rows": results,
     }

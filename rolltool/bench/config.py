@@ -1,7 +1,9 @@
 """What `rolltool bench` runs: the layer shape, what of it is timed, the backend, and how it times.
 
-A ``BenchConfig`` is resolved (no "auto" left) before any row is timed and goes into the report,
-so every measurement says how it was made.
+A ``BenchConfig`` is what the user asks for (``auto`` allowed: ``rolltool bench``'s options, or a
+script's); ``run_bench`` resolves it on the machine that runs it into a ``BenchSetup`` (no
+``auto`` left) before any row is timed, and the setup goes into the report, so every measurement
+says how it was made.
 
 ``what`` chooses a row's work (see ``rolltool.bench.layer``):
 
@@ -30,6 +32,32 @@ DTYPES = ("bf16", "fp16", "fp32")
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
 """Devices ``--device`` accepts: ``auto``, ``cpu``, ``cuda``, ``cuda:N`` (checked before torch,
 which would raise its own RuntimeError on e.g. ``tpu``)."""
+
+
+def parse_device(text: str) -> str:
+    """``text`` if it is a device ``--device`` accepts (``DEVICE_PATTERN``), else a ValueError."""
+    if not DEVICE_PATTERN.fullmatch(text):
+        raise ValueError(f"expected auto, cpu, cuda or cuda:N, got {text!r}")
+    return text
+
+
+def parse_steps(text: str) -> tuple[int, ...]:
+    """``"0,2-4"`` -> ``(0, 2, 3, 4)`` (sorted, each once); bad syntax is a ValueError."""
+    steps: set[int] = set()
+    for part in text.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        try:
+            first, last = int(lo), int(hi) if sep else int(lo)
+        except ValueError:
+            first, last = 0, -1
+        if first < 0 or last < first:
+            raise ValueError(f"expected steps like 0,2-4, got {text!r}")
+        steps.update(range(first, last + 1))
+    return tuple(sorted(steps))
+
+
+DEFAULT_CHECK_ROWS = 4
+"""Rows per directory ``--check`` compares when not told how many (``--check-rows``)."""
 
 # Tolerances of --check: |varlen - alone| <= atol + rtol * |alone|, per element. The reference
 # runs in fp32 on the same (rounded) inputs; bf16/fp16 outputs are rounded once (2^-8 / 2^-11
@@ -155,7 +183,87 @@ def resolve_shape(
 
 @dataclass(frozen=True, kw_only=True)
 class BenchConfig:
-    """How to replay a packed directory (resolved: no ``auto`` values)."""
+    """What to replay and how: ``rolltool bench``'s settings (defaults here, once).
+
+    ``auto`` and ``None`` are resolved by ``run_bench`` where it runs (see ``BenchSetup``):
+    the device and dtype from the machine, the backend from what is installed, the shape from
+    ``model``, else the packed directory's model, with the explicit widths overriding it.
+    """
+
+    backend: str = "auto"
+    """``auto`` (flash-attn, else torch-varlen on CUDA, else sdpa) or a name in ``BACKENDS``."""
+    what: str = "layer"
+    """One of ``WHATS``: a whole layer per row, or attention only."""
+    device: str = "auto"
+    """``auto`` (cuda when available), ``cpu``, ``cuda`` or ``cuda:N``."""
+    dtype: str = "auto"
+    """``auto`` (bf16 on CUDA, fp32 on CPU) or one of ``DTYPES``."""
+    model: str | None = None
+    """Preset the layer shape is taken from (None: the packed directory's model, else
+    ``DEFAULT_PRESET``)."""
+    heads: int | None = None
+    """Query heads, overriding the model's."""
+    kv_heads: int | None = None
+    """Key/value heads (GQA), overriding the model's (see ``resolve_shape``)."""
+    head_dim: int | None = None
+    """Width of one head, overriding the model's."""
+    hidden: int | None = None
+    """Residual stream width, overriding the model's."""
+    intermediate: int | None = None
+    """Gated MLP width, overriding the model's."""
+    layers: int = 1
+    """Layers (or attention calls) per row, chained, emulating depth."""
+    backward: bool = False
+    """Time forward + backward, not forward only."""
+    repeats: int = 5
+    """Timed passes over all rows (median per row; order shuffled each pass)."""
+    warmup: int = 1
+    """Untimed passes over all rows first."""
+    flush_l2: bool = False
+    """Flush the GPU's L2 cache before each timed row (CUDA only)."""
+    seed: int = 0
+    """Seed of the random inputs and weights, and of the row order of each pass."""
+    steps: tuple[int, ...] | None = None
+    """Steps to replay; None for all."""
+    check_rows: int = 0
+    """Rows per directory whose segments are compared with each sequence run alone (0: none)."""
+
+    def __post_init__(self) -> None:
+        from rolltool.bench.backends import BACKENDS
+
+        try:
+            parse_device(self.device)
+        except ValueError as e:
+            raise RolltoolError(f"bench: unknown --device {self.device!r}", hint=str(e)) from None
+        for option, value, names in (
+            ("--backend", self.backend, ("auto", *BACKENDS)),
+            ("--what", self.what, WHATS),
+            ("--dtype", self.dtype, ("auto", *DTYPES)),
+        ):
+            if value not in names:
+                raise RolltoolError(f"bench: unknown {option} {value!r}", hint=f"one of {names}")
+        if self.model is not None and self.model not in MODEL_PRESETS:
+            raise RolltoolError(
+                f"unknown model preset {self.model!r}",
+                hint=f"choose one of {', '.join(MODEL_PRESETS)}",
+            )
+        _check_counts(self.repeats, self.warmup, self.check_rows)
+        if self.steps is not None and any(s < 0 for s in self.steps):
+            raise RolltoolError(f"bench: steps count from 0, got {list(self.steps)}")
+
+
+def _check_counts(repeats: int, warmup: int, check_rows: int) -> None:
+    if repeats < 1:
+        raise RolltoolError("bench: --repeats must be at least 1")
+    if warmup < 0:
+        raise RolltoolError("bench: --warmup must not be negative")
+    if check_rows < 0:
+        raise RolltoolError("bench: the number of rows to check must not be negative")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchSetup:
+    """How a packed directory is replayed: a ``BenchConfig`` resolved (no ``auto`` values)."""
 
     backend: str
     """Name in ``rolltool.bench.backends.BACKENDS``."""
@@ -196,11 +304,6 @@ class BenchConfig:
             )
         if self.dtype not in DTYPES:
             raise RolltoolError(f"bench: unknown dtype {self.dtype!r}", hint=f"one of {DTYPES}")
-        if self.repeats < 1:
-            raise RolltoolError("bench: --repeats must be at least 1")
-        if self.warmup < 0:
-            raise RolltoolError("bench: --warmup must not be negative")
-        if self.check_rows < 0:
-            raise RolltoolError("bench: the number of rows to check must not be negative")
+        _check_counts(self.repeats, self.warmup, self.check_rows)
         if self.flush_l2 and not self.device.startswith("cuda"):
             raise RolltoolError("bench: --flush-l2 needs a CUDA device")

@@ -23,7 +23,7 @@ from rolltool.bench import report as rp
 from rolltool.bench.backends import Backend, make_backend
 from rolltool.bench.check import check_rows
 from rolltool.bench.compare import compare
-from rolltool.bench.config import DEVICE_PATTERN, BenchConfig, resolve_shape
+from rolltool.bench.config import BenchConfig, BenchSetup, resolve_shape
 from rolltool.bench.rows import PackedRows, load_rows
 from rolltool.bench.timing import Progress, time_rows
 from rolltool.errors import RolltoolError
@@ -43,18 +43,8 @@ def import_torch() -> Any:
     return torch
 
 
-def check_device(device: str) -> None:
-    """A RolltoolError for a device bench cannot use (before torch would raise its own)."""
-    if not DEVICE_PATTERN.fullmatch(device):
-        raise RolltoolError(
-            f"bench: unknown --device {device!r}",
-            hint="use auto, cpu, cuda or cuda:N (N counts from 0)",
-        )
-
-
 def resolve_device(torch: Any, device: str, dtype: str) -> tuple[str, str]:
     """``auto`` device: cuda when available, else cpu; ``auto`` dtype: bf16 on CUDA, fp32 on CPU."""
-    check_device(device)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -89,7 +79,7 @@ def report_one(
     backend: Backend,
     packed: PackedRows,
     times: np.ndarray,
-    config: BenchConfig,
+    setup: BenchSetup,
     dev_name: str,
 ) -> tuple[dict[str, Any], np.ndarray]:
     """One directory's report from its rows' ``[repeats, n]`` times; also [n, 3] fit inputs."""
@@ -101,7 +91,7 @@ def report_one(
     tokens = np.array([r.tokens for r in rows], dtype=np.float64)
     sum_sq = np.array([float(np.sum(r.lengths.astype(np.float64) ** 2)) for r in rows])
     predicted = np.array([r.predicted for r in rows])
-    flops = np.array([row_flops(r.lengths, config) for r in rows])
+    flops = np.array([row_flops(r.lengths, setup) for r in rows])
     steps = rp.step_times(step, rank, mb, seconds, packed.dp)
     real_samples = sum(int(np.sum(r.sample_index >= 0)) for r in rows)
     row_table = [
@@ -129,7 +119,7 @@ def report_one(
         "steps": steps,
         "total": rp.total_times(steps),
         "throughput": rp.throughput(
-            float(flops.sum()), float(seconds.sum()), dev_name, config.dtype
+            float(flops.sum()), float(seconds.sum()), dev_name, setup.dtype
         ),
         "fit": rp.fit_quadratic(tokens, sum_sq, seconds),
         "workload_fit": rp.proportional_fit(predicted, seconds),
@@ -138,91 +128,74 @@ def report_one(
         "sum_sq_fit": rp.proportional_fit(sum_sq, seconds),
         "rows": row_table,
     }
-    if config.check_rows:
-        report["check"] = check_rows(torch, backend, rows, config)
+    if setup.check_rows:
+        report["check"] = check_rows(torch, backend, rows, setup)
     return report, np.stack([tokens, sum_sq, seconds], axis=1)
 
 
-def row_flops(lengths: np.ndarray, config: BenchConfig) -> float:
+def row_flops(lengths: np.ndarray, setup: BenchSetup) -> float:
     """FLOPs of one row's timed work: whole layers (matmuls + causal attention) or attention."""
-    s = config.shape
-    if config.what == "layer":
+    s = setup.shape
+    if setup.what == "layer":
         return rp.layer_flops(lengths, matmul_params=s.matmul_params, heads=s.heads,
-                              head_dim=s.head_dim, layers=s.layers, backward=config.backward)  # fmt: skip
+                              head_dim=s.head_dim, layers=s.layers, backward=setup.backward)  # fmt: skip
     return rp.attention_flops(lengths, heads=s.heads, head_dim=s.head_dim, layers=s.layers,
-                              backward=config.backward)  # fmt: skip
+                              backward=setup.backward)  # fmt: skip
+
+
+def resolve(torch: Any, config: BenchConfig, first: PackedRows) -> tuple[BenchSetup, Backend, str]:
+    """``config`` resolved on this machine (device, dtype, backend) and for the packed
+    directory ``first`` (the layer shape of its model unless ``config`` names one); also the
+    backend itself and why it was chosen."""
+    device, dtype = resolve_device(torch, config.device, config.dtype)
+    shape, shape_source = resolve_shape(
+        model=config.model,
+        manifest_model=first.workload.model if first.workload else None,
+        heads=config.heads,
+        kv_heads=config.kv_heads,
+        head_dim=config.head_dim,
+        hidden=config.hidden,
+        intermediate=config.intermediate,
+        layers=config.layers,
+    )
+    be, reason = make_backend(config.backend, torch, device=device, dtype=dtype)
+    setup = BenchSetup(backend=be.name, shape=shape, what=config.what, dtype=dtype, device=device,
+                       backward=config.backward, repeats=config.repeats, warmup=config.warmup,
+                       flush_l2=config.flush_l2, seed=config.seed, steps=config.steps,
+                       check_rows=config.check_rows, shape_source=shape_source)  # fmt: skip
+    return setup, be, reason
 
 
 def run_bench(
     paths: Sequence[str | Path],
+    config: BenchConfig | None = None,
     *,
-    backend: str = "auto",
-    what: str = "layer",
-    device: str = "auto",
-    dtype: str = "auto",
-    model: str | None = None,
-    heads: int | None = None,
-    kv_heads: int | None = None,
-    head_dim: int | None = None,
-    hidden: int | None = None,
-    intermediate: int | None = None,
-    layers: int = 1,
-    backward: bool = False,
-    repeats: int = 5,
-    warmup: int = 1,
-    flush_l2: bool = False,
-    seed: int = 0,
-    steps: Sequence[int] | None = None,
-    check: int = 0,
     calibrate: str | Path | None = None,
     force: bool = False,
     progress: Progress | None = None,
 ) -> dict[str, Any]:
-    """Replay every row of each packed directory in ``paths`` and report (see ``rolltool bench``).
+    """Replay every row of each packed directory in ``paths`` as ``config`` says (default:
+    ``BenchConfig()``) and report (see ``rolltool bench``).
 
-    ``what``: ``layer`` (a whole decoder layer per row) or ``attention`` (attention only).
-
-    Several directories are benched with the same configuration, their rows timed together in
-    one shuffled order per pass, and compared; the fit and the calibration pool all their rows
+    Several directories are benched with the same setup, their rows timed together in one
+    shuffled order per pass, and compared; the fit and the calibration pool all their rows
     (more length variety, a better-determined fit).
     ``calibrate`` names a JSON file to write the calibration to (refused if it exists unless
-    ``force``; not written when ``check`` rows were compared and one failed).
+    ``force``; not written when ``config.check_rows`` rows were compared and one failed).
     """
-    check_device(device)
+    config = config or BenchConfig()
     if calibrate is not None:
         check_target(Path(calibrate), force)
     torch = import_torch()
-    packed = load_all(paths, steps)
-    device, dtype = resolve_device(torch, device, dtype)
-    manifest_model = packed[0].workload.model if packed[0].workload else None
-    shape, shape_source = resolve_shape(model=model, manifest_model=manifest_model, heads=heads,
-                                        kv_heads=kv_heads, head_dim=head_dim, hidden=hidden,
-                                        intermediate=intermediate, layers=layers)  # fmt: skip
-    be, reason = make_backend(backend, torch, device=device, dtype=dtype)
-    config = BenchConfig(backend=be.name, shape=shape, what=what, dtype=dtype, device=device,
-                         backward=backward, repeats=repeats, warmup=warmup, flush_l2=flush_l2,
-                         seed=seed, steps=tuple(steps) if steps is not None else None,
-                         check_rows=check, shape_source=shape_source)  # fmt: skip
-    dev_name = device_name(torch, device)
-    # All directories' rows are timed together, shuffled across directories in every pass, so
-    # a drift of the machine (clocks, other jobs) hits every directory alike.
-    all_rows = [row for p in packed for row in p.rows]
-    label = packed[0].path.name if len(packed) == 1 else f"{len(packed)} directories"
-    times = time_rows(torch, be, all_rows, config, progress=progress, label=label)
-    runs, fit_rows = [], []
-    start = 0
-    for p in packed:
-        n = len(p.rows)
-        rep, xs = report_one(torch, be, p, times[:, start : start + n], config, dev_name)
-        start += n
-        runs.append(rep)
-        fit_rows.append(xs)
-    pooled = np.concatenate(fit_rows)
-    fit = rp.fit_quadratic(pooled[:, 0], pooled[:, 1], pooled[:, 2])
-    notes = _notes(config, be, dev_name, torch, paths)
+    packed = load_all(paths, config.steps)
+    setup, be, reason = resolve(torch, config, packed[0])
+    dev_name = device_name(torch, setup.device)
+    runs, fit = time_and_report(torch, be, packed, setup, dev_name, progress)
+    notes = _notes(setup, be, dev_name, torch, paths)
     warning = fit_warning(fit)
     if warning is not None:
         notes["warning"] = warning
+    checks_ok = all(r.get("check", {}).get("ok", True) for r in runs)
     doc: dict[str, Any] = {
         "backend": be.name,
         "backend_detail": be.detail,
@@ -230,14 +203,13 @@ def run_bench(
         "device": dev_name,
         "torch": str(torch.__version__),
         "rolltool_version": __version__,
-        "config": _config_dict(config),
+        "config": _config_dict(setup),
         "fit": fit,
         "calibration": rp.calibration(fit, notes),
         "fit_warning": warning,
+        "check_ok": checks_ok if setup.check_rows else None,
+        "calibration_file": None,
     }
-    checks_ok = all(r.get("check", {}).get("ok", True) for r in runs)
-    doc["check_ok"] = checks_ok if check else None
-    doc["calibration_file"] = None
     if calibrate is not None and checks_ok:
         write_json(calibrate, doc["calibration"], force=force)
         doc["calibration_file"] = str(calibrate)
@@ -247,6 +219,32 @@ def run_bench(
     # top-level steps and total are the first directory's; every directory's are under runs.
     first = {"steps": runs[0]["steps"], "total": runs[0]["total"]}
     return {**doc, **first, "runs": runs, "comparison": compare(runs)}
+
+
+def time_and_report(
+    torch: Any,
+    be: Backend,
+    packed: Sequence[PackedRows],
+    setup: BenchSetup,
+    dev_name: str,
+    progress: Progress | None,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Time every directory's rows together, shuffled across directories in every pass (a drift
+    of the machine, clocks or other jobs, hits every directory alike); one report per directory
+    and the a·L + b·L² fit over all their rows."""
+    all_rows = [row for p in packed for row in p.rows]
+    label = packed[0].path.name if len(packed) == 1 else f"{len(packed)} directories"
+    times = time_rows(torch, be, all_rows, setup, progress=progress, label=label)
+    runs, fit_rows = [], []
+    start = 0
+    for p in packed:
+        n = len(p.rows)
+        rep, xs = report_one(torch, be, p, times[:, start : start + n], setup, dev_name)
+        start += n
+        runs.append(rep)
+        fit_rows.append(xs)
+    pooled = np.concatenate(fit_rows)
+    return runs, rp.fit_quadratic(pooled[:, 0], pooled[:, 1], pooled[:, 2])
 
 
 MIN_FIT_R2 = 0.9
@@ -279,31 +277,31 @@ def write_json(path: str | Path, doc: dict[str, Any], *, force: bool) -> None:
         tmp.write_text(json.dumps(jsonable(doc), indent=2) + "\n")
 
 
-def _config_dict(config: BenchConfig) -> dict[str, Any]:
+def _config_dict(setup: BenchSetup) -> dict[str, Any]:
     return {
-        "backend": config.backend,
-        "what": config.what,
-        **config.shape.to_dict(),
-        "matmul_params": config.shape.matmul_params if config.what == "layer" else None,
-        "shape_source": config.shape_source,
-        "dtype": config.dtype,
-        "device": config.device,
-        "backward": config.backward,
-        "repeats": config.repeats,
-        "warmup": config.warmup,
-        "flush_l2": config.flush_l2,
-        "seed": config.seed,
-        "steps": list(config.steps) if config.steps is not None else None,
-        "check_rows": config.check_rows,
+        "backend": setup.backend,
+        "what": setup.what,
+        **setup.shape.to_dict(),
+        "matmul_params": setup.shape.matmul_params if setup.what == "layer" else None,
+        "shape_source": setup.shape_source,
+        "dtype": setup.dtype,
+        "device": setup.device,
+        "backward": setup.backward,
+        "repeats": setup.repeats,
+        "warmup": setup.warmup,
+        "flush_l2": setup.flush_l2,
+        "seed": setup.seed,
+        "steps": list(setup.steps) if setup.steps is not None else None,
+        "check_rows": setup.check_rows,
     }
 
 
 def _notes(
-    config: BenchConfig, be: Backend, dev_name: str, torch: Any, paths: Sequence[str | Path]
+    setup: BenchSetup, be: Backend, dev_name: str, torch: Any, paths: Sequence[str | Path]
 ) -> dict[str, Any]:
-    s = config.shape
-    passes = "forward + backward" if config.backward else "forward"
-    if config.what == "layer":
+    s = setup.shape
+    passes = "forward + backward" if setup.backward else "forward"
+    if setup.what == "layer":
         measures = (f"{s.layers} whole decoder layer(s) (projections, causal attention, "
                     f"SiLU-gated MLP), {passes}")  # fmt: skip
         shape = s.to_dict()
@@ -312,13 +310,13 @@ def _notes(
         shape = {k: v for k, v in s.to_dict().items() if k not in ("hidden", "intermediate")}
     return {
         "units": "seconds (a per token, b per token squared)",
-        "what": config.what,
+        "what": setup.what,
         "measures": measures,
         "device": dev_name,
         "backend": be.name,
-        "dtype": config.dtype,
+        "dtype": setup.dtype,
         "shape": shape,
-        "shape_source": config.shape_source,
+        "shape_source": setup.shape_source,
         "torch": str(torch.__version__),
         "rolltool_version": __version__,
         "sources": [str(p) for p in paths],

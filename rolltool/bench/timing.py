@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from rolltool.bench.backends import Backend
-from rolltool.bench.config import BenchConfig
+from rolltool.bench.config import BenchSetup
 from rolltool.bench.layer import LayerWeights, layer_forward, make_weights
 from rolltool.bench.rows import Row
 
@@ -70,12 +70,12 @@ class Staged:
     """Layer mode: the layer's weights (None in attention mode)."""
 
 
-def stage(torch: Any, backend: Backend, rows: Sequence[Row], config: BenchConfig) -> Staged:
+def stage(torch: Any, backend: Backend, rows: Sequence[Row], setup: BenchSetup) -> Staged:
     """Put every input on the device (see step 1 of the module docstring)."""
-    shape = config.shape
-    device, dtype = torch.device(config.device), torch_dtype(torch, config.dtype)
+    shape = setup.shape
+    device, dtype = torch.device(setup.device), torch_dtype(torch, setup.dtype)
     t_max = max(r.tokens for r in rows)
-    gen = torch.Generator(device="cpu").manual_seed(config.seed)
+    gen = torch.Generator(device="cpu").manual_seed(setup.seed)
 
     def rand(*dims: int) -> Any:
         x = torch.randn(t_max, *dims, generator=gen, dtype=torch.float32)
@@ -87,10 +87,10 @@ def stage(torch: Any, backend: Backend, rows: Sequence[Row], config: BenchConfig
         "max_len": [r.max_len for r in rows],
         "tokens": [r.tokens for r in rows],
     }
-    if config.what == "layer":
-        weights = make_weights(torch, shape, device=config.device, dtype=dtype,
-                               seed=config.seed + 2, grad=config.backward)  # fmt: skip
-        grad_out = rand(shape.hidden) if config.backward else None
+    if setup.what == "layer":
+        weights = make_weights(torch, shape, device=setup.device, dtype=dtype,
+                               seed=setup.seed + 2, grad=setup.backward)  # fmt: skip
+        grad_out = rand(shape.hidden) if setup.backward else None
         return Staged(q=None, k=None, v=None, grad_out=grad_out, x=rand(shape.hidden),
                       weights=weights, **boundaries)  # fmt: skip
     q = rand(shape.heads, shape.head_dim)
@@ -99,25 +99,25 @@ def stage(torch: Any, backend: Backend, rows: Sequence[Row], config: BenchConfig
         group = shape.heads // shape.kv_heads
         k = k.repeat_interleave(group, dim=1).contiguous()
         v = v.repeat_interleave(group, dim=1).contiguous()
-    grad_out = rand(shape.heads, shape.head_dim) if config.backward else None
+    grad_out = rand(shape.heads, shape.head_dim) if setup.backward else None
     return Staged(q=q, k=k, v=v, grad_out=grad_out, **boundaries)
 
 
-def run_row(torch: Any, backend: Backend, st: Staged, i: int, config: BenchConfig) -> None:
+def run_row(torch: Any, backend: Backend, st: Staged, i: int, setup: BenchSetup) -> None:
     """Row i's work: ``layers`` layers or attention calls, with backward when configured."""
     t = st.tokens[i]
     args = (st.cu[i], st.max_len[i], st.bounds[i])
-    layers = config.shape.layers
+    layers = setup.shape.layers
     if st.weights is not None:
         w = st.weights
-        x0 = st.x[:t].detach().requires_grad_(config.backward)
+        x0 = st.x[:t].detach().requires_grad_(setup.backward)
         x = x0
         for _ in range(layers):
             x = layer_forward(torch, w, x, backend.attend, *args, gqa=backend.gqa)
-        if config.backward:
+        if setup.backward:
             torch.autograd.grad(x, (x0, *w.params), st.grad_out[:t])
         return
-    if not config.backward:
+    if not setup.backward:
         for _ in range(layers):
             backend.attend(st.q[:t], st.k[:t], st.v[:t], *args)
         return
@@ -132,26 +132,26 @@ def time_rows(
     torch: Any,
     backend: Backend,
     rows: Sequence[Row],
-    config: BenchConfig,
+    setup: BenchSetup,
     *,
     progress: Progress | None = None,
     label: str = "bench",
 ) -> np.ndarray:
     """Seconds per row: ``[repeats, n_rows]`` float64, in the rows' order (not the run order)."""
-    st = stage(torch, backend, rows, config)
+    st = stage(torch, backend, rows, setup)
     n = len(rows)
-    cuda = config.device.startswith("cuda")
+    cuda = setup.device.startswith("cuda")
     flush = (
-        torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.float32, device=config.device)
-        if config.flush_l2
+        torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.float32, device=setup.device)
+        if setup.flush_l2
         else None
     )
-    rng = np.random.default_rng(config.seed)
-    passes = [("warmup", np.arange(n))] * config.warmup + [
-        ("timed", rng.permutation(n)) for _ in range(config.repeats)
+    rng = np.random.default_rng(setup.seed)
+    passes = [("warmup", np.arange(n))] * setup.warmup + [
+        ("timed", rng.permutation(n)) for _ in range(setup.repeats)
     ]
-    times = np.zeros((config.repeats, n))
-    grad_ctx = torch.enable_grad if config.backward else torch.inference_mode
+    times = np.zeros((setup.repeats, n))
+    grad_ctx = torch.enable_grad if setup.backward else torch.inference_mode
 
     def work() -> Iterator[tuple[int, int, bool]]:
         for p, (_, order) in enumerate(passes):
@@ -165,13 +165,13 @@ def time_rows(
     with grad_ctx():
         for p, i, last in items:
             timed = passes[p][0] == "timed"
-            r = p - config.warmup
+            r = p - setup.warmup
             if flush is not None:
                 flush.zero_()
             if cuda:
                 start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
                 start.record()
-                run_row(torch, backend, st, i, config)
+                run_row(torch, backend, st, i, setup)
                 end.record()
                 if timed:
                     pending.append((r, i, start, end))
@@ -182,7 +182,7 @@ def time_rows(
                     pending.clear()
             else:
                 t0 = time.perf_counter()
-                run_row(torch, backend, st, i, config)
+                run_row(torch, backend, st, i, setup)
                 if timed:
                     times[r, i] = time.perf_counter() - t0
     return times

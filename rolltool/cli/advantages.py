@@ -6,15 +6,8 @@ import click
 
 from rolltool.advantages import ESTIMATORS, AdvantageConfig
 from rolltool.cli._common import err, handle_errors, out, print_json, warn
-from rolltool.cli.options import (
-    SectionedCommand,
-    column_option,
-    estimator_options,
-    force_option,
-    json_option,
-    opt,
-    section,
-)
+from rolltool.cli.options import column_option, estimator_options, force_option, json_option
+from rolltool.cli.sections import SectionedCommand, opt, section
 
 
 @click.command(

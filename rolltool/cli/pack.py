@@ -15,15 +15,13 @@ from rolltool.advantages import ESTIMATORS
 from rolltool.cli._common import err, handle_errors, out, print_json, progress, warn
 from rolltool.cli.options import (
     POSITIVE,
-    SectionedCommand,
     column_option,
     estimator_options,
     force_option,
     json_option,
     mapping_callback,
-    opt,
-    section,
 )
+from rolltool.cli.sections import SectionedCommand, opt, section
 from rolltool.config import DEFAULT_MICRO_BATCH_TOKENS, OVERLONG, PackConfig
 from rolltool.loss import LOSS_AGGS
 from rolltool.partition import ALIGNS

@@ -5,7 +5,8 @@ from __future__ import annotations
 import click
 
 from rolltool.cli._common import err, handle_errors, out, print_json, progress
-from rolltool.cli.options import SectionedCommand, column_option, section
+from rolltool.cli.options import column_option
+from rolltool.cli.sections import SectionedCommand, section
 
 
 @click.command(

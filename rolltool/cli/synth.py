@@ -5,7 +5,8 @@ from __future__ import annotations
 import click
 
 from rolltool.cli._common import handle_errors, out, print_json
-from rolltool.cli.options import SectionedCommand, force_option, json_option, opt, section
+from rolltool.cli.options import force_option, json_option
+from rolltool.cli.sections import SectionedCommand, opt, section
 from rolltool.synth import ENVS, SynthConfig
 
 D = SynthConfig()

@@ -1,0 +1,144 @@
+"""Rich tables and lines of a bench report (``run_bench``'s document); nothing here prints.
+
+``header(doc)``: what ran, for stderr; ``render(doc, rows=...)``: per directory its step times,
+optionally every row, and a summary, then the comparison of several directories and the fit, for
+stdout; ``warnings(doc)``: what the user should know, for stderr; ``check_failure(doc)``: the
+error a failed ``--check`` is. Numbers through ``rolltool.numfmt`` (times in ms).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+
+from rolltool.errors import RolltoolError
+from rolltool.numfmt import big, count, ms, num, pct
+
+
+def header(doc: dict[str, Any]) -> list[str]:
+    """Backend, timed work and shape, device: the lines that say how the times were made."""
+    c = doc["config"]
+    what = (f"layer (hidden {c['hidden']}, MLP {c['intermediate']}, "
+            f"{big(c['matmul_params'])} matmul params)" if c["what"] == "layer"
+            else "attention only")  # fmt: skip
+    return [
+        f"backend {doc['backend']} ({doc['backend_choice']}): {doc['backend_detail']}",
+        f"{what}: {c['heads']} heads ({c['kv_heads']} kv) x {c['head_dim']}, {c['layers']} "
+        f"layer(s), {'forward+backward' if c['backward'] else 'forward'}; shape from "
+        f"{c['shape_source']}",
+        f"device {doc['device']}, torch {doc['torch']}, {c['dtype']}, median of {c['repeats']}",
+    ]
+
+
+def render(doc: dict[str, Any], *, rows: bool = False) -> RenderableType:
+    """Every directory's step table (and row table with ``rows``) and summary, the comparison
+    of several directories, and the fit of a·L + b·L²."""
+    runs = doc.get("runs", [doc])
+    parts: list[RenderableType] = []
+    for run in runs:
+        parts.append(steps_table(run))
+        if rows:
+            parts.append(rows_table(run))
+        parts.append(summary(run, doc["config"]["what"]))
+    if "comparison" in doc:
+        parts.append(comparison_table(doc["comparison"]))
+    f = doc["fit"]
+    pooled = " (all directories)" if len(runs) > 1 else ""
+    parts.append(f"fit{pooled}: t ≈ {f['a']:.3e}·L + {f['b']:.3e}·L² s per segment, "
+                 f"R² {num(f['r2'], '.4f')} over {f['rows']} rows")  # fmt: skip
+    return Group(*parts)
+
+
+def warnings(doc: dict[str, Any]) -> list[str]:
+    """Directories that hold different samples; a fit too poor to calibrate with."""
+    found = []
+    if "comparison" in doc and not doc["comparison"]["same_input"]:
+        found.append("the directories hold different samples/tokens")
+    if doc["fit_warning"] and doc["calibration_file"]:
+        found.append(f"{doc['fit_warning']} (written anyway to {doc['calibration_file']}, "
+                     "with this warning)")  # fmt: skip
+    return found
+
+
+def check_failure(doc: dict[str, Any]) -> RolltoolError | None:
+    """The error a failed ``--check`` is (naming every row that failed), or None."""
+    if doc["check_ok"] is not False:
+        return None
+    bad = [r for run in doc.get("runs", [doc]) for r in run["check"]["rows"] if not r["ok"]]
+    where = ", ".join(f"step {r['step']} rank {r['rank']} mb {r['micro_batch']}" for r in bad)
+    return RolltoolError(
+        f"--check failed: a segment's output differs from its sequence run alone ({where})",
+        hint="the backend mixes segments or mis-reads cu_seqlens; no calibration was written",
+    )
+
+
+def _table(title: str, columns: tuple[str, ...], left: tuple[str, ...] = ()) -> Table:
+    table = Table(title=title, title_justify="left")
+    for col in columns:
+        table.add_column(col, justify="left" if col in left else "right")
+    return table
+
+
+def steps_table(run: dict[str, Any]) -> Table:
+    """Per step and in total: the data-parallel, lockstep and ideal times, and efficiencies."""
+    kind = run["workload"]["kind"] if run.get("workload") else "?"
+    table = _table(f"bench {run['path']} ({kind} balance, dp {run['dp']}; ms)",
+                   ("step", "mb/rank", "dp time", "lockstep", "ideal", "dp eff", "lockstep eff"))  # fmt: skip
+    for s in [*run["steps"], {**run["total"], "step": "total", "micro_batches_per_rank": ""}]:
+        table.add_row(str(s["step"]), str(s["micro_batches_per_rank"]), ms(s["dp_time"]),
+                      ms(s["lockstep_time"]), ms(s["ideal_time"]), pct(s["dp_efficiency"]),
+                      pct(s["lockstep_efficiency"]))  # fmt: skip
+    return table
+
+
+def rows_table(run: dict[str, Any]) -> Table:
+    """Every row: its segments and tokens, Σ L², the cost model's prediction, time, TFLOP/s."""
+    table = _table("rows", ("step", "rank", "mb", "segments", "tokens", "Σ L²", "predicted",
+                            "ms", "TFLOP/s"))  # fmt: skip
+    for r in run["rows"]:
+        table.add_row(str(r["step"]), str(r["rank"]), str(r["micro_batch"]), str(r["segments"]),
+                      count(r["tokens"]), num(r["sum_sq"], ".3g"), num(r["predicted"], ".3g"),
+                      ms(r["seconds"]), num(r["tflops"], ".2f"))  # fmt: skip
+    return table
+
+
+def summary(run: dict[str, Any], what: str) -> str:
+    """Throughput, how well each cost model explains the row times, and the check's outcome."""
+    t = run["throughput"]
+    peak = ("peak unknown" if t["peak_share"] is None
+            else f"{pct(t['peak_share'])} of {t['peak_tflops']:.0f} peak")  # fmt: skip
+    counted = "matmuls + causal attention" if what == "layer" else "causal attention"
+    w = run["workload"]
+    model = f"manifest workload ({w['kind']})" if w else "manifest workload (none)"
+    fits = {k: run[k] for k in ("workload_fit", "flops_fit", "tokens_fit", "sum_sq_fit")}
+    r2 = {k: num(f["r2"], ".3f") for k, f in fits.items()}
+    rms = {k: pct(f["rel_rmse"]) for k, f in fits.items()}
+    lines = [f"{what}: {t['tflops']:.3f} TFLOP/s ({counted}, FLOPs from lengths; {peak})",
+             f"cost model: {model} explains R² {r2['workload_fit']} of row times "
+             f"(rms error {rms['workload_fit']}); proportional to this run's FLOPs: R² "
+             f"{r2['flops_fit']} ({rms['flops_fit']}), tokens {r2['tokens_fit']} "
+             f"({rms['tokens_fit']}), Σ L² {r2['sum_sq_fit']} ({rms['sum_sq_fit']})"]  # fmt: skip
+    if "check" in run:
+        ch = run["check"]
+        status = "OK" if ch["ok"] else "[red]FAILED[/red]"
+        worst = max((r["max_abs_error"] for r in ch["rows"]), default=0.0)
+        lines.append(f"check (attention): {status}, {ch['segments_checked']} segments in "
+                     f"{ch['rows_checked']} rows, max |error| {worst:.2e} (tolerance "
+                     f"{ch['tolerance']['atol']:g} + {ch['tolerance']['rtol']:g}·|ref|)")  # fmt: skip
+    return "\n".join(lines)
+
+
+def comparison_table(cmp: dict[str, Any]) -> Table:
+    """Several directories side by side; ``*`` marks the best dp and lockstep times."""
+    table = _table("comparison (ms; * best)", ("directory", "balance", "rows", "tokens",
+                   "dp time", "lockstep", "ideal", "dp eff", "lockstep eff"),
+                   left=("directory", "balance"))  # fmt: skip
+    for line in cmp["lines"]:
+        star = {key: " *" if key in line["best"] else "" for key in ("dp_time", "lockstep_time")}
+        table.add_row(line["path"], str(line["balance"]), str(line["rows"]), count(line["tokens"]),
+                      ms(line["dp_time"]) + star["dp_time"],
+                      ms(line["lockstep_time"]) + star["lockstep_time"], ms(line["ideal_time"]),
+                      pct(line["dp_efficiency"]), pct(line["lockstep_efficiency"]))  # fmt: skip
+    return table
