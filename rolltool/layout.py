@@ -26,18 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-PAD_SAMPLE = -1
-
-# name -> dtype of the per-token arrays of a row; the reader's contract (with cu_seqlens and
-# sample_index per segment).
-TOKEN_FIELDS = {
-    "input_ids": np.int32,
-    "position_ids": np.int32,
-    "loss_mask": np.uint8,
-    "advantages": np.float32,
-    "logprobs": np.float32,
-    "loss_weight": np.float32,
-}
+from rolltool.format import PAD_SAMPLE, ROW_ARRAYS, SEGMENT_ARRAYS, TOKEN_ARRAYS
 
 
 @dataclass(frozen=True)
@@ -210,10 +199,6 @@ def segment_positions(lens: np.ndarray) -> np.ndarray:
     return np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(starts, lens)
 
 
-TOKEN_ARRAYS = ("input_ids", "loss_mask", "logprobs")
-SEGMENT_ARRAYS = ("seq_lens", "sample_index", "seg_advantage", "seg_weight")
-
-
 def check_rows(rows: dict[str, np.ndarray]) -> str | None:
     """Why flat `PackedRows` arrays (as read from a shard) are not self-consistent, or None.
 
@@ -221,9 +206,7 @@ def check_rows(rows: dict[str, np.ndarray]) -> str | None:
     ``row_segments`` start at 0, never decrease and end at their arrays' lengths, segments are
     non-empty and each row's segment lengths add up to its token count.
     """
-    missing = [
-        k for k in (*TOKEN_ARRAYS, *SEGMENT_ARRAYS, "row_offsets", "row_segments") if k not in rows
-    ]
+    missing = [k for k in (*TOKEN_ARRAYS, *SEGMENT_ARRAYS, *ROW_ARRAYS) if k not in rows]
     if missing:
         return f"missing array(s) {', '.join(missing)}"
     if any(rows[k].ndim != 1 for k in rows):
@@ -251,7 +234,7 @@ def check_rows(rows: dict[str, np.ndarray]) -> str | None:
 def unpack_row(rows: dict[str, np.ndarray], r: int) -> dict[str, np.ndarray]:
     """Row r of flat `PackedRows` arrays as the reader's dict.
 
-    Keys: the TOKEN_FIELDS arrays of the row (``input_ids``, ``loss_mask``, ``logprobs`` are views
+    Keys: the READER_FIELDS arrays of the row (``input_ids``, ``loss_mask``, ``logprobs`` are views
     of the stored arrays; ``position_ids``, ``advantages``, ``loss_weight`` are derived),
     ``cu_seqlens`` (int32, first 0, last = row length) and ``sample_index`` (int64, one per
     segment, -1 for padding).

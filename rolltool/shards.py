@@ -22,10 +22,12 @@ from pathlib import Path
 import numpy as np
 
 from rolltool.errors import RolltoolError
-from rolltool.format import FORMAT, FORMAT_VERSION, FileRecord, shard_name
+from rolltool.format import ROW_ARRAYS, SEGMENT_ARRAYS, TOKEN_ARRAYS, FileRecord, shard_name
 from rolltool.layout import PackedRows
 
-__all__ = ["FORMAT", "FORMAT_VERSION"]  # stopgap: source.py imports them from here (moving)
+_TOKEN_BYTES = sum(np.dtype(t).itemsize for t in TOKEN_ARRAYS.values())
+_SEGMENT_BYTES = sum(np.dtype(t).itemsize for t in SEGMENT_ARRAYS.values())
+_ROW_BYTES = sum(np.dtype(t).itemsize for t in ROW_ARRAYS.values())
 
 _DTYPES = {"I32": np.int32, "I64": np.int64, "U8": np.uint8, "F32": np.float32, "F64": np.float64}
 _CODES = {np.dtype(v): k for k, v in _DTYPES.items()}
@@ -35,7 +37,7 @@ def row_bytes(rows: PackedRows) -> np.ndarray:
     """Bytes each row takes in a shard (9 per token, 20 per segment, 16 per row)."""
     tokens = np.diff(rows.row_offsets)
     segments = np.diff(rows.row_segments)
-    return tokens * 9 + segments * 20 + 16
+    return tokens * _TOKEN_BYTES + segments * _SEGMENT_BYTES + _ROW_BYTES
 
 
 def split_rows(rows: PackedRows, max_bytes: int) -> list[tuple[int, int]]:
@@ -55,11 +57,8 @@ def split_rows(rows: PackedRows, max_bytes: int) -> list[tuple[int, int]]:
 def _slice(rows: PackedRows, a: int, b: int) -> dict[str, np.ndarray]:
     t0, t1 = int(rows.row_offsets[a]), int(rows.row_offsets[b])
     s0, s1 = int(rows.row_segments[a]), int(rows.row_segments[b])
-    out = {
-        k: np.ascontiguousarray(getattr(rows, k)[t0:t1])
-        for k in ("input_ids", "loss_mask", "logprobs")
-    }
-    for k in ("seq_lens", "sample_index", "seg_advantage", "seg_weight"):
+    out = {k: np.ascontiguousarray(getattr(rows, k)[t0:t1]) for k in TOKEN_ARRAYS}
+    for k in SEGMENT_ARRAYS:
         out[k] = np.ascontiguousarray(getattr(rows, k)[s0:s1])
     out["row_offsets"] = rows.row_offsets[a : b + 1] - t0
     out["row_segments"] = rows.row_segments[a : b + 1] - s0
@@ -115,13 +114,13 @@ def save_safetensors(
     return 8 + len(head) + offset, h.hexdigest()
 
 
-def file_record(path: Path) -> dict:
+def file_record(path: Path) -> FileRecord:
     """Size and sha256 of a file."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
-    return {"bytes": path.stat().st_size, "sha256": h.hexdigest()}
+    return FileRecord(bytes=path.stat().st_size, sha256=h.hexdigest())
 
 
 def read_shard(path: Path) -> dict[str, np.ndarray]:

@@ -123,7 +123,7 @@ class PackedWriter:
         path = self._root() / SAMPLES
         pq.write_table(table, path, compression="zstd")
         path.chmod(0o644)
-        self._files[SAMPLES] = FileRecord(**file_record(path))
+        self._files[SAMPLES] = file_record(path)
 
     def finish(self, manifest: Manifest) -> Manifest:
         """Wait for every shard, check the manifest names exactly the files written, add their

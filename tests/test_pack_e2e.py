@@ -156,7 +156,7 @@ def _tamper_first_shard(out: Path, edit: Any) -> None:
     save_file(arrays, shard)
     manifest_path = out / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
-    manifest["files"][shard.relative_to(out).as_posix()] = file_record(shard)
+    manifest["files"][shard.relative_to(out).as_posix()] = vars(file_record(shard))
     manifest_path.write_text(json.dumps(manifest))
 
 

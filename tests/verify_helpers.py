@@ -46,7 +46,7 @@ def kinds(out: Path, **kwargs: Any) -> dict[str, int]:
 
 def rehash(out: Path, name: str) -> None:
     manifest = json.loads((out / "manifest.json").read_text())
-    manifest["files"][name] = file_record(out / name)
+    manifest["files"][name] = vars(file_record(out / name))
     (out / "manifest.json").write_text(json.dumps(manifest))
 
 

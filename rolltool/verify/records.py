@@ -24,7 +24,7 @@ def files_and_hashes(root: Path, manifest: Manifest, *, hashes: bool) -> Iterato
             yield Problem(
                 "file.size", name, f"{f.stat().st_size} bytes, the manifest says {rec.bytes}"
             )
-        elif hashes and file_record(f)["sha256"] != rec.sha256:
+        elif hashes and file_record(f).sha256 != rec.sha256:
             yield Problem(
                 "file.hash", name, "sha256 differs from the manifest (file changed or corrupt)"
             )
