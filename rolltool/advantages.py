@@ -23,12 +23,16 @@ never uniform. All arithmetic is float64; advantages are returned as float32.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from rolltool.errors import RolltoolError
+
+if TYPE_CHECKING:
+    from rolltool.schema import Rollouts
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,6 +60,66 @@ class AdvantageConfig:
             "env_estimators": dict(self.env_estimators),
             "std_eps": self.std_eps,
         }
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdvantageInput:
+    """What the estimators read: the light columns, one entry per sample (input row).
+
+    Codes are dense: ``group`` in 0..G-1, ``rollout`` in 0..R-1 (unique across groups, shared by
+    a rollout's branches). Example: two groups, the first with rollouts of 1 and 2 branches:
+    ``group = [0, 0, 0, 1]``, ``rollout = [0, 1, 1, 2]``.
+    """
+
+    group: np.ndarray  # [n] int64 dense group code
+    rollout: np.ndarray  # [n] int64 dense rollout code
+    env: np.ndarray  # [n] int32 code into env_names
+    env_names: Sequence[str]
+    """Every env of the input; a subset (one step) may have no sample of some."""
+    reward: np.ndarray  # [n] float64, equal for a rollout's branches
+    trainable: np.ndarray  # [n] int64 tokens with loss_mask 1
+
+    def __post_init__(self) -> None:
+        n = len(self.group)
+        for name in ("rollout", "env", "reward", "trainable"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"AdvantageInput: {name} has {len(getattr(self, name))} "
+                                 f"entries, group has {n}")  # fmt: skip
+
+    def __len__(self) -> int:
+        return len(self.group)
+
+    @classmethod
+    def from_rollouts(cls, ro: Rollouts) -> AdvantageInput:
+        """The scanned input's light columns (`rolltool.schema.scan`)."""
+        return cls(group=ro.group, rollout=ro.rollout, env=ro.env, env_names=ro.env_names,
+                   reward=ro.reward, trainable=ro.trainable)  # fmt: skip
+
+    def take(self, indices: np.ndarray) -> AdvantageInput:
+        """The samples at ``indices`` (in that order), group and rollout codes made dense again
+        (numbered in order of the old codes); env codes and names unchanged.
+
+        Take whole groups: a group's statistics come from the samples taken.
+        """
+        return AdvantageInput(
+            group=_dense(self.group[indices]),
+            rollout=_dense(self.rollout[indices]),
+            env=self.env[indices],
+            env_names=self.env_names,
+            reward=self.reward[indices],
+            trainable=self.trainable[indices],
+        )
+
+    def without_tokens(self, mask: np.ndarray) -> AdvantageInput:
+        """The same samples, those where ``mask`` holds bringing no trainable tokens: they stay
+        in their group's statistics but out of token-level whitening (and out of ``opo``'s
+        lengths)."""
+        return replace(self, trainable=np.where(mask, 0, self.trainable))
+
+
+def _dense(codes: np.ndarray) -> np.ndarray:
+    """Codes renumbered 0..k-1 in sorted order: ``[7, 3, 7] -> [1, 0, 1]``."""
+    return np.unique(codes, return_inverse=True)[1].astype(np.int64)
 
 
 @dataclass(frozen=True)
@@ -179,34 +243,39 @@ class Advantages:
 
 
 def compute_advantages(
-    config: AdvantageConfig,
-    *,
-    group: np.ndarray,
-    rollout: np.ndarray,
-    env: np.ndarray,
-    env_names: list[str],
-    reward: np.ndarray,
-    trainable: np.ndarray,
+    config: AdvantageConfig, rollouts: AdvantageInput | None = None, /, **columns: Any
 ) -> Advantages:
-    """Advantages for every sample: see the module docstring for the formulas.
+    """Advantages for every sample of ``rollouts``: see the module docstring for the formulas.
 
     Whitening estimators (``reinforce_pp_baseline``) whiten over all samples of the envs that use
-    them; call this once per optimizer step to whiten per step instead. `env_names` may name envs
-    without samples here (a step's subset of the input): an estimator none of whose envs has a
-    sample is skipped.
+    them; call this once per optimizer step (``rollouts.take(step_samples)``) to whiten per step
+    instead. ``env_names`` may name envs without samples here (a step's subset of the input): an
+    estimator none of whose envs has a sample is skipped.
+
+    TRANSITIONAL: ``compute_advantages(config, group=..., rollout=..., env=..., env_names=...,
+    reward=..., trainable=...)`` (the keyword arrays of `AdvantageInput`) still works until
+    `rolltool.schedule` passes an `AdvantageInput`; then ``**columns`` goes.
     """
-    unknown = sorted(set(config.env_estimators) - set(env_names))
+    if rollouts is None:
+        rollouts = AdvantageInput(**columns)
+    elif columns:
+        raise TypeError("compute_advantages: give an AdvantageInput or keyword arrays, not both")
+    return _compute(config, rollouts)
+
+
+def _compute(config: AdvantageConfig, ro: AdvantageInput) -> Advantages:
+    unknown = sorted(set(config.env_estimators) - set(ro.env_names))
     if unknown:
         raise RolltoolError(
             f"--env-estimator names env(s) not in the input: {', '.join(unknown)}",
-            hint=f"envs in the input: {', '.join(env_names)}",
+            hint=f"envs in the input: {', '.join(ro.env_names)}",
         )
-    stats = group_stats(group, rollout, reward, trainable)
+    stats = group_stats(ro.group, ro.rollout, ro.reward, ro.trainable)
     n_rollouts = len(stats.group)
     r_env = np.zeros(n_rollouts, dtype=np.int64)
-    r_env[rollout] = env
+    r_env[ro.rollout] = ro.env
     names = np.array(
-        [config.env_estimators.get(e, config.estimator) for e in env_names], dtype=object
+        [config.env_estimators.get(e, config.estimator) for e in ro.env_names], dtype=object
     )
     r_adv = np.zeros(n_rollouts, dtype=np.float64)
     for name in sorted(set(names.tolist())):
@@ -214,29 +283,22 @@ def compute_advantages(
         if not mask.any():  # none of its envs in this subset (e.g. a step): nothing to do
             continue
         r_adv[mask] = ESTIMATORS[name](stats, mask, config.std_eps)[mask]
-    g = group
+    g = ro.group
     return Advantages(
-        advantage=r_adv[rollout].astype(np.float32),
+        advantage=r_adv[ro.rollout].astype(np.float32),
         group_size=stats.size[g],
         group_reward_mean=stats.mean[g],
         group_reward_std=stats.std[g],
         group_uniform=stats.uniform[g],
-        estimator=names[env] if len(env) else np.zeros(0, dtype=object),
+        estimator=names[ro.env] if len(ro.env) else np.zeros(0, dtype=object),
     )
 
 
-def summarize(
-    adv: Advantages,
-    *,
-    group: np.ndarray,
-    rollout: np.ndarray,
-    env: np.ndarray,
-    env_names: list[str],
-    reward: np.ndarray,
-) -> tuple[list[dict], dict]:
+def summarize(adv: Advantages, ro: AdvantageInput) -> tuple[list[dict], dict]:
     """(one row per env, the overall row): groups, rollouts, samples, uniform groups, reward
     mean/std over rollouts, advantage mean/std/min/max over samples. The overall row is kept
     apart so that an env may be called anything, "all" included."""
+    group, rollout, env, reward = ro.group, ro.rollout, ro.env, ro.reward
 
     def row(sel: np.ndarray, name: str | None) -> dict:
         groups = np.unique(group[sel])
@@ -260,5 +322,5 @@ def summarize(
             "advantage_max": float(a.max()) if len(a) else None,
         }
 
-    rows = [row(env == i, name) for i, name in enumerate(env_names)]
+    rows = [row(env == i, name) for i, name in enumerate(ro.env_names)]
     return rows, row(np.ones(len(env), dtype=bool), None)

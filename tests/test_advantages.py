@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from rolltool.advantages import ESTIMATORS, AdvantageConfig, compute_advantages
+from rolltool.advantages import ESTIMATORS, AdvantageConfig, AdvantageInput, compute_advantages
 from rolltool.errors import RolltoolError
 from rolltool.jobs import run_advantages
 
@@ -42,14 +42,17 @@ def compute(
     env_estimators: dict[str, str] | None = None,
     std_eps: float = EPS,
 ) -> Any:
-    group, _ = _codes([r[0] for r in rows])
-    rollout, _ = _codes([(r[0], r[1]) for r in rows])
-    env, env_names = _codes([r[2] for r in rows])
     config = AdvantageConfig(
         estimator=estimator, env_estimators=env_estimators or {}, std_eps=std_eps
     )
-    return compute_advantages(
-        config,
+    return compute_advantages(config, _input(rows))
+
+
+def _input(rows: list[Row]) -> AdvantageInput:
+    group, _ = _codes([r[0] for r in rows])
+    rollout, _ = _codes([(r[0], r[1]) for r in rows])
+    env, env_names = _codes([r[2] for r in rows])
+    return AdvantageInput(
         group=group,
         rollout=rollout,
         env=env.astype(np.int32),
@@ -463,6 +466,110 @@ def test_run_advantages_end_to_end_matches_reference(
 
 
 # --------------------------------------------------------------------------------------------
+# AdvantageInput: one record instead of six keyword arrays.
+
+
+@settings(max_examples=150, deadline=None)
+@given(rows=datasets(), estimator=ESTIMATOR_NAMES, data=st.data())
+def test_take_is_the_subset_computed_on_its_own(
+    rows: list[Row], estimator: str, data: st.DataObject
+) -> None:
+    """Whole groups taken from the input give what those rows alone give (the reference on
+    them): dense codes again, env names kept."""
+    groups = sorted({r[0] for r in rows})
+    kept = data.draw(st.sets(st.sampled_from(groups), min_size=1))
+    idx = np.array([i for i, r in enumerate(rows) if r[0] in kept])
+    sub = _input(rows).take(idx)
+    assert sorted(set(sub.group.tolist())) == list(range(len(kept)))
+    assert sorted(set(sub.rollout.tolist())) == list(range(len({rows[i][:2] for i in idx})))
+    assert list(sub.env_names) == list(_input(rows).env_names) and len(sub) == len(idx)
+    try:
+        alone = compute([rows[i] for i in idx], estimator)
+    except RolltoolError:
+        return
+    got = compute_advantages(AdvantageConfig(estimator=estimator, std_eps=EPS), sub)
+    # equal up to the order of whitening's sums (codes are numbered differently)
+    np.testing.assert_allclose(got.advantage, alone.advantage, rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(got.group_size, alone.group_size)
+
+
+def test_without_tokens_keeps_the_group_and_leaves_the_whitening() -> None:
+    """Zeroed samples stay in their group's mean (their reward counts) but bring no tokens into
+    reinforce_pp_baseline's whitening: the same as rows whose trainable count is 0."""
+    rows = [
+        ("a", 0, "e", 1.0, 3),
+        ("a", 1, "e", 0.0, 5),
+        ("b", 0, "e", 2.0, 4),
+        ("b", 1, "e", 0.5, 9),
+    ]
+    mask = np.array([False, True, False, False])
+    zeroed = [(*r[:4], 0 if m else r[4]) for r, m in zip(rows, mask, strict=True)]
+    config = AdvantageConfig(estimator="reinforce_pp_baseline")
+    got = compute_advantages(config, _input(rows).without_tokens(mask))
+    want = compute(zeroed, "reinforce_pp_baseline")
+    np.testing.assert_array_equal(got.advantage, want.advantage)
+    np.testing.assert_array_equal(got.group_reward_mean, compute(rows).group_reward_mean)
+    assert not np.array_equal(got.advantage, compute(rows, "reinforce_pp_baseline").advantage)
+
+
+def test_keyword_arrays_still_work_until_schedule_switches() -> None:
+    """TRANSITIONAL (delete with the keyword form): the old call gives the same columns."""
+    inp = _input(THREE)
+    config = AdvantageConfig(estimator="rloo")
+    old = compute_advantages(config, group=inp.group, rollout=inp.rollout, env=inp.env,
+                             env_names=inp.env_names, reward=inp.reward, trainable=inp.trainable)  # fmt: skip
+    np.testing.assert_array_equal(old.advantage, compute_advantages(config, inp).advantage)
+    with pytest.raises(TypeError):
+        compute_advantages(config, inp, group=inp.group)
+    with pytest.raises(ValueError, match="reward has 2 entries"):
+        AdvantageInput(group=inp.group, rollout=inp.rollout, env=inp.env,
+                       env_names=inp.env_names, reward=inp.reward[:2], trainable=inp.trainable)  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# Streaming: `rolltool advantages` never holds the input (defect 12).
+
+
+def test_advantages_streams_one_row_group_at_a_time(
+    monkeypatch: pytest.MonkeyPatch, synth_table: pa.Table, tmp_path: Path
+) -> None:
+    """With 40-row output row groups, no batch of more than 40 rows is read, nothing reads a
+    whole file, and the output is the input (two files, in order) plus the computed columns, one
+    run of row groups per file."""
+    import rolltool.jobs as jobs
+
+    a, b = synth_table.slice(0, 90), synth_table.slice(90)
+    assert b.num_rows == 56
+    (tmp_path / "in").mkdir()
+    pq.write_table(a, tmp_path / "in" / "a.parquet", row_group_size=32)
+    pq.write_table(b, tmp_path / "in" / "b.parquet")
+    want = run_advantages([tmp_path / "in"], tmp_path / "whole.parquet", AdvantageConfig())
+    whole = pq.read_table(tmp_path / "whole.parquet")
+
+    sizes: list[int] = []
+
+    def counting(*args: Any, **kw: Any) -> Any:
+        for batch in real(*args, **kw):
+            sizes.append(batch.num_rows)
+            yield batch
+
+    real = jobs.iter_batches
+    with monkeypatch.context() as m:
+        m.setattr(jobs, "ROW_GROUP", 40)
+        m.setattr(jobs, "iter_batches", counting)
+        m.setattr(pq, "read_table", lambda *a, **k: pytest.fail("read a whole file"))
+        got = run_advantages([tmp_path / "in"], tmp_path / "out.parquet", AdvantageConfig())
+    assert sizes == [40, 40, 10, 40, 16]
+    meta = pq.ParquetFile(tmp_path / "out.parquet").metadata
+    assert [meta.row_group(i).num_rows for i in range(meta.num_row_groups)] == sizes
+    out = pq.read_table(tmp_path / "out.parquet")
+    assert out.equals(whole)
+    assert out.select(a.column_names).equals(pa.concat_tables([a, b]))
+    got["output"] = want["output"] = None
+    assert got == want
+
+
+# --------------------------------------------------------------------------------------------
 # The columns `rolltool advantages` writes.
 
 
@@ -594,12 +701,14 @@ def test_an_estimator_without_samples_in_the_subset_is_skipped() -> None:
     config = AdvantageConfig(estimator="grpo", env_estimators={"code": "reinforce_pp_baseline"})
     adv = compute_advantages(
         config,
-        group=np.array([0, 0]),
-        rollout=np.array([0, 1]),
-        env=np.array([0, 0]),
-        env_names=["math", "code"],
-        reward=np.array([1.0, 0.0]),
-        trainable=np.array([3, 4]),
+        AdvantageInput(
+            group=np.array([0, 0]),
+            rollout=np.array([0, 1]),
+            env=np.array([0, 0]),
+            env_names=["math", "code"],
+            reward=np.array([1.0, 0.0]),
+            trainable=np.array([3, 4]),
+        ),
     )
     a = 0.5 / (math.sqrt(0.5) + EPS)  # grpo: (r - mean) / (unbiased std + eps)
     assert adv.advantage.tolist() == pytest.approx([a, -a], rel=1e-6)
@@ -608,12 +717,14 @@ def test_an_estimator_without_samples_in_the_subset_is_skipped() -> None:
     with pytest.raises(RolltoolError, match="at least 2"):
         compute_advantages(
             config,
-            group=np.array([0, 1]),
-            rollout=np.array([0, 1]),
-            env=np.array([0, 1]),
-            env_names=["math", "code"],
-            reward=np.array([1.0, 0.0]),
-            trainable=np.array([3, 1]),
+            AdvantageInput(
+                group=np.array([0, 1]),
+                rollout=np.array([0, 1]),
+                env=np.array([0, 1]),
+                env_names=["math", "code"],
+                reward=np.array([1.0, 0.0]),
+                trainable=np.array([3, 1]),
+            ),
         )
 
 
