@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rolltool import __version__
-from rolltool.advantages import AdvantageConfig, compute_advantages, summarize
+from rolltool.advantages import AdvantageConfig, AdvantageInput, compute_advantages, summarize
 from rolltool.errors import RolltoolError
 from rolltool.outputs import atomic_path, check_target
 from rolltool.schema import scan
@@ -52,11 +52,8 @@ def run_synth(config: SynthConfig, output: str | os.PathLike[str], *, force: boo
     }
 
 
-def _read_file(file: InputFile, rename: Mapping[str, str]) -> pa.Table:
-    batches = list(iter_batches(file, rename, batch_rows=1 << 20))
-    if not batches:
-        return file_schema(file, rename).empty_table()
-    return pa.Table.from_batches(batches)
+ROW_GROUP = 65_536
+"""Rows per output row group; the output is written one row group at a time."""
 
 
 def run_advantages(
@@ -69,22 +66,18 @@ def run_advantages(
 ) -> dict:
     """Compute group advantages and write the input rows plus the advantage columns.
 
-    `columns` maps schema names to the input's names (`--column NEW=OLD`).
+    `columns` maps schema names to the input's names (`--column NEW=OLD`). Memory is bounded by
+    the light columns (a few numbers per sample) and one row group, not by the input: the input
+    is scanned row group by row group for the light columns, then copied to the output
+    ``ROW_GROUP`` rows at a time with the new columns appended (each input file starts a new
+    row group).
     """
     check_target(Path(output), force)
     rename = invert_mapping(columns or {})
     files = resolve_inputs(inputs)
-    tables = [_read_file(f, rename) for f in files]
-    rollouts = scan(files, rename, tables=tables)
-    adv = compute_advantages(
-        config,
-        group=rollouts.group,
-        rollout=rollouts.rollout,
-        env=rollouts.env,
-        env_names=rollouts.env_names,
-        reward=rollouts.reward,
-        trainable=rollouts.trainable,
-    )
+    rollouts = scan(files, rename)
+    light = AdvantageInput.from_rollouts(rollouts)
+    adv = compute_advantages(config, light)
     new = {
         "advantage": pa.array(adv.advantage, pa.float32()),
         "group_size": pa.array(adv.group_size, pa.int64()),
@@ -96,42 +89,10 @@ def run_advantages(
     warnings = list(rollouts.warnings)
     if replaced:
         warnings.append(f"input columns {', '.join(replaced)} were replaced by the computed ones")
-    try:
-        schema = pa.unify_schemas(
-            [t.drop_columns([c for c in replaced if c in t.column_names]).schema for t in tables],
-            promote_options="permissive",
-        )
-    except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
-        raise RolltoolError(f"the input files have incompatible column types ({e})") from None
-    for name, arr in new.items():
-        schema = schema.append(pa.field(name, arr.type))
+    schema = _output_schema(files, rename, replaced, new)
     with atomic_path(output, force=force, directory=False) as tmp:
-        with pq.ParquetWriter(tmp, schema, compression="zstd") as writer:
-            start = 0
-            for file, table in zip(files, tables, strict=True):
-                n = table.num_rows
-                table = table.drop_columns([c for c in replaced if c in table.column_names])
-                for name, arr in new.items():
-                    table = table.append_column(name, arr.slice(start, n))
-                for field in schema:
-                    if field.name not in table.column_names:
-                        table = table.append_column(field.name, pa.nulls(n, field.type))
-                try:
-                    table = table.select(schema.names).cast(schema)
-                except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
-                    raise RolltoolError(
-                        f"{file.path}: columns do not match the other input files ({e})"
-                    ) from None
-                writer.write_table(table, row_group_size=65_536)
-                start += n
-    envs, overall = summarize(
-        adv,
-        group=rollouts.group,
-        rollout=rollouts.rollout,
-        env=rollouts.env,
-        env_names=rollouts.env_names,
-        reward=rollouts.reward,
-    )
+        _copy_with_columns(tmp, files, rename, schema, replaced, new)
+    envs, overall = summarize(adv, light)
     return {
         "rolltool": __version__,
         "output": str(output),
@@ -144,3 +105,83 @@ def run_advantages(
         "envs": envs,
         "overall": overall,
     }
+
+
+def _batch_schema(file: InputFile, rename: Mapping[str, str]) -> pa.Schema:
+    """The schema of the file's record batches (`iter_batches`): renamed, partition columns
+    added, every field nullable; a file without rows keeps its own nullability."""
+    schema = file_schema(file, rename)
+    if file.rows == 0:
+        return schema
+    return pa.schema([pa.field(f.name, f.type) for f in schema])
+
+
+def _output_schema(
+    files: Sequence[InputFile],
+    rename: Mapping[str, str],
+    replaced: Sequence[str],
+    new: Mapping[str, pa.Array],
+) -> pa.Schema:
+    """Every input column (types unified over the files) but the replaced ones, then ``new``."""
+    schemas = []
+    for file in files:
+        schema = _batch_schema(file, rename)
+        for name in replaced:
+            if name in schema.names:
+                schema = schema.remove(schema.get_field_index(name))
+        schemas.append(schema)
+    try:
+        schema = pa.unify_schemas(schemas, promote_options="permissive")
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+        raise RolltoolError(f"the input files have incompatible column types ({e})") from None
+    for name, arr in new.items():
+        schema = schema.append(pa.field(name, arr.type))
+    return schema
+
+
+def _copy_with_columns(
+    target: str | os.PathLike[str],
+    files: Sequence[InputFile],
+    rename: Mapping[str, str],
+    schema: pa.Schema,
+    replaced: Sequence[str],
+    new: Mapping[str, pa.Array],
+) -> None:
+    """Write the input's rows, in order, with ``new``'s (one entry per input row) appended."""
+    start = 0
+    with pq.ParquetWriter(target, schema, compression="zstd") as writer:
+        for file in files:
+            batches = iter_batches(file, rename, batch_rows=ROW_GROUP)
+            tables = (pa.Table.from_batches([b]) for b in batches)
+            wrote = False
+            for table in tables:
+                n = table.num_rows
+                cols = {name: arr.slice(start, n) for name, arr in new.items()}
+                writer.write_table(_conform(table, file, schema, replaced, cols), ROW_GROUP)
+                start += n
+                wrote = True
+            if not wrote:  # an empty file is an empty row group, as pyarrow writes one
+                writer.write_table(schema.empty_table())
+
+
+def _conform(
+    table: pa.Table,
+    file: InputFile,
+    schema: pa.Schema,
+    replaced: Sequence[str],
+    new: Mapping[str, pa.Array],
+) -> pa.Table:
+    """``table`` with the replaced columns dropped, ``new`` appended, columns the file lacks
+    as nulls, in ``schema``'s order and types."""
+    table = table.drop_columns([c for c in replaced if c in table.column_names])
+    for name, arr in new.items():
+        table = table.append_column(name, arr)
+    for field in schema:
+        if field.name not in table.column_names:
+            table = table.append_column(field.name, pa.nulls(table.num_rows, field.type))
+    try:
+        return table.select(schema.names).cast(schema)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
+        raise RolltoolError(
+            f"{file.path}: columns do not match the other input files ({e})"
+        ) from None
