@@ -6,13 +6,18 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from rolltool.advantages import AdvantageConfig
 from rolltool.errors import RolltoolError
+from rolltool.format import TOKEN_ARRAYS
 from rolltool.loss import check_loss_agg
 from rolltool.partition import ALIGNS
-from rolltool.schema import MAX_ID
 from rolltool.steps import StepConfig
 from rolltool.workload import WORKLOADS, Workload, make_workload
+
+MAX_TOKEN_ID = int(np.iinfo(TOKEN_ARRAYS["input_ids"]).max)
+"""The largest token id a shard holds (``input_ids`` are int32): 2**31 - 1, as the schema's."""
 
 OVERLONG = ("error", "drop")
 """What to do with a sample longer than the token budget."""
@@ -139,9 +144,9 @@ class PackConfig:
                 f"--row-len {self.row_len} is shorter than --micro-batch-tokens {budget}",
                 hint="a row holds one micro-batch; make the row at least as long as the budget",
             )
-        if not 0 <= self.pad_id <= MAX_ID:
+        if not 0 <= self.pad_id <= MAX_TOKEN_ID:
             raise RolltoolError(
-                f"--pad-id must be between 0 and {MAX_ID:,} (2**31 - 1: token ids are int32), "
+                f"--pad-id must be between 0 and {MAX_TOKEN_ID:,} (2**31 - 1: token ids are int32), "
                 f"got {self.pad_id}"
             )
 

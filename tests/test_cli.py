@@ -219,3 +219,12 @@ def test_core_subcommands_do_not_import_torch(synth_path: Path, tmp_path: Path) 
     flags = json.loads(proc.stderr.strip().splitlines()[-1])
     assert flags == {"after_import": False, "after_run": False}
     assert (tmp_path / "a.parquet").exists() and (tmp_path / "b.parquet").exists()
+
+
+def test_cli_import_is_light() -> None:
+    """`rolltool --help` starts fast: importing the CLI (every command's options, defaults from
+    the config records) loads neither torch nor polars."""
+    code = "import sys, rolltool.cli; print(sorted({'torch', 'polars'} & set(sys.modules)))"
+    proc = _python("-c", code)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
