@@ -19,7 +19,7 @@ from rolltool.bench.config import (
 from rolltool.cli._common import err, handle_errors, out, print_json, progress, warn
 from rolltool.cli.options import POSITIVE, force_option, json_option, parsed
 from rolltool.cli.sections import SectionedCommand, opt, section
-from rolltool.workload import MODEL_PRESETS
+from rolltool.workload import DEFAULT_PRESET, MODEL_PRESETS
 
 D = BenchConfig()
 """Every default, as the API has it."""
@@ -30,7 +30,7 @@ D = BenchConfig()
 @section(
     "Work",
     opt("--what", WHATS, D.what, "Per row: a whole decoder layer (projections, attention, MLP) or attention only."),
-    opt("--model", tuple(MODEL_PRESETS), None, "Layer shape from a preset [default: the packed model, else dense-7b]."),
+    opt("--model", tuple(MODEL_PRESETS), None, f"Layer shape from a preset [default: the packed model, else {DEFAULT_PRESET}]."),
     opt("--heads", POSITIVE, None, "Query heads."),
     opt("--kv-heads", POSITIVE, None, "Key/value heads (GQA)."),
     opt("--head-dim", POSITIVE, None, "Width of one head."),

@@ -5,8 +5,8 @@ from __future__ import annotations
 import click
 
 from rolltool.cli._common import err, handle_errors, out, print_json, progress
-from rolltool.cli.options import column_option
-from rolltool.cli.sections import SectionedCommand, section
+from rolltool.cli.options import POSITIVE, column_option, json_option
+from rolltool.cli.sections import SectionedCommand, opt, section
 
 
 @click.command(
@@ -14,26 +14,23 @@ from rolltool.cli.sections import SectionedCommand, section
     short_help="What rollout Parquet or a packed directory contains, at a glance.",
 )
 @click.argument("paths", nargs=-1, required=True)
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of tables.")
-@click.option("--per-step", is_flag=True, help="Packed run: add the table of every step.")
-@click.option(
-    "--step", type=click.IntRange(min=0), default=None, help="Packed run: details of step S."
+@section(
+    "Input",
+    opt("--limit", POSITIVE, None, "Read only the first N rows (rollouts) or steps (packed run)."),
+    column_option(),
 )
-@click.option(
-    "--limit",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Read only the first N rows (rollouts) or steps (packed run).",
+@section(
+    "Packed run",
+    opt("--per-step", bool, False, "Add the table of every step."),
+    opt("--step", click.IntRange(min=0), None, "Details of step S.", metavar="S"),
 )
-@click.option(
-    "--plot",
-    "plot_path",
-    type=click.Path(dir_okay=False),
-    default=None,
-    metavar="FILE.png",
-    help="Also draw a one-page figure (needs matplotlib: pip install 'rolltool[plot]').",
-)
-@section("Input", column_option())
+@section(
+    "Output",
+    json_option(),
+    opt("--plot plot_path", click.Path(dir_okay=False), None,
+        "Also draw a one-page figure (needs matplotlib: pip install 'rolltool[plot]').",
+        metavar="FILE.png"),
+)  # fmt: skip
 @handle_errors
 def stats(
     paths: tuple[str, ...],
