@@ -16,7 +16,7 @@ from rolltool.partition import ALIGNS
 from rolltool.steps import StepConfig
 from rolltool.workload import WORKLOADS, Workload, make_workload
 
-MAX_TOKEN_ID = int(np.iinfo(TOKEN_ARRAYS["input_ids"]).max)
+MAX_TOKEN_ID = int(np.iinfo(np.dtype(TOKEN_ARRAYS["input_ids"]).name).max)
 """The largest token id a shard holds (``input_ids`` are int32): 2**31 - 1, as the schema's."""
 
 OVERLONG = ("error", "drop")
