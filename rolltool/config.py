@@ -6,17 +6,14 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from rolltool.advantages import AdvantageConfig
 from rolltool.errors import RolltoolError
-from rolltool.format import TOKEN_ARRAYS
+from rolltool.format import MAX_TOKEN_ID
 from rolltool.loss import check_loss_agg
 from rolltool.partition import ALIGNS
 from rolltool.steps import StepConfig
 from rolltool.workload import WORKLOADS, Workload, make_workload
 
-MAX_TOKEN_ID = int(np.iinfo(np.dtype(TOKEN_ARRAYS["input_ids"]).name).max)
 """The largest token id a shard holds (``input_ids`` are int32): 2**31 - 1, as the schema's."""
 
 OVERLONG = ("error", "drop")

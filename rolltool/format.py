@@ -46,6 +46,8 @@ PAD_SAMPLE = -1
 
 TOKEN_ARRAYS = {"input_ids": np.int32, "loss_mask": np.uint8, "logprobs": np.float32}
 """Stored per token (9 bytes)."""
+MAX_TOKEN_ID = int(np.iinfo(np.int32).max)
+"""Largest token id a shard can hold (int32: 2**31 - 1)."""
 SEGMENT_ARRAYS = {
     "seq_lens": np.int32,
     "sample_index": np.int64,

@@ -503,9 +503,7 @@ def test_missing_output_folder(write_parquet, run_cli, tmp_path: Path) -> None:
     assert "does not exist" in result.stderr
 
 
-@pytest.mark.parametrize(
-    "value", ["math", "math=", "=grpo", "math=ppo"], ids=["no-eq", "no-name", "no-env", "unknown"]
-)
+@pytest.mark.parametrize("value", ["math", "math=", "=grpo"], ids=["no-eq", "no-name", "no-env"])
 def test_malformed_env_estimator_is_a_usage_error(
     write_parquet, run_cli, out: Path, value: str
 ) -> None:
@@ -514,6 +512,14 @@ def test_malformed_env_estimator_is_a_usage_error(
     assert result.exit_code == 2, result.output
     assert "Traceback" not in result.output
     assert "--env-estimator" in result.stderr
+    assert not out.exists()
+
+
+def test_an_unknown_env_estimator_is_an_error_as_in_pack(write_parquet, run_cli, out: Path) -> None:
+    path = write_parquet(rollouts())
+    result = advantages(run_cli, [path], out, "--env-estimator", "math=ppo")
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output and "unknown estimator 'ppo'" in result.stderr
     assert not out.exists()
 
 

@@ -9,7 +9,7 @@ import click
 from rolltool.cli._common import handle_errors, out, print_json, warn
 
 
-@click.command()
+@click.command(short_help="Check a packed directory's hashes and invariants.")
 @click.argument("path", type=click.Path())
 @click.option("--no-hash", is_flag=True, help="Skip sha256 checks (sizes are still checked).")
 @click.option(

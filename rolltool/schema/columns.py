@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
+from rolltool.format import MAX_TOKEN_ID
 from rolltool.problems import Problem
 from rolltool.source import InputFile
 
@@ -24,7 +25,7 @@ OPTIONAL_EVERYWHERE = ("rollout_id", "env", "finished_at", "advantage")
 FORMAT_COLUMNS = {"input_ids": ("input_ids", "loss_mask"), "prompt_response": TOKEN_COLUMNS[3:]}
 """Token format -> the token columns it is read from."""
 DEFAULT_ENV = "default"
-MAX_ID = 2**31 - 1  # token ids are packed as int32
+MAX_ID = MAX_TOKEN_ID  # token ids are packed as int32
 
 
 def token_format(names: Collection[str]) -> str | None:
