@@ -7,7 +7,7 @@ dict (the same document `--json` prints). They never print.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +19,13 @@ from rolltool.advantages import AdvantageConfig, AdvantageInput, compute_advanta
 from rolltool.errors import RolltoolError
 from rolltool.outputs import atomic_path, check_target
 from rolltool.schema import scan
-from rolltool.source import InputFile, file_schema, invert_mapping, iter_batches, resolve_inputs
+from rolltool.source import (
+    InputFile,
+    file_schema,
+    invert_mapping,
+    iter_row_groups,
+    resolve_inputs,
+)
 from rolltool.synth import SynthConfig, generate
 
 ADVANTAGE_COLUMNS = (
@@ -151,17 +157,61 @@ def _copy_with_columns(
     start = 0
     with pq.ParquetWriter(target, schema, compression="zstd") as writer:
         for file in files:
-            batches = iter_batches(file, rename, batch_rows=ROW_GROUP)
-            tables = (pa.Table.from_batches([b]) for b in batches)
             wrote = False
-            for table in tables:
+            for table in _regrouped(file, rename, ROW_GROUP):
                 n = table.num_rows
                 cols = {name: arr.slice(start, n) for name, arr in new.items()}
                 writer.write_table(_conform(table, file, schema, replaced, cols), ROW_GROUP)
+                del table  # before the next one is read: one output row group in memory
                 start += n
                 wrote = True
             if not wrote:  # an empty file is an empty row group, as pyarrow writes one
                 writer.write_table(schema.empty_table())
+
+
+def _regrouped(file: InputFile, rename: Mapping[str, str], rows: int) -> Iterator[pa.Table]:
+    """The file's rows as tables of ``rows`` rows (the last one shorter), read row group by row
+    group: memory holds one output row group, one input row group and one column's copy."""
+    names: list[str] = []
+    chunks: dict[str, list[pa.Array]] = {}
+    held = 0
+    for _, piece in iter_row_groups(file, rename):
+        names = piece.column_names
+        for name in names:
+            chunks.setdefault(name, []).extend(piece.column(name).chunks)
+        held += piece.num_rows
+        del piece
+        while held >= rows:
+            yield _take_rows(names, chunks, rows)
+            held -= rows
+    if held:
+        yield _take_rows(names, chunks, held)
+
+
+def _take_rows(names: Sequence[str], chunks: dict[str, list[pa.Array]], rows: int) -> pa.Table:
+    """The first ``rows`` rows of ``chunks``, removed from it, as one contiguous array per
+    column (the bytes pyarrow writes depend on chunk boundaries: a dictionary falls back to
+    plain encoding at a chunk's end). Copied column by column, so each input column is freed
+    before the next is copied."""
+    columns = []
+    for name in names:
+        head: list[pa.Array] = []
+        rest: list[pa.Array] = []
+        n = 0
+        for c in chunks[name]:
+            if n >= rows:
+                rest.append(c)
+            elif n + len(c) <= rows:
+                head.append(c)
+                n += len(c)
+            else:
+                head += [c.slice(0, rows - n)]
+                rest += [c.slice(rows - n)]
+                n = rows
+        chunks[name] = rest
+        columns.append(pa.concat_arrays(head))
+        del head
+    return pa.Table.from_arrays(columns, names=list(names))
 
 
 def _conform(
