@@ -47,21 +47,25 @@ class Row:
 
 
 @dataclass(frozen=True, kw_only=True)
-class PackedRows:
-    """All rows of the chosen steps of one packed directory."""
+class ReplayRows:
+    """All rows of the chosen steps of one packed directory, to replay (not the writer's flat
+    `rolltool.layout.PackedRows`)."""
 
     path: Path
     dp: int
-    workload: Workload | None
-    """The cost model the directory was balanced on (None if the manifest lacks one)."""
+    workload: Workload
+    """The cost model the directory was balanced on (the manifest's)."""
     rows: list[Row]
 
 
-def load_rows(path: str | Path, steps: Sequence[int] | None = None) -> PackedRows:
+PackedRows = ReplayRows
+"""TRANSITIONAL: the former name, until `rolltool.bench.run` imports ``ReplayRows``."""
+
+
+def load_rows(path: str | Path, steps: Sequence[int] | None = None) -> ReplayRows:
     """Rows of ``steps`` (all steps if None), in (step, rank, micro_batch) order."""
     ds = open_packed(path)
-    raw_workload = ds.raw.get("workload")
-    workload = Workload.from_dict(raw_workload) if raw_workload else None
+    workload = Workload.from_dict(ds.manifest.workload)
     chosen = range(ds.num_steps) if steps is None else steps
     for s in chosen:
         if not 0 <= s < ds.num_steps:
@@ -76,13 +80,11 @@ def load_rows(path: str | Path, steps: Sequence[int] | None = None) -> PackedRow
                 cu = np.asarray(mb["cu_seqlens"], dtype=np.int32).copy()
                 idx = np.asarray(mb["sample_index"], dtype=np.int64).copy()
                 real = np.diff(cu.astype(np.int64))[idx >= 0]
-                predicted = (
-                    float(workload.cost(real).sum()) if workload is not None else float("nan")
-                )
+                predicted = float(workload.cost(real).sum())
                 rows.append(
                     Row(step=s, rank=rank, micro_batch=j, cu_seqlens=cu, sample_index=idx,
                         predicted=predicted)
                 )  # fmt: skip
     if not rows:
         raise RolltoolError(f"{path}: no rows to replay in the chosen steps")
-    return PackedRows(path=Path(path), dp=ds.dp, workload=workload, rows=rows)
+    return ReplayRows(path=Path(path), dp=ds.dp, workload=workload, rows=rows)
