@@ -164,6 +164,33 @@ def _kk_blocks_numpy(nw: list[float], k: int, los: list[int], his: list[int]) ->
     return tuple(heap[0][3].tolist())
 
 
+def _push_block(
+    nw: list[float],
+    i: int,
+    hk: float,
+    k: int,
+    heap: list[tuple[float, int, tuple[float, ...], tuple[int, ...]]],
+    seq: int,
+) -> int:
+    """Push singletons i, i+1 and the next ones that KK would put in the same partition's empty
+    slots one by one (a *block*, see the module docstring) as one partition; returns the next
+    singleton. Needs ``nw[i] <= nw[i + 1] < 0`` and both at most the heap's top key ``hk``."""
+    x = nw[i]
+    j = i + 2
+    end = min(len(nw), i + k)
+    while j < end and x < nw[j] < 0.0 and nw[j] <= hk:
+        j += 1
+    m = j - i
+    if m == k:
+        s = tuple(nw[i:j])
+        key = x - s[-1]
+    else:
+        s = (*nw[i:j], *(0.0,) * (k - m))
+        key = x
+    heapq.heappush(heap, (key, seq, s, (*range(i, j), *(-1,) * (k - m))))
+    return j
+
+
 def _kk_free(nw: list[float], k: int, los: list[int], his: list[int]) -> tuple[int, ...]:
     """No count constraint: start from singletons (see the module docstring)."""
     n = len(nw)
@@ -179,20 +206,8 @@ def _kk_free(nw: list[float], k: int, los: list[int], his: list[int]) -> tuple[i
             x = nw[i]
             if i + 1 < n and nw[i + 1] <= hk:  # ... and the second singleton i + 1
                 if k > 2 and nw[i + 1] < 0.0:  # a block: i, i+1 and the next ones that fit
-                    j = i + 2
-                    end = min(n, i + k)
-                    while j < end and x < nw[j] < 0.0 and nw[j] <= hk:
-                        j += 1
-                    m = j - i
-                    if m == k:
-                        s = tuple(nw[i:j])
-                        key = x - s[-1]
-                    else:
-                        s = (*nw[i:j], *zeros[: k - m])
-                        key = x
-                    push(heap, (key, seq, s, (*range(i, j), *empty[: k - m])))
+                    i = _push_block(nw, i, hk, k, heap, seq)
                     seq += 1
-                    i = j
                     continue
                 na, ia = (x, *zeros), (i, *empty)
                 nb, ib = (nw[i + 1], *zeros), (i + 1, *empty)

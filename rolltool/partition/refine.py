@@ -39,68 +39,91 @@ def refine(
     partners = PARTNERS
     for _ in range(max_steps):
         h = int(np.argmax(loads))
-        top = float(loads[h])
         light = np.argsort(loads, kind="stable")[: partners + 1]
-        light = light[(light != h) & (loads[light] < top)][:partners]
-        xh = members[h]
-        if len(light) == 0 or len(xh) == 0 or max_work <= 0:
+        light = light[(light != h) & (loads[light] < loads[h])][:partners]
+        if len(light) == 0 or len(members[h]) == 0 or max_work <= 0:
             break
-        xv = w[xh]
-        xo = np.argsort(xv, kind="stable")
-        xs = xv[xo]
-        best = top
-        op: tuple[str, int, int, np.ndarray | None, list[int] | None] | None = None
-        # swaps: for each partner item y, the items x of h nearest y + g/2
-        sizes = [len(members[p]) for p in light]
-        max_work -= len(xh) + sum(sizes)
-        if sum(sizes):
-            ys_idx = np.concatenate([members[p] for p in light])
-            ys = w[ys_idx]
-            owner = np.repeat(np.arange(len(light)), sizes)
-            g = top - loads[light][owner]
-            hi = np.minimum(np.searchsorted(xs, ys + g / 2), len(xs) - 1)
-            cand = np.concatenate([np.maximum(hi - 1, 0), hi])
-            d = xs[cand] - np.concatenate([ys, ys])
-            g2 = np.concatenate([g, g])
-            val = np.where((d > 0) & (d < g2), np.maximum(top - d, top - g2 + d), np.inf)
-            j = int(np.argmin(val))
-            if val[j] < best:
-                j2 = j % len(ys)
-                best, op = float(val[j]), ("swap", int(cand[j]), j2, owner, sizes)
-        if allow_moves:
-            g = top - loads[light]
-            hi = np.minimum(np.searchsorted(xs, g / 2), len(xs) - 1)
-            cand = np.concatenate([np.maximum(hi - 1, 0), hi])
-            d = xs[cand]
-            g2 = np.concatenate([g, g])
-            val = np.where((d > 0) & (d < g2), np.maximum(top - d, top - g2 + d), np.inf)
-            j = int(np.argmin(val))
-            if val[j] < best:
-                best, op = float(val[j]), ("move", int(cand[j]), j % len(light), None, None)
-        if op is None:
+        max_work -= len(members[h]) + sum(len(members[p]) for p in light)
+        step = _best_step(w, members, loads, h, light, allow_moves)
+        if step is None:
             if partners < k - 1:  # stuck with the lightest few: look at every part once
                 partners = k - 1
                 continue
             break
         partners = PARTNERS
-        kind, xi, j, op_owner, op_sizes = op
-        x_at = int(xo[xi])  # position of x inside members[h]
-        x_item = int(xh[x_at])
-        if kind == "swap":
-            assert op_owner is not None and op_sizes is not None
-            p = int(light[op_owner[j]])
-            y_at = j - sum(op_sizes[: op_owner[j]])
-            y_item = int(members[p][y_at])
-            d = w[x_item] - w[y_item]
-            members[h][x_at], members[p][y_at] = y_item, x_item
-        else:
-            p = int(light[j])
-            d = w[x_item]
-            members[h] = np.delete(members[h], x_at)
-            members[p] = np.append(members[p], x_item)
-        loads[h] -= d
-        loads[p] += d
+        _apply(w, members, loads, h, *step)
     out = np.empty(n, dtype=np.int64)
     for p, m in enumerate(members):
         out[m] = p
     return out
+
+
+def _best_step(
+    w: np.ndarray,
+    members: list[np.ndarray],
+    loads: np.ndarray,
+    h: int,
+    light: np.ndarray,
+    allow_moves: bool,
+) -> tuple[int, int, int | None] | None:
+    """The swap (or move) between the heaviest part h and a part of ``light`` that lowers their
+    pair maximum most, as (x's position in members[h], the partner part, y's position in the
+    partner's members or None for a move); None when none lowers L_h. A move must beat the best
+    swap strictly."""
+    xh = members[h]
+    top = float(loads[h])
+    xv = w[xh]
+    xo = np.argsort(xv, kind="stable")
+    xs = xv[xo]
+    best: tuple[float, int, int, int | None] | None = None
+    sizes = [len(members[p]) for p in light]
+    if sum(sizes):  # swaps: for each partner item y, the items x of h nearest y + g/2
+        ys_idx = np.concatenate([members[p] for p in light])
+        owner = np.repeat(np.arange(len(light)), sizes)
+        val, xi, j = _nearest(xs, w[ys_idx], top - loads[light][owner], top)
+        if val < top:
+            o = int(owner[j])
+            best = (val, xi, int(light[o]), j - sum(sizes[:o]))
+    if allow_moves:  # a move is a swap with y = 0
+        val, xi, j = _nearest(xs, np.zeros(len(light)), top - loads[light], top)
+        if val < (best[0] if best is not None else top):
+            best = (val, xi, int(light[j]), None)
+    if best is None:
+        return None
+    _, xi, p, y_at = best
+    return int(xo[xi]), p, y_at
+
+
+def _nearest(xs: np.ndarray, ys: np.ndarray, g: np.ndarray, top: float) -> tuple[float, int, int]:
+    """Pair each y (its part g below the top) with the items of ``xs`` (sorted) nearest y + g/2;
+    the best pair as (pair maximum after exchanging them, x's index in xs, y's index)."""
+    hi = np.minimum(np.searchsorted(xs, ys + g / 2), len(xs) - 1)
+    cand = np.concatenate([np.maximum(hi - 1, 0), hi])
+    d = xs[cand] - np.concatenate([ys, ys])
+    g2 = np.concatenate([g, g])
+    val = np.where((d > 0) & (d < g2), np.maximum(top - d, top - g2 + d), np.inf)
+    j = int(np.argmin(val))
+    return float(val[j]), int(cand[j]), j % len(ys)
+
+
+def _apply(
+    w: np.ndarray,
+    members: list[np.ndarray],
+    loads: np.ndarray,
+    h: int,
+    x_at: int,
+    p: int,
+    y_at: int | None,
+) -> None:
+    """Swap x (members[h][x_at]) with y (members[p][y_at]), or move x to p; update the loads."""
+    x_item = int(members[h][x_at])
+    if y_at is not None:
+        y_item = int(members[p][y_at])
+        d = w[x_item] - w[y_item]
+        members[h][x_at], members[p][y_at] = y_item, x_item
+    else:
+        d = w[x_item]
+        members[h] = np.delete(members[h], x_at)
+        members[p] = np.append(members[p], x_item)
+    loads[h] -= d
+    loads[p] += d
