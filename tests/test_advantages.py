@@ -97,53 +97,64 @@ def reference(
             "uniform": n >= 2 and min(rs) == max(rs),
         }
         name = env_estimators.get(rollouts[keys[0]]["env"], estimator)
+        lengths = [rollouts[k]["len"] for k in keys]
         for k in keys:
-            r = rollouts[k]["reward"]
-            if name == "grpo":
-                if n == 1:
-                    adv[k] = (r - 0.0) / (1.0 + eps)
-                else:
-                    # A uniform group with eps 0: verl gives 0/0 = nan, rolltool 0.
-                    adv[k] = (r - mean) / (std + eps) if std + eps > 0 else 0.0
-            elif name == "dr_grpo":
-                adv[k] = r - mean if n > 1 else r
-            elif name == "rloo":
-                adv[k] = n / (n - 1) * (r - mean) if n > 1 else r
-            elif name == "opo":
-                if n == 1:
-                    base = 0.0
-                else:
-                    num = sum(rollouts[j]["len"] * rollouts[j]["reward"] for j in keys)
-                    den = sum(rollouts[j]["len"] for j in keys)
-                    # verl gives 0/0 = nan here; rolltool keeps b = 0 (no token is trained).
-                    base = num / den if den else 0.0
-                adv[k] = r - base
-            elif name == "reinforce_pp_baseline":
-                adv[k] = r - mean if n > 1 else r  # whitened below
-            else:
-                raise AssertionError(name)
+            adv[k] = _reference_one(name, rollouts[k]["reward"], rs, lengths, mean, std, eps)
 
-    # Token-level whitening over every trainable token of the samples whose env uses it.
-    tokens = []
-    for g, r, env, _, trainable in rows:
-        if env_estimators.get(env, estimator) == "reinforce_pp_baseline":
-            tokens.extend([adv[(g, r)]] * trainable)
-    whitened = {}
-    if any(env_estimators.get(row[2], estimator) == "reinforce_pp_baseline" for row in rows):
-        if len(tokens) < 2:
-            raise ValueError("masked_whiten needs at least 2 tokens")
-        m = math.fsum(tokens) / len(tokens)
-        var = math.fsum((t - m) ** 2 for t in tokens) / (len(tokens) - 1)
-        for g, r, env, _, _ in rows:
-            if env_estimators.get(env, estimator) == "reinforce_pp_baseline":
-                whitened[(g, r)] = (adv[(g, r)] - m) / math.sqrt(var + 1e-8)
-
+    whitened = _reference_whitening(rows, adv, estimator, env_estimators)
     out: dict[str, list] = defaultdict(list)
     for g, r, *_ in rows:
         out["advantage"].append(whitened.get((g, r), adv[(g, r)]))
         for name in ("size", "mean", "std", "uniform"):
             out[name].append(stats[g][name])
     return out
+
+
+def _reference_one(
+    name: str, r: float, rs: list[float], lengths: list[int], mean: float, std: float, eps: float
+) -> float:
+    """One rollout's advantage (before whitening): reward r in a group of rewards rs and
+    trainable lengths, with the group's mean and unbiased std."""
+    n = len(rs)
+    if name == "grpo":
+        if n == 1:
+            return (r - 0.0) / (1.0 + eps)
+        # A uniform group with eps 0: verl gives 0/0 = nan, rolltool 0.
+        return (r - mean) / (std + eps) if std + eps > 0 else 0.0
+    if name in ("dr_grpo", "reinforce_pp_baseline"):  # the latter is whitened afterwards
+        return r - mean if n > 1 else r
+    if name == "rloo":
+        return n / (n - 1) * (r - mean) if n > 1 else r
+    if name == "opo":
+        if n == 1:
+            return r
+        num = sum(ln * x for ln, x in zip(lengths, rs, strict=True))
+        den = sum(lengths)
+        # verl gives 0/0 = nan here; rolltool keeps b = 0 (no token is trained).
+        return r - (num / den if den else 0.0)
+    raise AssertionError(name)
+
+
+def _reference_whitening(
+    rows: list[Row], adv: dict[tuple, float], estimator: str, env_estimators: dict[str, str]
+) -> dict[tuple, float]:
+    """Token-level whitening over every trainable token of the samples whose env uses it."""
+    whitens = [env_estimators.get(row[2], estimator) == "reinforce_pp_baseline" for row in rows]
+    if not any(whitens):
+        return {}
+    tokens = []
+    for (g, r, _, _, trainable), w in zip(rows, whitens, strict=True):
+        if w:
+            tokens.extend([adv[(g, r)]] * trainable)
+    if len(tokens) < 2:
+        raise ValueError("masked_whiten needs at least 2 tokens")
+    m = math.fsum(tokens) / len(tokens)
+    var = math.fsum((t - m) ** 2 for t in tokens) / (len(tokens) - 1)
+    return {
+        (g, r): (adv[(g, r)] - m) / math.sqrt(var + 1e-8)
+        for (g, r, *_), w in zip(rows, whitens, strict=True)
+        if w
+    }
 
 
 def assert_matches_reference(
