@@ -1,17 +1,24 @@
-"""Benchmark: `rolltool advantages` against the I/O floor (pyarrow read + write of the same file).
+"""Benchmark: `rolltool advantages` against the I/O floor, in time and in peak memory.
 
     python benchmarks/advantages.py [--groups 4000] [--repeats 3]
 
-Generates a synth dataset (cached under /tmp), then times, in one run and on the same file:
-  floor      pyarrow.parquet.read_table + write_table (zstd), nothing else
-  api        rolltool.jobs.run_advantages (read, validate, compute grpo, write), in process
-  cli        `rolltool advantages` as a subprocess (adds interpreter start-up)
-and prints medians and the ratio to the floor.
+Generates synth datasets of N and 2N groups (cached under /tmp) and, on each, runs in a fresh
+process per repeat:
+  floor      pyarrow.parquet.read_table + write_table (zstd): the whole input in memory
+  api        rolltool.jobs.run_advantages (scan, compute grpo, copy row group by row group)
+  cli        `rolltool advantages` (adds interpreter start-up and the CLI's imports)
+and prints the median seconds (floor and api timed inside their process, cli as the process's
+wall time), the ratio to the floor, and the peak resident memory of the process (``ru_maxrss``
+from ``wait4``), next to that of a process that only imports rolltool. The job streams the
+input (defect 12): its peak should grow with the light columns only (a few numbers per sample,
+plus the scan's id tables), not with the input's bytes as the floor's does.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
 import subprocess
 import sys
@@ -22,17 +29,63 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from _data import synth_dataset
 
+FLOOR = """
+import pyarrow.parquet as pq
+pq.write_table(pq.read_table(IN), OUT, compression="zstd", row_group_size=65_536)
+"""
+
+API = """
 from rolltool.advantages import AdvantageConfig
 from rolltool.jobs import run_advantages
+run_advantages([IN], OUT, AdvantageConfig(estimator="grpo"), force=True)
+"""
+
+TIMED = """
+import json, sys, time
+IN, OUT = sys.argv[1], sys.argv[2]
+t0 = time.perf_counter()
+{body}
+print(json.dumps({{"seconds": time.perf_counter() - t0}}))
+"""
 
 
-def _time(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def _run(argv: list[str]) -> tuple[float, float, float]:
+    """(seconds it reports, else its wall time; wall seconds; peak RSS in MB) of one process."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    assert proc.stdout is not None
+    out = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t0
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise SystemExit(f"failed ({proc.returncode}): {' '.join(argv)}")
+    inside = json.loads(out)["seconds"] if out.startswith(b'{"seconds"') else wall
+    return inside, wall, usage.ru_maxrss / 1024  # Linux: kilobytes
+
+
+def _measure(path: Path, out: Path, repeats: int) -> dict[str, tuple[float, float]]:
+    """Per variant: (median seconds, max peak RSS MB) over ``repeats`` fresh processes."""
+    variants = {
+        "floor": [sys.executable, "-c", TIMED.format(body=FLOOR), str(path), str(out)],
+        "api": [sys.executable, "-c", TIMED.format(body=API), str(path), str(out)],
+        "cli": [
+            sys.executable,
+            "-m",
+            "rolltool",
+            "advantages",
+            str(path),
+            "-o",
+            str(out),
+            "--force",
+            "--json",
+        ],
+    }
+    result = {}
+    for name, argv in variants.items():
+        runs = [_run(argv) for _ in range(repeats)]
+        result[name] = (statistics.median(r[0] for r in runs), max(r[2] for r in runs))
+    return result
 
 
 def main() -> None:
@@ -43,42 +96,19 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
 
-    cache = synth_dataset(args.groups)
-    meta = pq.ParquetFile(cache).metadata
     out = Path(tempfile.mkdtemp()) / "out.parquet"
-
-    def floor() -> None:
-        table = pq.read_table(cache)
-        pq.write_table(table, out, compression="zstd", row_group_size=65_536)
-
-    def api() -> None:
-        run_advantages([cache], out, AdvantageConfig(estimator="grpo"), force=True)
-
-    def cli() -> None:
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "rolltool",
-                "advantages",
-                str(cache),
-                "-o",
-                str(out),
-                "--force",
-                "--json",
-            ],
-            check=True,
-            stdout=subprocess.DEVNULL,
-        )
-
-    t_floor = _time(floor, args.repeats)
-    t_api = _time(api, args.repeats)
-    t_cli = _time(cli, args.repeats)
-    size = cache.stat().st_size / 1e6
-    print(f"input: {meta.num_rows:,} samples, {size:,.0f} MB ({cache})")
-    print(f"{'what':<8}{'median s':>10}{'x floor':>10}")
-    for name, t in (("floor", t_floor), ("api", t_api), ("cli", t_cli)):
-        print(f"{name:<8}{t:>10.3f}{t / t_floor:>10.2f}")
+    _, _, base = _run([sys.executable, "-c", "import rolltool.jobs"])
+    print(f"a process that only imports rolltool.jobs: {base:,.0f} MB peak RSS")
+    print(f"{'input':<30}{'what':<7}{'median s':>10}{'x floor':>9}{'peak RSS MB':>13}")
+    for groups in (args.groups, 2 * args.groups):
+        path = synth_dataset(groups)
+        meta = pq.ParquetFile(path).metadata
+        label = f"{meta.num_rows:,} rows, {path.stat().st_size / 1e6:,.0f} MB"
+        figures = _measure(path, out, args.repeats)
+        floor = figures["floor"][0]
+        for name, (seconds, rss) in figures.items():
+            print(f"{label:<30}{name:<7}{seconds:>10.3f}{seconds / floor:>9.2f}{rss:>13,.0f}")
+            label = ""
 
 
 if __name__ == "__main__":
