@@ -81,7 +81,7 @@ def run_advantages(
     check_target(Path(output), force)
     rename = invert_mapping(columns or {})
     files = resolve_inputs(inputs)
-    rollouts = scan(files, rename)
+    rollouts = scan(files, rename, ignore=ADVANTAGE_COLUMNS)  # replaced: neither read nor checked
     light = AdvantageInput.from_rollouts(rollouts)
     adv = compute_advantages(config, light)
     new = {

@@ -716,6 +716,26 @@ def test_rerun_on_its_own_output_replaces_the_columns(synth_path: Path, run_cli)
     assert twice.equals(once)
 
 
+def test_an_input_advantage_column_is_replaced_unchecked(
+    synth_table: pa.Table, tmp_path: Path
+) -> None:
+    """`rolltool advantages` replaces an input 'advantage' column: one pack would refuse (not
+    a number, not finite) is neither read nor checked, and the output is as without it."""
+    n = synth_table.num_rows
+    for bad in (pa.array(["x"] * n), pa.array([float("nan")] * n)):
+        src = tmp_path / "bad.parquet"
+        pq.write_table(synth_table.append_column("advantage", bad), src)
+        report = run_advantages([src], tmp_path / "out.parquet", AdvantageConfig(), force=True)
+        assert any("replaced" in w for w in report["warnings"])
+        pq.write_table(synth_table, tmp_path / "plain.parquet")
+        run_advantages(
+            [tmp_path / "plain.parquet"], tmp_path / "want.parquet", AdvantageConfig(), force=True
+        )
+        assert pq.read_table(tmp_path / "out.parquet").equals(
+            pq.read_table(tmp_path / "want.parquet")
+        )
+
+
 def test_an_estimator_without_samples_in_the_subset_is_skipped() -> None:
     """A step (a subset of the input) may hold no sample of an env: its estimator has nothing to
     do, even one that whitens and would need 2 trainable tokens."""
