@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -242,28 +242,15 @@ class Advantages:
     estimator: np.ndarray  # [n] object, the estimator used for the sample's env
 
 
-def compute_advantages(
-    config: AdvantageConfig, rollouts: AdvantageInput | None = None, /, **columns: Any
-) -> Advantages:
+def compute_advantages(config: AdvantageConfig, rollouts: AdvantageInput) -> Advantages:
     """Advantages for every sample of ``rollouts``: see the module docstring for the formulas.
 
     Whitening estimators (``reinforce_pp_baseline``) whiten over all samples of the envs that use
     them; call this once per optimizer step (``rollouts.take(step_samples)``) to whiten per step
     instead. ``env_names`` may name envs without samples here (a step's subset of the input): an
     estimator none of whose envs has a sample is skipped.
-
-    TRANSITIONAL: ``compute_advantages(config, group=..., rollout=..., env=..., env_names=...,
-    reward=..., trainable=...)`` (the keyword arrays of `AdvantageInput`) still works until
-    `rolltool.schedule` passes an `AdvantageInput`; then ``**columns`` goes.
     """
-    if rollouts is None:
-        rollouts = AdvantageInput(**columns)
-    elif columns:
-        raise TypeError("compute_advantages: give an AdvantageInput or keyword arrays, not both")
-    return _compute(config, rollouts)
-
-
-def _compute(config: AdvantageConfig, ro: AdvantageInput) -> Advantages:
+    ro = rollouts
     unknown = sorted(set(config.env_estimators) - set(ro.env_names))
     if unknown:
         raise RolltoolError(

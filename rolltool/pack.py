@@ -167,10 +167,7 @@ def manifest_record(
             estimators={e: a.env_estimators.get(e, a.estimator) for e in ro.env_names},
         ),
         loss=LossRecord(agg=config.loss_agg, scale_factor=config.loss_scale_factor),
-        inputs=tuple(
-            InputRecord(path=f.resolved, rows=f.rows, given=f.path)
-            for f in ro.files
-        ),
+        inputs=tuple(InputRecord(path=f.resolved, rows=f.rows, given=f.path) for f in ro.files),
         columns=dict(columns or {}),
         dp=config.dp,
         samples=SampleCounts(total=ro.num_samples, **counts),

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from rolltool.advantages import compute_advantages, group_stats
+from rolltool.advantages import AdvantageInput, compute_advantages, group_stats
 from rolltool.config import PackConfig
 from rolltool.errors import RolltoolError
 from rolltool.format import Denominators, PlanRecord, StepCounts, StepRecord
@@ -123,15 +123,7 @@ def group_advantages(ro: Rollouts, config: PackConfig, given: np.ndarray | None)
         uniform[: len(stats.uniform)] = stats.uniform
         return GroupAdvantages(given, uniform, no_whitening, "input column 'advantage'")
     a = config.advantages
-    computed = compute_advantages(
-        a,
-        group=ro.group,
-        rollout=ro.rollout,
-        env=ro.env,
-        env_names=ro.env_names,
-        reward=ro.reward,
-        trainable=ro.trainable,
-    )
+    computed = compute_advantages(a, AdvantageInput.from_rollouts(ro))
     uniform = np.zeros(ro.num_groups, dtype=bool)
     uniform[ro.group] = computed.group_uniform
     whiten = np.array(
@@ -234,15 +226,8 @@ def _step_advantages(
     whiten = adv.whiten_env[ro.env[members]]
     if not whiten.any():
         return base
-    sub = compute_advantages(
-        config.advantages,
-        group=_dense(ro.group[all_members]),
-        rollout=_dense(ro.rollout[all_members]),
-        env=ro.env[all_members],
-        env_names=ro.env_names,
-        reward=ro.reward[all_members],
-        trainable=np.where(kept, ro.trainable[all_members], 0),
-    )
+    step_input = AdvantageInput.from_rollouts(ro).take(all_members).without_tokens(~kept)
+    sub = compute_advantages(config.advantages, step_input)
     return np.where(whiten, sub.advantage[kept], base).astype(np.float32)
 
 
@@ -396,10 +381,6 @@ def step_counts(
     out: dict[int | None, dict[str, Any]] = {None: counts(np.ones(len(members), bool), None)}
     out.update({e: counts(ro.env[members] == e, e) for e in env_ids})
     return out
-
-
-def _dense(codes: np.ndarray) -> np.ndarray:
-    return np.unique(codes, return_inverse=True)[1].astype(np.int64)
 
 
 def _by_group(ro: Rollouts) -> list[np.ndarray]:

@@ -523,24 +523,6 @@ def test_without_tokens_keeps_the_group_and_leaves_the_whitening() -> None:
     assert not np.array_equal(got.advantage, compute(rows, "reinforce_pp_baseline").advantage)
 
 
-def test_keyword_arrays_still_work_until_schedule_switches() -> None:
-    """TRANSITIONAL (delete with the keyword form): the old call gives the same columns."""
-    inp = _input(THREE)
-    config = AdvantageConfig(estimator="rloo")
-    old = compute_advantages(config, group=inp.group, rollout=inp.rollout, env=inp.env,
-                             env_names=inp.env_names, reward=inp.reward, trainable=inp.trainable)  # fmt: skip
-    np.testing.assert_array_equal(old.advantage, compute_advantages(config, inp).advantage)
-    with pytest.raises(TypeError):
-        compute_advantages(config, inp, group=inp.group)
-    with pytest.raises(ValueError, match="reward has 2 entries"):
-        AdvantageInput(group=inp.group, rollout=inp.rollout, env=inp.env,
-                       env_names=inp.env_names, reward=inp.reward[:2], trainable=inp.trainable)  # fmt: skip
-
-
-# --------------------------------------------------------------------------------------------
-# Streaming: `rolltool advantages` never holds the input (defect 12).
-
-
 def test_advantages_streams_one_row_group_at_a_time(
     monkeypatch: pytest.MonkeyPatch, synth_table: pa.Table, tmp_path: Path
 ) -> None:

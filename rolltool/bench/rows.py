@@ -58,10 +58,6 @@ class ReplayRows:
     rows: list[Row]
 
 
-PackedRows = ReplayRows
-"""TRANSITIONAL: the former name, until `rolltool.bench.run` imports ``ReplayRows``."""
-
-
 def load_rows(path: str | Path, steps: Sequence[int] | None = None) -> ReplayRows:
     """Rows of ``steps`` (all steps if None), in (step, rank, micro_batch) order."""
     ds = open_packed(path)

@@ -24,7 +24,7 @@ from rolltool.bench.backends import Backend, make_backend
 from rolltool.bench.check import check_rows
 from rolltool.bench.compare import compare
 from rolltool.bench.config import BenchConfig, BenchSetup, resolve_shape
-from rolltool.bench.rows import PackedRows, load_rows
+from rolltool.bench.rows import ReplayRows, load_rows
 from rolltool.bench.timing import Progress, time_rows
 from rolltool.errors import RolltoolError
 from rolltool.jsonable import jsonable
@@ -68,7 +68,7 @@ def device_name(torch: Any, device: str) -> str:
     return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
-def load_all(paths: Sequence[str | Path], steps: Sequence[int] | None) -> list[PackedRows]:
+def load_all(paths: Sequence[str | Path], steps: Sequence[int] | None) -> list[ReplayRows]:
     if not paths:
         raise RolltoolError("bench: give at least one packed directory")
     return [load_rows(p, steps) for p in paths]
@@ -77,7 +77,7 @@ def load_all(paths: Sequence[str | Path], steps: Sequence[int] | None) -> list[P
 def report_one(
     torch: Any,
     backend: Backend,
-    packed: PackedRows,
+    packed: ReplayRows,
     times: np.ndarray,
     setup: BenchSetup,
     dev_name: str,
@@ -143,7 +143,7 @@ def row_flops(lengths: np.ndarray, setup: BenchSetup) -> float:
                               backward=setup.backward)  # fmt: skip
 
 
-def resolve(torch: Any, config: BenchConfig, first: PackedRows) -> tuple[BenchSetup, Backend, str]:
+def resolve(torch: Any, config: BenchConfig, first: ReplayRows) -> tuple[BenchSetup, Backend, str]:
     """``config`` resolved on this machine (device, dtype, backend) and for the packed
     directory ``first`` (the layer shape of its model unless ``config`` names one); also the
     backend itself and why it was chosen."""
@@ -224,7 +224,7 @@ def run_bench(
 def time_and_report(
     torch: Any,
     be: Backend,
-    packed: Sequence[PackedRows],
+    packed: Sequence[ReplayRows],
     setup: BenchSetup,
     dev_name: str,
     progress: Progress | None,
