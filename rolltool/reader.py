@@ -54,11 +54,6 @@ class PackedDataset:
         self.manifest: Manifest = Manifest.load(self.path)
 
     @property
-    def raw(self) -> dict[str, Any]:
-        """TRANSITIONAL (removed once verify/stats/bench read records): the manifest as JSON."""
-        return self.manifest.to_json()
-
-    @property
     def num_steps(self) -> int:
         return self.manifest.num_steps
 
