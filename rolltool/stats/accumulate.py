@@ -147,7 +147,7 @@ class Stats:
     """What ``rolltool stats`` computes: the report and, for plots, sample lengths per env."""
 
     report: dict[str, Any]
-    """The JSON document (keys documented in docs/stats.md)."""
+    """The JSON document (keys documented in the README, section `rolltool stats`)."""
     lengths: dict[str, ValueCounts]
     """Sample lengths (tokens) per env: all rows of rollout Parquet, trained samples if packed."""
 
