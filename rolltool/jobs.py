@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -17,7 +16,7 @@ import pyarrow.parquet as pq
 from rolltool import __version__
 from rolltool.advantages import AdvantageConfig, AdvantageInput, compute_advantages, summarize
 from rolltool.errors import RolltoolError
-from rolltool.outputs import atomic_path, check_target
+from rolltool.outputs import atomic_path, check_target, parquet_marker
 from rolltool.schema import scan
 from rolltool.source import (
     InputFile,
@@ -39,10 +38,11 @@ ADVANTAGE_COLUMNS = (
 
 def run_synth(config: SynthConfig, output: str | os.PathLike[str], *, force: bool = False) -> dict:
     """Write `generate(config)` to `output` (Parquet, zstd) and describe what was written."""
-    check_target(Path(output), force)
+    check_target(output, force)
     table = generate(config)
     with atomic_path(output, force=force, directory=False) as tmp:
-        pq.write_table(table, tmp, compression="zstd", row_group_size=4096)
+        marked = table.replace_schema_metadata(parquet_marker("synth"))
+        pq.write_table(marked, tmp, compression="zstd", row_group_size=4096)
     envs = table.column("env").value_counts().to_pylist()
     return {
         "output": str(output),
@@ -78,7 +78,7 @@ def run_advantages(
     ``ROW_GROUP`` rows at a time with the new columns appended (each input file starts a new
     row group).
     """
-    check_target(Path(output), force)
+    check_target(output, force, inputs=inputs)
     rename = invert_mapping(columns or {})
     files = resolve_inputs(inputs)
     rollouts = scan(files, rename, ignore=ADVANTAGE_COLUMNS)  # replaced: neither read nor checked
@@ -142,7 +142,7 @@ def _output_schema(
         raise RolltoolError(f"the input files have incompatible column types ({e})") from None
     for name, arr in new.items():
         schema = schema.append(pa.field(name, arr.type))
-    return schema
+    return schema.with_metadata(parquet_marker("advantages"))
 
 
 def _copy_with_columns(

@@ -5,10 +5,16 @@ Planning works on light columns only; the packer then asks for the tokens of one
 a byte-bounded cache, so memory stays bounded by a step plus the cache, not by the dataset. The
 validation scan `offer`s the row groups it has already read while the cache has room, so a
 dataset that fits in the cache is read from disk once.
+
+An input that changes during a run is an error naming the file, never silently mixed data: each
+file's size, modification time and inode are recorded when the reader is made (before the
+scan) and checked before every read from disk, and every row group's sample lengths as the
+scan saw them (`offer`) are checked against the tokens later decoded.
 """
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -69,7 +75,9 @@ class TokenReader:
     The cache holds row groups (as Arrow tables offered by the scan, or decoded `_Block`s) in
     least-recently-used order; `cached_bytes`, their real size, never exceeds `cache_bytes`:
     decoding a kept table (bit-packed bool masks become bytes, missing logprobs zeros) re-counts
-    it and evicts. No file is held open between reads.
+    it and evicts. Apart from the cache, the last decoded row group is kept (also with
+    ``cache_bytes=0``), so consecutive steps that share a row group decode it once: memory is the
+    cache plus one decoded row group. No file is held open between reads.
     """
 
     def __init__(
@@ -96,6 +104,9 @@ class TokenReader:
         # Global row number where each block starts.
         self._starts = np.cumsum([0, *sizes], dtype=np.int64)[:-1]
         self.num_rows = int(sum(sizes))
+        self._stats = [_identity(f.path) for f in self.files]
+        self._lengths: dict[int, np.ndarray] = {}  # block -> sample lengths the scan saw
+        self._last: tuple[int, _Block] | None = None  # the last decoded block, outside the cache
 
     @property
     def cached_bytes(self) -> int:
@@ -105,8 +116,11 @@ class TokenReader:
     def offer(self, file_index: int, row_group: int, table: pa.Table) -> None:
         """Keep a row group another reader already decoded, while the cache has room."""
         b = self._block_of[(file_index, row_group)]
-        if b in self._cache or not set(self._columns[file_index]) <= set(table.column_names):
-            return  # already kept, or a malformed file: the scan reports it
+        if not set(self._columns[file_index]) <= set(table.column_names):
+            return  # a malformed file: the scan reports it
+        self._lengths.setdefault(b, _lengths(table))
+        if b in self._cache:
+            return
         # Kept as Arrow and converted on first use, on the fetching thread, off the scan's path.
         kept = table.select(self._columns[file_index])
         if self._cached + kept.nbytes <= self.cache_bytes:
@@ -125,16 +139,41 @@ class TokenReader:
             self._cached -= victim.nbytes
 
     def _block(self, b: int) -> _Block:
+        if self._last is not None and self._last[0] == b:
+            return self._last[1]
         cached = self._cache.get(b)
         if isinstance(cached, _Block):
             self._cache.move_to_end(b)
             return cached
         if cached is None:
             fi, rg = self._where[b]
+            self._check_unchanged(fi)
             cached = read_row_group(self.files[fi], self.rename, self._columns[fi], rg)
         block = _to_block(cached)
+        self._check_lengths(b, block)
         self._put(b, block)
+        self._last = (b, block)
         return block
+
+    def _check_unchanged(self, fi: int) -> None:
+        path = self.files[fi].path
+        if _identity(path) != self._stats[fi]:
+            raise RolltoolError(
+                f"{path}: changed while rolltool was reading it (size, modification time or "
+                "inode differ from the start of the run)",
+                hint="wait until the file is completely written, then run again",
+            )
+
+    def _check_lengths(self, b: int, block: _Block) -> None:
+        want = self._lengths.get(b)
+        if want is None or np.array_equal(np.diff(block.offsets), want):
+            return
+        fi, rg = self._where[b]
+        raise RolltoolError(
+            f"{self.files[fi].path}: row group {rg} changed since the scan (sample lengths "
+            "differ from the ones the scan checked)",
+            hint="wait until the file is completely written, then run again",
+        )
 
     def fetch(self, sample_index: np.ndarray) -> SampleTokens:
         """Tokens of the given samples, in the given order."""
@@ -162,6 +201,26 @@ class TokenReader:
             mask[dst : dst + n] = blk.loss_mask[src : src + n]
             logp[dst : dst + n] = blk.logprobs[src : src + n]
         return SampleTokens(offsets=offsets, input_ids=ids, loss_mask=mask, logprobs=logp)
+
+
+def _identity(path: str) -> tuple[int, ...]:
+    """What tells a file's versions apart cheaply: size, mtime (ns), inode, device."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return ()
+    return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+
+
+def _lengths(table: pa.Table) -> np.ndarray:
+    """Tokens per sample of a row group holding either token format (int32: 4 bytes a sample
+    kept for the whole run)."""
+    names = ["input_ids"] if "input_ids" in table.column_names else ["prompt_ids", "response_ids"]
+    total = np.zeros(table.num_rows, dtype=np.int64)
+    for name in names:
+        lengths = pc.list_value_length(table.column(name)).fill_null(0)
+        total += lengths.to_numpy(zero_copy_only=False).astype(np.int64)
+    return total.astype(np.int32)
 
 
 def _to_block(table: pa.Table) -> _Block:

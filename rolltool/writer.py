@@ -30,6 +30,7 @@ from types import TracebackType
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rolltool.errors import RolltoolError
 from rolltool.format import (
     MANIFEST,
     SAMPLES,
@@ -137,11 +138,33 @@ class PackedWriter:
                 f"manifest and files disagree: {sorted(named ^ written)[:3]} "
                 f"(samples.parquet written: {SAMPLES in self._files})"
             )
+        self._check_on_disk(root)
         final = dataclasses.replace(manifest, files=dict(sorted(self._files.items())))
         (root / MANIFEST).write_text(final.dumps())
         (root / MANIFEST).chmod(0o644)
         self._finished = True
         return final
+
+    @staticmethod
+    def _missing(root: Path, files: dict[str, FileRecord]) -> list[str]:
+        out = []
+        for name, record in files.items():
+            try:
+                if (root / name).stat().st_size != record.bytes:
+                    out.append(name)
+            except FileNotFoundError:
+                out.append(name)
+        return out
+
+    def _check_on_disk(self, root: Path) -> None:
+        """Every file written is still there with its size (nobody deleted or cut it)."""
+        missing = self._missing(root, self._files)
+        if missing:
+            raise RolltoolError(
+                f"{root}: {len(missing)} written file(s) vanished or changed before the commit "
+                f"(first: {missing[0]}); nothing was written to {self.target}",
+                hint="another process removed this run's temporary files; run again",
+            )
 
     def _root(self) -> Path:
         if self.root is None:

@@ -3,11 +3,15 @@ the parsing of repeated KEY=VALUE options."""
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import click
@@ -25,9 +29,69 @@ if not out.is_terminal:  # piped or captured: do not squeeze tables into 80 colu
 err = Console(stderr=True, highlight=False, soft_wrap=True)  # log lines: never wrapped
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread like SIGINT's KeyboardInterrupt, so that the same
+    clean-up runs (temporary outputs removed, a --force swap held until it completes)."""
+
+
+EXIT_SIGINT, EXIT_SIGTERM = 130, 143
+"""Exit codes of a command stopped by a signal, as shells report them (128 + signal)."""
+
+_OS_HINTS = {
+    errno.ENOSPC: "free some space, or write the output elsewhere with -o",
+    errno.EDQUOT: "free some space, or write the output elsewhere with -o",
+    errno.EFBIG: "a file-size limit (ulimit -f) stopped the write; raise it, or pass a "
+    "smaller --shard-mb to pack",
+    errno.EACCES: "check the permissions of that path (it may belong to another user)",
+    errno.EPERM: "check the permissions of that path (it may belong to another user)",
+    errno.EROFS: "write the output to a writable file system with -o",
+}
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
+def _interrupted(e: KeyboardInterrupt) -> int:
+    """Say what an interrupt left, and the exit code for it."""
+    from rolltool.outputs import committed
+
+    name = "SIGTERM" if isinstance(e, Terminated) else "SIGINT"
+    if committed:
+        click.echo(f"Interrupted by {name} after {committed[-1]} was written (complete).", err=True)
+    else:
+        click.echo(f"Interrupted by {name}: no output was written.", err=True)
+    return EXIT_SIGTERM if isinstance(e, Terminated) else EXIT_SIGINT
+
+
+def _os_error(e: OSError) -> None:
+    """One line naming the path for a failure of the environment (disk full, permissions)."""
+    reason = e.strerror or str(e).splitlines()[0]
+    where = e.filename if e.filename is not None else None
+    click.echo(f"Error: {where}: {reason}" if where else f"Error: {reason}", err=True)
+    hint = _OS_HINTS.get(e.errno) if e.errno is not None else None
+    if hint:
+        click.echo(f"Hint: {hint}", err=True)
+
+
+@contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """SIGTERM raises `Terminated` for the block (main thread only; restored after)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
 def handle_errors(fn: F) -> F:
     """Turn a RolltoolError into `Error: ...` + hint on stderr and exit code 1; options that
-    exclude each other (`rolltool.config.OptionConflict`) are a usage error, exit 2.
+    exclude each other (`rolltool.config.OptionConflict`) are a usage error, exit 2. An OSError
+    (disk full, permission denied) is one line naming the path, exit 1. SIGINT exits 130 and
+    SIGTERM 143, after the same clean-up, saying whether the output was written.
 
     Set ROLLTOOL_DEBUG=1 to get the traceback instead.
     """
@@ -37,7 +101,10 @@ def handle_errors(fn: F) -> F:
         from rolltool.config import OptionConflict
 
         try:
-            return fn(*args, **kwargs)
+            with _sigterm_raises():
+                return fn(*args, **kwargs)
+        except KeyboardInterrupt as e:
+            sys.exit(_interrupted(e))
         except RolltoolError as e:
             if os.environ.get("ROLLTOOL_DEBUG"):
                 raise
@@ -48,6 +115,11 @@ def handle_errors(fn: F) -> F:
             click.echo(f"Error: {e.message}", err=True)
             if e.hint:
                 click.echo(f"Hint: {e.hint}", err=True)
+            sys.exit(1)
+        except OSError as e:
+            if os.environ.get("ROLLTOOL_DEBUG"):
+                raise
+            _os_error(e)
             sys.exit(1)
 
     return wrapper  # type: ignore[return-value]
