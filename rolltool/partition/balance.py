@@ -6,8 +6,12 @@ give data-parallel ranks equal work. Methods, by name in ``METHODS``:
 * ``kk``: k-way Karmarkar-Karp largest differencing (see ``kk.py``);
 * ``lpt``: longest-processing-time greedy (see ``lpt.py``);
 * ``auto``: LPT and, when it is cheap, KK; the lighter of the two is then improved by swaps and
-  moves between the heaviest part and the lightest ones (see ``refine.py``). The refinement only
-  ever lowers the heaviest part, so ``auto`` is never heavier than the candidates it ran. It always
+  moves between the heaviest part and the others, then between the next heaviest parts and
+  lighter ones, under a work budget (``refine`` in ``refine.py``). Up to ``EXHAUSTIVE_UP_TO``
+  items LPT's and KK's results are also each refined by the exhaustive pairwise search
+  (``refine_pairs``: until no swap or move between any two parts lowers their maximum), and the
+  lightest of the three wins: never heavier than KK followed by that search. Refinement only ever
+  lowers the heaviest part, so ``auto`` is never heavier than the candidates it ran. It always
   runs LPT; it runs KK when KK needs at most ``KK_AUTO_MERGES`` merges: with equal counts when
   n/k <= 1024 (so at n = 16,384 for k >= 16), without them when n <= 1024. Beyond that KK costs
   tens of milliseconds, ``auto`` is guaranteed only against LPT, and relies on refinement (in the
@@ -15,7 +19,8 @@ give data-parallel ranks equal work. Methods, by name in ``METHODS``:
 
 ``equal_count=True`` gives every part the same number of items; when k does not divide n, part
 sizes are ``n // k`` or ``n // k + 1`` (KK pads the last block with zero-weight items, one per
-part; LPT lets only ``n % k`` parts take the extra item; refinement swaps, which keep sizes).
+part; LPT lets only ``n % k`` parts take the extra item; refinement swaps, and moves an item only
+from a part with one item more to one with one fewer).
 
 Example::
 
@@ -33,7 +38,7 @@ import numpy as np
 from rolltool.errors import RolltoolError
 from rolltool.partition.kk import kk_sorted
 from rolltool.partition.lpt import lpt_sorted
-from rolltool.partition.refine import refine
+from rolltool.partition.refine import refine, refine_pairs
 
 __all__ = ["METHODS", "balance", "balance_labels", "lower_bound", "part_loads"]
 
@@ -43,6 +48,12 @@ KK_AUTO_MERGES = 1024
 REFINE_STEPS, REFINE_WORK = 64, 1 << 14
 """``auto`` refines for at most ``2k + REFINE_STEPS`` swaps or moves, and stops once they have
 looked at ``REFINE_WORK`` items in all (a step looks at the items of 3 parts, rarely of all)."""
+
+EXHAUSTIVE_UP_TO, PAIR_STEPS, PAIR_WORK = 256, 4, 1 << 19
+"""Up to this many items ``auto`` refines both LPT's and KK's result with the exhaustive pairwise
+search (``refine_pairs``, at most ``PAIR_STEPS · (n + k)`` steps and ``PAIR_WORK`` matrix cells
+each, a few ms) and keeps the lighter: never heavier than KK followed by that search when it
+ends within those limits (it does on every test input; at n = 256, k = 64 it may not)."""
 
 
 def _lpt(ws: np.ndarray, k: int, equal_count: bool) -> np.ndarray:
@@ -60,21 +71,31 @@ def _max_load(ws: np.ndarray, labels: np.ndarray, k: int) -> float:
     return float(np.bincount(labels, weights=ws, minlength=k).max())
 
 
+def _lightest(ws: np.ndarray, k: int, candidates: list[np.ndarray]) -> np.ndarray:
+    """The candidate labelling with the lightest heaviest part (the first on ties)."""
+    loads = [_max_load(ws, c, k) for c in candidates]
+    return candidates[loads.index(min(loads))]
+
+
 def _auto(ws: np.ndarray, k: int, equal_count: bool) -> np.ndarray:
-    best = _lpt(ws, k, equal_count)
-    merges = len(ws) // k if equal_count else len(ws)
-    if merges <= KK_AUTO_MERGES:
-        other = _kk(ws, k, equal_count)
-        if _max_load(ws, other, k) < _max_load(ws, best, k):
-            best = other
-    better = refine(
-        ws,
-        best,
-        k,
-        allow_moves=not equal_count,
-        max_steps=2 * k + REFINE_STEPS,
-        max_work=REFINE_WORK,
-    )
+    starts = [_lpt(ws, k, equal_count)]
+    if (len(ws) // k if equal_count else len(ws)) <= KK_AUTO_MERGES:
+        starts.append(_kk(ws, k, equal_count))
+    best = _lightest(ws, k, starts)
+    small = len(ws) <= EXHAUSTIVE_UP_TO
+    refined = [
+        refine(ws, best, k, equal_count=equal_count, max_steps=2 * k + REFINE_STEPS,
+               max_work=REFINE_WORK, others=not small)
+    ]  # fmt: skip
+    if small:  # also each start refined by the exhaustive pair search
+        floor = lower_bound(ws, k, equal_count=equal_count)
+        steps = PAIR_STEPS * (len(ws) + k)
+        refined += [
+            refine_pairs(ws, s, k, equal_count=equal_count, max_steps=steps, max_work=PAIR_WORK,
+                         floor=floor)
+            for s in starts
+        ]  # fmt: skip
+    better = _lightest(ws, k, refined)
     return better if _max_load(ws, better, k) <= _max_load(ws, best, k) else best
 
 

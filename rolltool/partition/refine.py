@@ -1,13 +1,24 @@
-"""Local refinement: lower the heaviest part by one swap (or move) at a time.
+"""Local refinement: lower the heaviest part by single swaps and moves between two parts.
 
-Each step looks at the heaviest part h and the ``PARTNERS`` lightest parts p (all parts when
-those offer nothing) (gap g = L_h - L_p).
-Swapping an item x of h with an item y of p (d = x - y) leaves the pair at max(L_h - d, L_p + d),
-best at d = g/2; moving x from h to p is the same with y = 0 (only when counts may change). The
-step takes the single swap or move that lowers that pair maximum the most, found with binary
-searches over h's sorted weights (O(m log m) NumPy per step for m candidate items), and stops
-when no swap or move lowers L_h. Every accepted step lowers the heaviest load and keeps the
-partner below it, so the sorted load vector falls lexicographically: no cycles.
+Both engines step between a heavier part a and a lighter part b (gap g = L_a - L_b). Swapping an
+item x of a with an item y of b (d = x - y) leaves the pair at max(L_a - d, L_b + d), lower than
+L_a exactly when 0 < d < g and best at d = g/2; a move of x from a to b is the same with y = 0. A
+move is allowed when counts are free, and with equal counts from a part with one item more to one
+with one fewer (a swap with KK's zero padding). Every accepted step lowers the pair maximum and
+keeps the other part below the old one, so the sorted load vector falls lexicographically: no
+cycles, and the heaviest part never gets heavier.
+
+* ``refine_pairs`` (small inputs, exhaustive): parts a in order heaviest first, for each the
+  lighter parts b lightest first; the first pair (a, b) that has an improving swap or move takes
+  its best one (lowest pair maximum; ties to the heaviest x, then the heaviest y, a move last),
+  then the search starts again from the heaviest part. It stops when no pair of parts has an
+  improving swap or move: every pair is balanced as well as one exchange can. A step is one
+  NumPy matrix (a's items by the lighter parts' items): O(n²) at worst.
+* ``refine`` (large inputs, under a work budget): the heaviest part h with the ``PARTNERS``
+  lightest parts, all parts when those offer nothing, and when h is stuck the next heaviest parts
+  with every lighter one (that changes h's candidates for the next steps); each step takes the
+  best swap or move of its part against the partners, found with binary searches over the part's
+  sorted weights (O(m log m) per step for m candidate items).
 
 Example (k = 2, free): {8, 6 | 7, 4, 5} = 14 | 16, gap 2: move nothing (no item of size 1), swap 7
 and 6 (d = 1) -> {8, 7 | 6, 4, 5} = 15 | 15.
@@ -18,16 +29,147 @@ from __future__ import annotations
 import numpy as np
 
 PARTNERS = 2
-"""How many of the lightest parts each step considers as the other side."""
+"""How many of the lightest parts each step of ``refine`` considers as the other side."""
+
+LOOK_COST = 2048
+"""``refine_pairs`` charges a look at one part this many matrix cells besides its matrix (about
+20 µs of NumPy calls, as long as 2,000 cells take)."""
+
+
+def refine_pairs(
+    w: np.ndarray,
+    labels: np.ndarray,
+    k: int,
+    *,
+    equal_count: bool,
+    max_steps: int,
+    max_work: int,
+    floor: float = 0.0,
+) -> np.ndarray:
+    """Exhaustive pairwise refinement of ``labels`` (``[n]`` int64 part of each item, over
+    ``w`` sorted heaviest first); returns new labels. At most ``max_steps`` steps, and it stops
+    once the steps' matrices hold ``max_work`` cells in all (each look at a part counts
+    ``LOOK_COST`` more); it stops early once the heaviest part weighs ``floor`` (a lower bound:
+    nothing can do better) or less.
+
+    ``fresh[a, p]``: part p changed since a was last found stuck, so only those partners can
+    offer a new step (a stuck part is looked at again only against the parts that changed).
+    """
+    lab = labels.copy()
+    if len(w) == 0 or k < 2:
+        return lab
+    loads = np.bincount(lab, weights=w, minlength=k)
+    sizes = np.bincount(lab, minlength=k)
+    fresh = np.ones((k, k), dtype=bool)
+    work = [max_work]
+    for _ in range(max_steps):
+        if loads.max() <= floor or work[0] <= 0:
+            break
+        step = _first_pair_step(w, lab, loads, sizes, fresh, equal_count, work)
+        if step is None:
+            break
+        x, y, b = step
+        a = int(lab[x])
+        d = w[x] - (w[y] if y >= 0 else 0.0)
+        lab[x] = b
+        if y >= 0:
+            lab[y] = a
+        else:
+            sizes[a] -= 1
+            sizes[b] += 1
+        loads[a] -= d
+        loads[b] += d
+        fresh[:, [a, b]] = True
+        fresh[[a, b]] = True
+    return lab
+
+
+def _first_pair_step(
+    w: np.ndarray,
+    lab: np.ndarray,
+    loads: np.ndarray,
+    sizes: np.ndarray,
+    fresh: np.ndarray,
+    equal_count: bool,
+    work: list[int],
+) -> tuple[int, int, int] | None:
+    """The step of ``refine_pairs``: (x, y or -1 for a move, x's new part b), or None (also
+    when ``work[0]``, the work left, runs out; it is charged here)."""
+    n, k = len(w), len(loads)
+    ids = np.arange(k)
+    rank = np.empty(k, dtype=np.int64)
+    rank[np.lexsort((ids, loads))] = ids  # lightest first, ties by part index
+    for a in np.lexsort((ids, -loads)).tolist():  # heaviest first
+        lighter = loads < loads[a]
+        partners = lighter & fresh[a]
+        if not lighter.any():
+            return None  # a is a lightest part, and so is every part after it
+        if not partners.any():
+            continue
+        if work[0] <= 0:
+            return None
+        work[0] -= LOOK_COST + n * int(sizes[a])
+        step = _pair_step(w, lab, loads, sizes, rank, a, partners, equal_count)
+        if step is not None:
+            return step
+        fresh[a] = False  # stuck until a or a part lighter than it changes
+    return None
+
+
+def _pair_step(
+    w: np.ndarray,
+    lab: np.ndarray,
+    loads: np.ndarray,
+    sizes: np.ndarray,
+    rank: np.ndarray,
+    a: int,
+    partners: np.ndarray,
+    equal_count: bool,
+) -> tuple[int, int, int] | None:
+    """Part a against the ``partners`` (bool per part, all lighter): the lightest partner b with
+    an improving swap or move, and its best one as (x, y or -1, b); None if there is none.
+
+    One matrix of a's items (rows, heaviest first) by the partners' items (columns grouped by
+    part, lightest part first, each part's items heaviest first, then its move column)."""
+    n = len(w)
+    xs = np.flatnonzero(lab == a)
+    if len(xs) == 0:
+        return None
+    ys = np.flatnonzero(partners[lab])
+    vb = np.flatnonzero(partners & (sizes < sizes[a])) if equal_count else np.flatnonzero(partners)
+    pos = np.concatenate([ys, np.full(len(vb), n)])  # y = n: a move to part vb
+    part = np.concatenate([lab[ys], vb])
+    o = np.argsort(rank[part] * (n + 1) + pos)
+    pos, part = pos[o], part[o]
+    yw = np.where(pos < n, w[np.minimum(pos, n - 1)], 0.0)
+    lb = loads[part]
+    d = w[xs][:, None] - yw[None, :]
+    val = np.where((d > 0) & (d < loads[a] - lb), np.maximum(loads[a] - d, lb + d), np.inf)
+    ok = val.min(axis=0) < np.inf
+    if not ok.any():
+        return None
+    b = int(part[ok.argmax()])  # the lightest partner with an improving step
+    c0, c1 = np.searchsorted(rank[part], [rank[b], rank[b] + 1]).tolist()
+    xi, yj = divmod(int(val[:, c0:c1].argmin()), c1 - c0)
+    y = int(pos[c0 + yj])
+    return int(xs[xi]), (y if y < n else -1), b
 
 
 def refine(
-    w: np.ndarray, labels: np.ndarray, k: int, *, allow_moves: bool, max_steps: int, max_work: int
+    w: np.ndarray,
+    labels: np.ndarray,
+    k: int,
+    *,
+    equal_count: bool,
+    max_steps: int,
+    max_work: int,
+    others: bool = True,
 ) -> np.ndarray:
     """Improve ``labels`` (``[n]`` int64 part of each item); returns new labels.
 
     Stops after ``max_steps`` steps or once the steps have looked at ``max_work`` items in all
-    (a deterministic time budget).
+    (a deterministic time budget). ``others``: when the heaviest part is stuck, balance the next
+    heaviest ones (else stop there).
     """
     n = len(w)
     if n == 0 or k < 2:
@@ -44,11 +186,13 @@ def refine(
         if len(light) == 0 or len(members[h]) == 0 or max_work <= 0:
             break
         max_work -= len(members[h]) + sum(len(members[p]) for p in light)
-        step = _best_step(w, members, loads, h, light, allow_moves)
+        step = _best_step(w, members, loads, h, light, equal_count)
+        if step is None and partners < k - 1:  # stuck with the lightest few: try every part
+            partners = k - 1
+            continue
+        if step is None and others:  # h is stuck: balance the next heaviest part with a lighter one
+            h, step, max_work = _next_heaviest_step(w, members, loads, h, equal_count, max_work)
         if step is None:
-            if partners < k - 1:  # stuck with the lightest few: look at every part once
-                partners = k - 1
-                continue
             break
         partners = PARTNERS
         _apply(w, members, loads, h, *step)
@@ -58,18 +202,43 @@ def refine(
     return out
 
 
+def _next_heaviest_step(
+    w: np.ndarray,
+    members: list[np.ndarray],
+    loads: np.ndarray,
+    h: int,
+    equal_count: bool,
+    max_work: int,
+) -> tuple[int, tuple[int, int, int | None] | None, int]:
+    """The parts after h, heaviest first, each against every lighter part: the first part a
+    with an improving step, as (a, step, work left); (h, None, work left) if none or out of
+    work."""
+    ids = np.arange(len(loads))
+    for a in np.lexsort((ids, -loads)).tolist():
+        light = np.flatnonzero(loads < loads[a])
+        if a == h or len(members[a]) == 0:
+            continue
+        if len(light) == 0 or max_work <= 0:
+            break
+        max_work -= len(members[a]) + sum(len(members[p]) for p in light)
+        step = _best_step(w, members, loads, a, light, equal_count)
+        if step is not None:
+            return a, step, max_work
+    return h, None, max_work
+
+
 def _best_step(
     w: np.ndarray,
     members: list[np.ndarray],
     loads: np.ndarray,
     h: int,
     light: np.ndarray,
-    allow_moves: bool,
+    equal_count: bool,
 ) -> tuple[int, int, int | None] | None:
-    """The swap (or move) between the heaviest part h and a part of ``light`` that lowers their
+    """The swap (or move) between part h and a (lighter) part of ``light`` that lowers their
     pair maximum most, as (x's position in members[h], the partner part, y's position in the
     partner's members or None for a move); None when none lowers L_h. A move must beat the best
-    swap strictly."""
+    swap strictly; with equal counts it goes only to a part with fewer items."""
     xh = members[h]
     top = float(loads[h])
     xv = w[xh]
@@ -84,10 +253,11 @@ def _best_step(
         if val < top:
             o = int(owner[j])
             best = (val, xi, int(light[o]), j - sum(sizes[:o]))
-    if allow_moves:  # a move is a swap with y = 0
-        val, xi, j = _nearest(xs, np.zeros(len(light)), top - loads[light], top)
+    movable = light[np.array(sizes) < len(xh)] if equal_count else light
+    if len(movable):  # a move is a swap with y = 0
+        val, xi, j = _nearest(xs, np.zeros(len(movable)), top - loads[movable], top)
         if val < (best[0] if best is not None else top):
-            best = (val, xi, int(light[j]), None)
+            best = (val, xi, int(movable[j]), None)
     if best is None:
         return None
     _, xi, p, y_at = best
