@@ -10,8 +10,15 @@ tokens in a bin.
   still has room for it; ``None`` when some item fits nowhere. Equal-cost bins are what lockstep
   execution wants; the cap is respected first.
 
+* ``split_tokens``: exactly ``bins`` bins balanced by *tokens* (LPT or Karmarkar-Karp, the peers'
+  way), ``None`` when a bin ends up over the cap. At a tight cap an even token split can fit where
+  neither FFD nor cost-balanced packing does (the count search in ``plan.py`` tries all three).
+
 Example (cap 8, tokens 7 ×8, the peer's bad case): FFD -> 8 bins of 7 tokens; ``pack_balanced``
 into 4 bins -> ``None`` (no two 7s fit together), never a 14-token bin.
+
+Example (cap 300, 20 lengths summing to 1,491, issue 10): FFD needs 6 bins; KK by tokens into 5
+bins gives 298, 298, 299, 298, 298 tokens, so ``split_tokens(..., 5, "kk")`` fits.
 """
 
 from __future__ import annotations
@@ -19,6 +26,12 @@ from __future__ import annotations
 import heapq
 
 import numpy as np
+
+from rolltool.partition.kk import kk_sorted
+from rolltool.partition.lpt import lpt_sorted
+
+SPLITTERS = {"kk": kk_sorted, "lpt": lpt_sorted}
+"""Token splitters by name: ``(weights sorted heaviest first, k) -> [n] part``."""
 
 
 def ffd(tokens: np.ndarray, cap: int) -> tuple[np.ndarray, int]:
@@ -93,3 +106,15 @@ def pack_balanced(costs: np.ndarray, tokens: np.ndarray, cap: int, bins: int) ->
         room[b] -= t
         replace(ready, (load + c, b))
     return np.array(labels, dtype=np.int64)
+
+
+def split_tokens(tokens: np.ndarray, cap: int, bins: int, method: str) -> np.ndarray | None:
+    """``[n]`` tokens (sorted longest first) split into ``bins`` parts of about equal tokens by
+    ``method`` (``kk`` or ``lpt``) -> ``[n]`` int64 bin labels, or ``None`` if a bin holds more
+    than ``cap`` tokens."""
+    if len(tokens) == 0:
+        return np.empty(0, dtype=np.int64)
+    labels = SPLITTERS[method](np.asarray(tokens, dtype=np.float64), bins)
+    if np.bincount(labels, weights=tokens, minlength=bins).max() > cap:
+        return None
+    return labels

@@ -96,9 +96,14 @@ def grid_costs(grid: Sequence[Sequence[np.ndarray]], weight: np.ndarray) -> np.n
 
     ``grid[r][j]`` holds the sample indices of rank r's micro-batch j (every rank has M).
     """
-    m = len(grid[0]) if len(grid) else 0
-    out = np.zeros((len(grid), m))
-    for r, row in enumerate(grid):
-        for j, mb in enumerate(row):
-            out[r, j] = float(weight[mb].sum())
-    return out
+    r_count = len(grid)
+    m = len(grid[0]) if r_count else 0
+    if not r_count * m:
+        return np.zeros((r_count, m))
+    flat = [mb for row in grid for mb in row]
+    sizes = np.fromiter((len(mb) for mb in flat), dtype=np.int64, count=len(flat))
+    if not sizes.sum():
+        return np.zeros((r_count, m))
+    cell = np.repeat(np.arange(len(flat)), sizes)
+    w = np.asarray(weight, dtype=np.float64)[np.concatenate(flat).astype(np.int64, copy=False)]
+    return np.bincount(cell, weights=w, minlength=len(flat)).reshape(r_count, m)

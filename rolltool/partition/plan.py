@@ -37,8 +37,17 @@ import numpy as np
 from rolltool.errors import RolltoolError
 from rolltool.partition import metrics
 from rolltool.partition.balance import balance_labels, descending_order
-from rolltool.partition.binpack import ffd, pack_balanced
+from rolltool.partition.binpack import ffd, pack_balanced, split_tokens
 from rolltool.partition.metrics import ALIGNS
+from rolltool.partition.slots import (
+    FEW_PER_BIN,
+    FILL_PER_BIN,
+    Grid,
+    bins_to_slots,
+    choose,
+    members,
+    refill,
+)
 from rolltool.workload import Workload, make_workload
 
 __all__ = ["ALIGNS", "StepPlan", "plan_step"]
@@ -221,57 +230,32 @@ def _check_lengths(lengths: np.ndarray) -> np.ndarray:
     return length
 
 
-# A grid is [dp][M] lists of sample-index arrays: grid[r][j] is rank r's micro-batch j.
-Grid = list[list[np.ndarray]]
+def _fewest_bins(
+    cs: np.ndarray, ts: np.ndarray, cap: int, per: int, lo: int, hi: int
+) -> tuple[int, np.ndarray, bool] | None:
+    """The first m from ``lo`` to ``hi`` at which ``per · m`` bins hold every sample (costs
+    ``cs``, tokens ``ts``, longest first) under the cap, by any construction: cost-balanced
+    packing, else a token split by LPT, else by Karmarkar-Karp (the peers' way, which fits at a
+    tight cap where the others do not). Returns (m, bin labels, cost-balanced?) or ``None``.
 
-
-def _bins_to_slots(
-    labels: np.ndarray, order: np.ndarray, cost: np.ndarray, dp: int, m: int
-) -> Grid:
-    """Bins (labels over ``order``) -> ``[dp][m]`` grid: slots of dp similar-cost bins.
-
-    Bins are sorted by cost, dealt into m slots of dp, and each slot's bins go to the ranks so
-    that rank totals stay even (heaviest bin of the slot to the lightest rank so far).
+    KK only runs where the cheap two fail (it costs ~50 ms at 8,192 samples into 600 bins).
     """
-    nb = dp * m
-    bin_cost = np.bincount(labels, weights=cost[order], minlength=nb)
-    by_cost = np.argsort(-bin_cost, kind="stable").reshape(m, dp)  # slot j: bins by_cost[j]
-    members = _members(labels, order, nb)
-    rank_of = _deal_ranks(bin_cost[by_cost])
-    grid: Grid = [[np.empty(0, dtype=np.int64)] * m for _ in range(dp)]
-    for j in range(m):
-        for s in range(dp):
-            grid[int(rank_of[j, s])][j] = members[int(by_cost[j, s])]
-    return grid
-
-
-def _members(labels: np.ndarray, order: np.ndarray, nb: int) -> list[np.ndarray]:
-    """Sample indices of each bin, ascending: ``labels[i]`` is the bin of sample ``order[i]``."""
-    by_bin = np.lexsort((order, labels))
-    bounds = np.cumsum(np.bincount(labels, minlength=nb))[:-1]
-    return np.split(order[by_bin], bounds)
-
-
-def _deal_ranks(slot_costs: np.ndarray) -> np.ndarray:
-    """``[m, dp]`` bin costs per slot (each row heaviest first) -> ``[m, dp]`` rank of each bin.
-
-    Slots with the widest spread go first; within a slot the heaviest bin goes to the rank with
-    the lightest total so far. Permuting bins within a slot leaves the lockstep cost unchanged.
-    """
-    m, dp = slot_costs.shape
-    totals = np.zeros(dp)
-    rank_of = np.empty((m, dp), dtype=np.int64)
-    spread = slot_costs[:, 0] - slot_costs[:, -1] if m else np.empty(0)
-    for j in np.argsort(-spread, kind="stable").tolist():
-        ranks = np.argsort(totals, kind="stable")
-        rank_of[j] = ranks
-        totals[ranks] += slot_costs[j]
-    return rank_of
+    for m in range(lo, hi + 1):
+        labels = pack_balanced(cs, ts, cap, per * m)
+        if labels is not None:
+            return m, labels, True
+        for method in ("lpt", "kk"):
+            labels = split_tokens(ts, cap, per * m, method)
+            if labels is not None:
+                return m, labels, False
+    return None
 
 
 def _lockstep_grid(
     cost: np.ndarray, length: np.ndarray, dp: int, cap: int
 ) -> tuple[Grid, int, int]:
+    """The slot-balanced plan: the fewest micro-batches any construction fits (never more than
+    FFD's or the KK-by-tokens pipeline's), bins dealt into slots by cost, then ``_robust``."""
     n = len(cost)
     if n == 0:
         return [[] for _ in range(dp)], 0, 0
@@ -280,20 +264,39 @@ def _lockstep_grid(
     min_m = max(1, -(-int(length.sum()) // (dp * cap)))
     ffd_labels, ffd_bins = ffd(ts, cap)
     ffd_m = max(1, -(-ffd_bins // dp))
-    for m in range(min_m, ffd_m + 1):
-        labels = pack_balanced(cs, ts, cap, dp * m)
-        if labels is not None:
-            return _bins_to_slots(labels, order, cost, dp, m), ffd_m, min_m
-    # balanced packing needs more room than FFD: FFD's bins (empty ones up to a multiple of dp),
-    # or balanced packing with one more micro-batch if that steps faster by WIDER_GAIN or more
-    grid = _bins_to_slots(ffd_labels, order, cost, dp, ffd_m)
-    labels = pack_balanced(cs, ts, cap, dp * (ffd_m + 1))
-    if labels is not None:
-        wider = _bins_to_slots(labels, order, cost, dp, ffd_m + 1)
-        gain = _lockstep_cost(grid, cost) - _lockstep_cost(wider, cost)
-        if gain > WIDER_GAIN * float(cost.sum()) / dp:
-            grid = wider
+    found = _fewest_bins(cs, ts, cap, dp, min_m, ffd_m - 1)
+    m, labels, balanced = found if found is not None else (ffd_m, ffd_labels, False)
+    if found is None:
+        balanced_ffd = pack_balanced(cs, ts, cap, dp * ffd_m)
+        if balanced_ffd is not None:
+            labels, balanced = balanced_ffd, True
+    grid = _robust(bins_to_slots(labels, order, cost, dp, m), length, cost, cap)
+    if not balanced:
+        # no cost-balanced packing at m: one more micro-batch if that steps faster by WIDER_GAIN
+        wider_labels = pack_balanced(cs, ts, cap, dp * (m + 1))
+        if wider_labels is not None:
+            wider = _robust(bins_to_slots(wider_labels, order, cost, dp, m + 1), length, cost, cap)
+            gain = _lockstep_cost(grid, cost) - _lockstep_cost(wider, cost)
+            if gain > WIDER_GAIN * float(cost.sum()) / dp:
+                grid = wider
     return grid, ffd_m, min_m
+
+
+def _robust(grid: Grid, length: np.ndarray, cost: np.ndarray, cap: int) -> Grid:
+    """The grid or one of its ``slots.refill`` variants (``FILL_PER_BIN`` short samples per bin
+    taken out and put back; the larger only up to ``FEW_PER_BIN`` samples per bin), chosen by ``slots.choose``: lowest lockstep cost, ties within
+    ``ROBUST_TOLERANCE`` to the most even tokens per slot."""
+    dp, m = len(grid), len(grid[0])
+    if dp < 2:
+        return grid
+    grids = [grid]
+    for per_bin in FILL_PER_BIN:
+        if per_bin > 1 and len(length) > FEW_PER_BIN * dp * m:
+            continue
+        variant = refill(grid, length, cost, cap, per_bin * dp * m)
+        if variant is not None:
+            grids.append(variant)
+    return grids[choose(grids, cost, length)]
 
 
 CANDIDATES_UP_TO = 512
@@ -304,8 +307,8 @@ and where the slot-balanced plan can lose to them: few large bins, an unsplittab
 def _best_lockstep(
     cost: np.ndarray, length: np.ndarray, dp: int, cap: int, equal_count: bool
 ) -> tuple[Grid, int, int]:
-    """The lockstep plan with the lowest Σ_j max_r cost(r, j) among the candidates, never using
-    more micro-batches than FFD's count + 1.
+    """The lockstep plan with the lowest Σ_j max_r cost(r, j) among the candidates (``_pick``),
+    never using more than one micro-batch more than the fewest any candidate needs.
 
     Candidates: the slot-balanced plan (``_lockstep_grid``; not with equal counts) and the
     rank-first plans (ranks balanced by ``auto`` or by LPT, then balanced packing or first-fit
@@ -314,7 +317,7 @@ def _best_lockstep(
     slot-balanced plan cannot keep counts equal). So up to that size a lockstep plan is never
     worse than the naive "LPT ranks, FFD per rank, bins aligned by cost"; beyond it the
     slot-balanced plan has won in every benchmark step (1,024 per rank: 1.0021 vs 1.0024).
-    Ties go to fewer micro-batches, then to the earlier candidate (deterministic).
+    The choice is ``_pick``'s (deterministic).
     """
     n = len(cost)
     candidates: list[tuple[Grid, int, int]] = []
@@ -328,15 +331,28 @@ def _best_lockstep(
                 )
     elif equal_count:
         candidates.append(_rank_first_grid(cost, length, dp, cap, equal_count))
-    limit = candidates[0][1] + 1
-    best = min(
-        (c for c in candidates if not c[0] or not c[0][0] or len(c[0][0]) <= limit),
-        key=lambda c: (
-            _lockstep_cost(c[0], cost) if c[0] and c[0][0] else 0.0,
-            len(c[0][0]) if c[0] else 0,
-        ),
-    )
-    return best[0], candidates[0][1], candidates[0][2]
+    return _pick(candidates, cost, length)
+
+
+def _pick(
+    candidates: list[tuple[Grid, int, int]], cost: np.ndarray, length: np.ndarray
+) -> tuple[Grid, int, int]:
+    """The candidate to keep, with the first candidate's FFD and lower-bound counts.
+
+    Only candidates with at most one micro-batch more than the fewest take part; one with more
+    micro-batches than the fewest is charged ``WIDER_GAIN`` of the ideal per extra micro-batch
+    (more micro-batches only when they buy that much). Then ``slots.choose``: the lowest charged
+    lockstep cost, or within ``ROBUST_TOLERANCE`` of it the most even tokens per slot.
+    """
+    first = candidates[0]
+    if not first[0] or not first[0][0]:  # empty step
+        return first
+    fewest = min(len(c[0][0]) for c in candidates)
+    kept = [c for c in candidates if len(c[0][0]) <= fewest + 1]
+    charge = WIDER_GAIN * float(cost.sum()) / len(first[0])
+    extra = [(len(c[0][0]) - fewest) * charge for c in kept]
+    best = kept[choose([c[0] for c in kept], cost, length, extra)]
+    return best[0], first[1], first[2]
 
 
 def _lockstep_cost(grid: Grid, cost: np.ndarray) -> float:
@@ -373,9 +389,9 @@ def _rank_first_grid(
             m, packed = balanced
     grid: Grid = []
     for o, labels in zip(orders, packed, strict=True):
-        members = _members(labels, o, m)
+        bins = members(labels, o, m)
         bin_cost = np.bincount(labels, weights=cost[o], minlength=m)
-        grid.append([members[int(b)] for b in np.argsort(-bin_cost, kind="stable")])
+        grid.append([bins[int(b)] for b in np.argsort(-bin_cost, kind="stable")])
     return grid, ffd_m, min_m
 
 
@@ -387,13 +403,13 @@ def _pack_ranks_balanced(
     min_m: int,
     max_m: int,
 ) -> tuple[int, list[np.ndarray]] | None:
-    """The fewest bins per rank, from ``min_m`` to ``max_m``, into which balanced packing fits
-    every rank's samples (``orders[r]``, longest first), with each rank's bin labels; ``None``
-    if it fits none of them (balanced packing can need more room than FFD)."""
+    """The fewest bins per rank, from ``min_m`` to ``max_m``, into which every rank's samples
+    (``orders[r]``, longest first) fit, each rank by balanced packing or else by a token split
+    (``_fewest_bins``), with each rank's bin labels; ``None`` if none fits (then FFD's)."""
     for m in range(min_m, max_m + 1):
-        packed = [pack_balanced(cost[o], length[o], cap, m) for o in orders]
+        packed = [_fewest_bins(cost[o], length[o], cap, 1, m, m) for o in orders]
         if all(p is not None for p in packed):
-            return m, cast(list[np.ndarray], packed)
+            return m, [cast(tuple[int, np.ndarray, bool], p)[1] for p in packed]
     return None
 
 
@@ -422,7 +438,7 @@ def _fixed_grid(cost: np.ndarray, dp: int, size: int) -> tuple[Grid, list[tuple[
         loads[rows, lightest] += pc[:, q, :]
     labels = (np.arange(m)[:, None, None] * dp + bins)[blocks >= 0]
     sample = blocks[blocks >= 0]
-    grid_bins = _bins_to_slots(labels, sample, cost, dp, m)
+    grid_bins = bins_to_slots(labels, sample, cost, dp, m)
     short = [(r, j) for r in range(dp) for j in range(m) if len(grid_bins[r][j]) < size]
     return grid_bins, short
 

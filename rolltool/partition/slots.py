@@ -1,0 +1,194 @@
+"""Lockstep slots: bins -> a ``[dp][M]`` grid, and the slot-aware refill that keeps a plan balanced
+when the cost model is off.
+
+Under FSDP/ZeRO-3 or tensor parallelism the ranks meet at every micro-batch, so a step costs
+Σ_j max_r cost(r, j): slot j (the j-th micro-batch of every rank) waits for its costliest bin. Bins
+of one slot need equal cost, not bins of different slots.
+
+* ``bins_to_slots``: bins sorted by cost, dealt into M slots of dp bins, then each slot's bins
+  spread over the ranks (``slots_to_grid``) so that rank totals stay even too.
+* ``refill``: the robust variant. Equal cost can hide unequal tokens: a bin with one long sample
+  and a bin of many short ones cost the same under ``a·L + b·L²`` and not under ``a·L + 2b·L²``.
+  ``refill`` takes the shortest samples out, groups the remaining bins into slots by Σ L² (so a
+  slot's bins hold similar long samples), and puts the short samples back one by one (longest
+  first) where they raise Σ_j max_r cost the least, preferring a bin whose slot max they stay
+  under. The bins of a slot end with about equal cost *and* equal Σ L², hence equal tokens: any
+  cost a'·L + b'·L² near the planning model stays balanced.
+* ``choose``: the plan with the lowest lockstep cost, except that among plans within
+  ``ROBUST_TOLERANCE`` of it the one with the lowest lockstep cost in tokens wins.
+
+Example (dp 2, a slot of bins {8} and {5, 2, 1} under cost L²: 64 and 30): the grid costs 64 for
+that slot; ``refill`` would rather pair {8} with {7} and put {5, 2, 1} elsewhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from rolltool.partition import metrics
+
+__all__ = [
+    "FILL_PER_BIN",
+    "ROBUST_TOLERANCE",
+    "Grid",
+    "bins_to_slots",
+    "choose",
+    "members",
+    "refill",
+    "slots_to_grid",
+]
+
+# A grid is [dp][M] lists of sample-index arrays: grid[r][j] is rank r's micro-batch j.
+Grid = list[list[np.ndarray]]
+
+FILL_PER_BIN = (1, 3)
+"""``refill`` candidates: take out this many short samples per bin (on average), then put them
+back. One per bin is cheap and enough when bins hold many samples; three regroup the bins of a
+heavy-tailed step almost from scratch, tried only up to ``FEW_PER_BIN`` samples per bin."""
+
+FEW_PER_BIN = 4
+"""Samples per bin (on average) up to which ``refill`` also tries the larger ``FILL_PER_BIN``."""
+
+ROBUST_TOLERANCE = 5e-4
+"""``choose`` trades up to this much lockstep cost (of the ideal) for the best balance in tokens:
+a model off by 2x in its L² term costs far more than 0.05% on the planning model."""
+
+RAISE_SLACK = 0.05
+"""``refill``: a sample that cannot go under any slot's max goes, among the bins whose slot max
+it raises at most this share of its cost above the least, to the one with the most room."""
+
+
+def members(labels: np.ndarray, order: np.ndarray, nb: int) -> list[np.ndarray]:
+    """Sample indices of each bin, ascending: ``labels[i]`` is the bin of sample ``order[i]``."""
+    by_bin = np.lexsort((order, labels))
+    bounds = np.cumsum(np.bincount(labels, minlength=nb))[:-1]
+    return np.split(order[by_bin], bounds)
+
+
+def bins_to_slots(labels: np.ndarray, order: np.ndarray, cost: np.ndarray, dp: int, m: int) -> Grid:
+    """Bins (labels over ``order``) -> ``[dp][m]`` grid: slots of dp similar-cost bins.
+
+    Bins are sorted by cost, dealt into m slots of dp (``slots_to_grid``).
+    """
+    nb = dp * m
+    bin_cost = np.bincount(labels, weights=cost[order], minlength=nb)
+    by_cost = np.argsort(-bin_cost, kind="stable").reshape(m, dp)  # slot j: bins by_cost[j]
+    return slots_to_grid(members(labels, order, nb), bin_cost, by_cost)
+
+
+def slots_to_grid(bins: Sequence[np.ndarray], bin_cost: np.ndarray, slots: np.ndarray) -> Grid:
+    """``[m, dp]`` bin numbers per slot -> ``[dp][m]`` grid; rank totals kept even.
+
+    Slots with the widest spread go first; within a slot the heaviest bin goes to the rank with
+    the lightest total so far. Permuting bins within a slot leaves the lockstep cost unchanged.
+    """
+    m, dp = slots.shape
+    slot_costs = bin_cost[slots]
+    heavy_first = np.argsort(-slot_costs, axis=1, kind="stable")
+    slots = np.take_along_axis(slots, heavy_first, axis=1)
+    slot_costs = np.take_along_axis(slot_costs, heavy_first, axis=1)
+    totals = np.zeros(dp)
+    grid: Grid = [[np.empty(0, dtype=np.int64)] * m for _ in range(dp)]
+    spread = slot_costs[:, 0] - slot_costs[:, -1] if m else np.empty(0)
+    for j in np.argsort(-spread, kind="stable").tolist():
+        ranks = np.argsort(totals, kind="stable")
+        totals[ranks] += slot_costs[j]
+        for s in range(dp):
+            grid[int(ranks[s])][j] = bins[int(slots[j, s])]
+    return grid
+
+
+def grid_labels(grid: Grid, n: int) -> np.ndarray:
+    """``[n]`` int64: bin number ``j·dp + r`` of each sample of the grid."""
+    dp = len(grid)
+    labels = np.empty(n, dtype=np.int64)
+    for r, row in enumerate(grid):
+        for j, mb in enumerate(row):
+            labels[mb] = j * dp + r
+    return labels
+
+
+def refill(grid: Grid, length: np.ndarray, cost: np.ndarray, cap: int, fillers: int) -> Grid | None:
+    """Regroup a grid's bins into slots by Σ L² after taking out its ``fillers`` shortest samples,
+    then put those back where they raise the lockstep cost least (see the module docstring).
+
+    ``None`` if some sample finds no bin with room (then keep the grid as it was). Bins never
+    exceed ``cap`` tokens; the micro-batch count stays the same.
+    """
+    dp, m, n = len(grid), len(grid[0]), len(length)
+    nb = dp * m
+    order = np.argsort(-length, kind="stable")
+    short = order[n - min(fillers, n) :]  # longest first
+    labels = grid_labels(grid, n)
+    keep = np.ones(n, dtype=bool)
+    keep[short] = False
+    sq = np.bincount(labels[keep], weights=length[keep].astype(np.float64) ** 2, minlength=nb)
+    slots = np.argsort(-sq, kind="stable")  # new bin b = old bin slots[b]; slot of b: b // dp
+    where = np.empty(nb, dtype=np.int64)
+    where[slots] = np.arange(nb)
+    labels = where[labels]
+    c = np.bincount(labels[keep], weights=cost[keep], minlength=nb)
+    t = np.bincount(labels[keep], weights=length[keep], minlength=nb)
+    if not _put_back(short, length, cost, cap, labels, c, t, dp):
+        return None
+    bins = members(labels, np.arange(n), nb)
+    return slots_to_grid(bins, c, np.arange(nb).reshape(m, dp))
+
+
+def _put_back(
+    items: np.ndarray,
+    length: np.ndarray,
+    cost: np.ndarray,
+    cap: int,
+    labels: np.ndarray,
+    c: np.ndarray,
+    t: np.ndarray,
+    dp: int,
+) -> bool:
+    """Place ``items`` (longest first) into bins ``b`` (slot ``b // dp``), updating ``labels``
+    and the bins' costs ``c`` and tokens ``t`` in place; False when one fits nowhere.
+
+    Under a slot's max: the bin it fits tightest (what is left under the max closest to zero).
+    Otherwise: the least increase of its slot's max, up to ``RAISE_SLACK``, then the most room.
+    """
+    smax = np.repeat(c.reshape(-1, dp).max(axis=1), dp)  # per bin: its slot's max
+    head = smax - c  # cost a bin can take without raising its slot's max
+    room = cap - t
+    inf = np.inf
+    for i, ti, ci in zip(items.tolist(), length[items].tolist(), cost[items].tolist(), strict=True):
+        left = np.where(room >= ti, head - ci, -inf)  # -inf: no room
+        b = int(np.argmax(left))
+        if left[b] == -inf:
+            return False
+        if left[b] >= 0:
+            b = int(np.argmin(np.where(left >= 0, left, inf)))
+        else:
+            b = int(np.argmax(np.where(left >= left[b] - RAISE_SLACK * ci, room, -1)))
+        labels[i] = b
+        c[b] += ci
+        t[b] += ti
+        room[b] -= ti
+        head[b] -= ci
+        if head[b] < 0:  # b raised its slot's max: every bin of the slot gains that much head
+            j = b - b % dp
+            head[j : j + dp] -= head[b]
+    return True
+
+
+def choose(
+    grids: Sequence[Grid],
+    cost: np.ndarray,
+    length: np.ndarray,
+    extra: Sequence[float] | None = None,
+) -> int:
+    """Index of the grid to keep: the lowest Σ_j max_r cost (plus ``extra[i]``, a charge per
+    grid), or, among grids within ``ROBUST_TOLERANCE`` (of the ideal) of it, the lowest
+    Σ_j max_r tokens; ties to the lower cost, then the earlier grid."""
+    costs = [metrics.grid_costs(g, cost) for g in grids]
+    step = [metrics.lockstep_cost(x) + (extra[i] if extra else 0.0) for i, x in enumerate(costs)]
+    ideal = metrics.ideal(costs[0]) if len(grids[0]) else 0.0
+    near = [i for i, s in enumerate(step) if s <= min(step) + ROBUST_TOLERANCE * ideal]
+    tokens = {i: metrics.lockstep_cost(metrics.grid_costs(grids[i], length)) for i in near}
+    return min(near, key=lambda i: (tokens[i], step[i], i))
