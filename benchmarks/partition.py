@@ -293,6 +293,42 @@ def plan_table(quick: bool) -> None:
           f"({'met' if worst[lock + ' dM'] <= 1 else 'NOT met'})")  # fmt: skip
 
 
+def total_vs_pairwise_table(quick: bool) -> None:
+    """prime-rl-style randomized steps (cost 17408·L + 64·L², 2-8 ranks, a cap of 8-64 tokens,
+    19-64 samples of 1..cap tokens, seed 0): align="total"'s heaviest rank against KK alone and
+    KK followed by the exhaustive pairwise swap/move search (``refine_pairs`` without limits,
+    which the tests hold equal to a slow reference)."""
+    from rolltool.partition import balance_labels
+    from rolltool.partition.refine import refine_pairs
+    from rolltool.workload import Workload
+
+    wl = Workload(kind="calibrated", a=17408.0, b=64.0)
+    rng = np.random.default_rng(0)
+    cases, over, wins, times = 80, [], 0, []
+    for _ in range(cases):
+        dp, cap, n = int(rng.integers(2, 9)), int(rng.integers(8, 65)), int(rng.integers(19, 65))
+        lengths = rng.integers(1, cap + 1, n)
+        cost = wl.cost(lengths)
+        run = partial(plan_step, lengths, dp=dp, max_tokens=cap, workload=wl, align="total")
+        ms, plan = timed(run, 1 if quick else 3)
+        times.append(ms)
+        ours = float(plan.costs.sum(axis=1).max())
+        order = np.argsort(-cost, kind="stable")
+        kk = balance_labels(cost, dp, method="kk")[order]
+        ref = refine_pairs(cost[order], kk, dp, equal_count=False, max_steps=10**6, max_work=10**12)
+        ref_max = float(np.bincount(ref, weights=cost[order], minlength=dp).max())
+        if ours > ref_max:
+            over.append(ours / ref_max - 1)
+        wins += ours < float(np.bincount(kk, weights=cost[order], minlength=dp).max())
+    print(f"\n## align=\"total\" on {cases} prime-rl-style steps (17408·L + 64·L², 2-8 ranks, "
+          "cap 8-64, 19-64 samples)\n")  # fmt: skip
+    worst = f"{max(over) * 100:.3f}%" if over else "-"
+    print(f"- heavier than KK + exhaustive pairwise search: {len(over)} of {cases} (worst +{worst})"
+          f" ({_met(not over)})")  # fmt: skip
+    ms = statistics.median(times)
+    print(f"- lighter than KK alone: {wins} of {cases}; plan_step median {ms:.2f} ms")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats and steps (smoke run)")
@@ -302,6 +338,7 @@ def main() -> None:
     print(f"python {sys.version.split()[0]}, numpy {np.__version__}, one core, medians")
     balance_table(args.quick)
     plan_table(args.quick)
+    total_vs_pairwise_table(args.quick)
 
 
 if __name__ == "__main__":
