@@ -10,8 +10,11 @@ max(total/k, largest item), and with equal counts the largest item plus the n/k 
 Baselines written here: a straightforward heap-of-lists KK (lists concatenated at every merge)
 and a plain-Python heap LPT.
 
-Table 2, plan_step(dp = 8, 1,024 samples per rank, max_tokens = 32,768, 7B flops): lockstep
-overhead = Σ_j max_r cost(r, j) / (Σ cost / dp); for the baselines also "aligned", i.e. with each
+Tables 2 and 3, plan_step(dp = 8, max_tokens = 32,768, 7B flops) in two regimes: "synth" (1,024
+samples per rank from synth_lengths) and "agent" (128 per rank, log-normal lengths with median
+6,000 tokens and sigma 1.0, clipped to [200, 32,768]). Lockstep
+overhead = Σ_j max_r cost(r, j) / (Σ cost / dp), under the planning model and under the same model
+with its L² coefficient ×0.5 and ×2 (robustness to a cost model that is off); for the baselines also "aligned", i.e. with each
 rank's micro-batches re-sorted by cost (half of rolltool's alignment, given to them for free). Baselines: the peer's pipeline (ranks by
 equal-size KK on its workload 24576·L + L², then per rank KK into ceil(tokens / cap) micro-batches,
 the count synced to the max over ranks, more parts until the cap holds), LPT ranks then
@@ -21,6 +24,7 @@ first-fit decreasing per rank, and FFD bins dealt round-robin.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import heapq
 import os
 import statistics
@@ -245,52 +249,118 @@ def _met(ok: bool) -> str:
     return "met" if ok else "NOT met"
 
 
-def plan_table(quick: bool) -> None:
-    dp, per_rank, cap = 8, 1024, 32768
+L2_SCALES = (1.0, 0.5, 2.0)
+"""Scoring models: the planning model, then the same with its L² coefficient halved and doubled
+(real GPU time is never exactly the model; issue 10, section 3)."""
+
+REGIMES = {
+    "synth": (1024, "rolltool.synth.synth_lengths: math, code and agent mix", 100),
+    "agent": (128, "log-normal, median 6,000, sigma 1.0, clipped to [200, 32,768]", 200),
+}
+"""Plan-table regimes: (samples per rank, what the lengths are, first seed)."""
+
+
+def agent_lengths(n: int, seed: int, cap: int = 32768) -> np.ndarray:
+    """A heavy-tailed agent-like step: log-normal lengths (median 6,000 tokens, sigma 1.0)
+    rounded and clipped to [200, cap]; about 4% sit at the cap."""
+    rng = np.random.default_rng(seed)
+    return np.clip(np.round(rng.lognormal(np.log(6000), 1.0, n)), 200, cap).astype(np.int64)
+
+
+def model_overheads(grid: Any, lengths: np.ndarray, wl: Any, aligned: bool) -> list[float]:
+    """Lockstep overhead of a ``[dp][M]`` grid of index lists under each ``L2_SCALES`` model;
+    ``aligned``: each rank's micro-batches first sorted by planning cost (free for baselines)."""
+    plan_cost = wl.cost(lengths)
+    rows = [sorted(r, key=lambda mb: -plan_cost[mb].sum()) if aligned else r for r in grid]
+    m = max(len(r) for r in rows)
+    out = []
+    for f in L2_SCALES:
+        c = dataclasses.replace(wl, b=wl.b * f).cost(lengths)
+        x = np.zeros((len(rows), m))
+        for r, row in enumerate(rows):
+            for j, mb in enumerate(row):
+                x[r, j] = c[mb].sum()
+        out.append(float(x.max(axis=0).sum() / (x.sum() / len(rows))))
+    return out
+
+
+def plan_table(quick: bool, regime: str = "synth") -> None:
+    dp, cap = 8, 32768
+    per_rank, what, first_seed = REGIMES[regime]
     wl = make_workload("flops", model="dense-7b")
-    print(
-        f"\n## plan_step(dp={dp}, {per_rank} samples per rank, max_tokens={cap}, {wl.describe()})\n"
-    )
+    print(f"\n## plan_step, {regime} regime (dp={dp}, {per_rank} samples per rank, "
+          f"max_tokens={cap}, {wl.describe()}); lengths: {what}\n")  # fmt: skip
     head = ["step", "planner", "ms", "M", "ceil(T/rank/cap)", "FFD M", "max tok",
-            "lockstep (cost)", "same, aligned", "lockstep (tok)", "rank imbalance"]  # fmt: skip
+            "lockstep (cost)", "same, aligned", "aligned, ×0.5 L²", "aligned, ×2 L²",
+            "lockstep (tok)", "rank imbalance"]  # fmt: skip
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * 2 + "---:|" * (len(head) - 2))
     worst: dict[str, float] = {}
-    for seed in range(2 if quick else 5):
-        lengths = synth_lengths(dp * per_rank, seed=100 + seed, max_len=cap)
-        cost = wl.cost(lengths)
-        bound = -(-int(lengths.sum()) // (dp * cap))
-        for name, align, eq in (("rolltool lockstep", "lockstep", False),
-                                ("rolltool lockstep eq", "lockstep", True),
-                                ("rolltool total", "total", False)):  # fmt: skip
-            run = partial(
-                plan_step, lengths, dp=dp, max_tokens=cap, workload=wl, align=align, equal_count=eq
-            )
-            ms, plan = timed(run, 3 if quick else 7)
-            rep = plan.report
-            print(f"| {seed} | {name} | {ms:.1f} | {plan.num_micro_batches} | {bound} | "
-                  f"{plan.ffd_micro_batches} | {int(plan.tokens.max())} | "
-                  f"{rep['lockstep_overhead_cost']:.4f} | - | {rep['lockstep_overhead_tokens']:.4f} | "
-                  f"{rep['imbalance_cost']:.4f} |", flush=True)  # fmt: skip
-            worst[name] = max(worst.get(name, 0.0), rep["lockstep_overhead_cost"])
-            worst[name + " ms"] = max(worst.get(name + " ms", 0.0), ms)
-            worst[name + " dM"] = max(worst.get(name + " dM", 0.0), plan.num_micro_batches - bound)
-        for name, fn in (("peer: KK ranks, KK micro", partial(peer_pipeline, lengths, dp, cap)),
-                         ("LPT ranks, FFD micro", partial(lpt_then_ffd, lengths, dp, cap, cost)),
-                         ("FFD bins round-robin", partial(ffd_round_robin, lengths, dp, cap))):  # fmt: skip
-            ms, grid = timed(fn, 1)
-            g = grid_numbers(grid, lengths, cost, dp)
-            tok = grid_numbers(grid, lengths, lengths.astype(np.float64), dp)["lockstep"]
-            print(f"| {seed} | {name} | {ms:.0f} | {g['m']} | {bound} | - | {int(g['max_tokens'])} | "
-                  f"{g['lockstep']:.4f} | {g['aligned']:.4f} | {tok:.4f} | {g['imbalance']:.4f} |", flush=True)  # fmt: skip
-    print("\n## targets\n")
+    for seed in range(first_seed, first_seed + (2 if quick else 5)):
+        if regime == "agent":
+            lengths = agent_lengths(dp * per_rank, seed, cap)
+        else:
+            lengths = synth_lengths(dp * per_rank, seed=seed, max_len=cap)
+        _rolltool_rows(seed, lengths, dp, cap, wl, quick, worst)
+        _baseline_rows(seed, lengths, dp, cap, wl)
+    _plan_targets(worst, regime)
+
+
+def _rolltool_rows(
+    seed: int, lengths: np.ndarray, dp: int, cap: int, wl: Any, quick: bool, worst: dict[str, float]
+) -> None:
+    bound = -(-int(lengths.sum()) // (dp * cap))
+    for name, align, eq in (("rolltool lockstep", "lockstep", False),
+                            ("rolltool lockstep eq", "lockstep", True),
+                            ("rolltool total", "total", False)):  # fmt: skip
+        run = partial(
+            plan_step, lengths, dp=dp, max_tokens=cap, workload=wl, align=align, equal_count=eq
+        )
+        ms, plan = timed(run, 3 if quick else 7)
+        rep = plan.report
+        over = model_overheads(plan.micro_batches, lengths, wl, aligned=False)
+        print(f"| {seed} | {name} | {ms:.1f} | {plan.num_micro_batches} | {bound} | "
+              f"{plan.ffd_micro_batches} | {int(plan.tokens.max())} | "
+              f"{rep['lockstep_overhead_cost']:.4f} | - | {over[1]:.4f} | {over[2]:.4f} | "
+              f"{rep['lockstep_overhead_tokens']:.4f} | {rep['imbalance_cost']:.4f} |", flush=True)  # fmt: skip
+        for key, value in ((name, over[0]), (name + " x0.5", over[1]), (name + " x2", over[2]),
+                           (name + " ms", ms),
+                           (name + " dM", plan.num_micro_batches - bound),
+                           (name + " over FFD", plan.num_micro_batches - plan.ffd_micro_batches)):  # fmt: skip
+            worst[key] = max(worst.get(key, -1e9), value)
+
+
+def _baseline_rows(seed: int, lengths: np.ndarray, dp: int, cap: int, wl: Any) -> None:
+    cost = wl.cost(lengths)
+    bound = -(-int(lengths.sum()) // (dp * cap))
+    for name, fn in (("peer: KK ranks, KK micro", partial(peer_pipeline, lengths, dp, cap)),
+                     ("LPT ranks, FFD micro", partial(lpt_then_ffd, lengths, dp, cap, cost)),
+                     ("FFD bins round-robin", partial(ffd_round_robin, lengths, dp, cap))):  # fmt: skip
+        ms, grid = timed(fn, 1)
+        g = grid_numbers(grid, lengths, cost, dp)
+        tok = grid_numbers(grid, lengths, lengths.astype(np.float64), dp)["lockstep"]
+        over = model_overheads(grid, lengths, wl, aligned=True)
+        print(f"| {seed} | {name} | {ms:.0f} | {g['m']} | {bound} | - | {int(g['max_tokens'])} | "
+              f"{g['lockstep']:.4f} | {g['aligned']:.4f} | {over[1]:.4f} | {over[2]:.4f} | "
+              f"{tok:.4f} | {g['imbalance']:.4f} |", flush=True)  # fmt: skip
+
+
+def _plan_targets(worst: dict[str, float], regime: str) -> None:
+    print(f"\n## targets, {regime} regime (rolltool lockstep, worst over the steps)\n")
     lock = "rolltool lockstep"
-    print(f"- lockstep overhead <= 1.003: worst {worst[lock]:.4f} "
-          f"({'met' if worst[lock] <= 1.003 else 'NOT met'})")  # fmt: skip
-    print(f"- plan time <= 50 ms: worst median {worst[lock + ' ms']:.1f} ms "
-          f"({'met' if worst[lock + ' ms'] <= 50 else 'NOT met'})")  # fmt: skip
-    print(f"- micro-batches within 1 of ceil(tokens per rank / cap): worst +{worst[lock + ' dM']:.0f} "
-          f"({'met' if worst[lock + ' dM'] <= 1 else 'NOT met'})")  # fmt: skip
+    print(f"- lockstep overhead <= 1.003 under the planning model: worst {worst[lock]:.4f} "
+          f"({_met(worst[lock] <= 1.003)})")  # fmt: skip
+    for f in ("x0.5", "x2"):
+        w = worst[f"{lock} {f}"]
+        print(f"- lockstep overhead <= 1.008 with the L² coefficient {f}: worst {w:.4f} "
+              f"({_met(w <= 1.008)})")  # fmt: skip
+    over = worst[lock + " over FFD"]
+    print(f"- micro-batches no more than FFD's: worst {over:+.0f} ({_met(over <= 0)})")
+    if regime == "synth":
+        ms = worst[lock + " ms"]
+        print(f"- plan time <= 50 ms (dp 8 x 1,024): worst median {ms:.1f} ms ({_met(ms <= 50)})")
+    print(f"- micro-batches within 1 of ceil(tokens per rank / cap): worst "
+          f"+{worst[lock + ' dM']:.0f} ({_met(worst[lock + ' dM'] <= 1)})")  # fmt: skip
 
 
 def total_vs_pairwise_table(quick: bool) -> None:
@@ -337,7 +407,8 @@ def main() -> None:
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     print(f"python {sys.version.split()[0]}, numpy {np.__version__}, one core, medians")
     balance_table(args.quick)
-    plan_table(args.quick)
+    plan_table(args.quick, "synth")
+    plan_table(args.quick, "agent")
     total_vs_pairwise_table(args.quick)
 
 
