@@ -192,6 +192,7 @@ def samples_table(ro: Rollouts, plan: Schedule) -> pa.Table:
             "env": pa.array([ro.env_names[e] for e in ro.env], pa.string()),
             "length": pa.array(ro.length),
             "trainable_tokens": pa.array(ro.trainable),
+            "reward": pa.array(ro.reward, pa.float64()),
             "advantage": pa.array(plan.advantage.astype(np.float32)),
             "token_loss_weight": pa.array(plan.weight.astype(np.float32)),
             "step": pa.array(plan.step),

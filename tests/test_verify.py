@@ -244,7 +244,7 @@ def test_report_is_json_and_bounded(out: Path) -> None:
     assert result.exit_code == 1
     report = json.loads(result.stdout)
     assert not report["ok"] and report["input"] == "skipped"
-    assert set(report) == {"ok", "problems", "counts", "checked", "input"}
+    assert set(report) == {"ok", "problems", "counts", "checked", "input", "notes"}
     assert report["counts"]["sample.trainable"] == report["checked"]["segments"] > 8
     for kind, n in report["counts"].items():
         assert len([p for p in report["problems"] if p["kind"] == kind]) == min(n, 8)

@@ -261,11 +261,20 @@ def test_a_bad_sample_index(copy: Any) -> None:
     assert kinds(out) == {"segment.index": 1}
 
 
+def _two_rows(out: Path) -> tuple[tuple[str, int, int], tuple[int, int]]:
+    """((shard, segment, sample), (segment, sample)): samples in two rows of one shard (the
+    first shard that has two rows with samples)."""
+    segs = [s for s in _segments(out) if s[3] >= 0]
+    for name, k1, row1, i1 in segs:
+        other = [(k, i) for n, k, r, i in segs if n == name and r != row1]
+        if other:
+            return (name, k1, i1), other[0]
+    raise AssertionError("no shard has two rows with samples")
+
+
 def test_two_samples_swapped_between_rows(copy: Any) -> None:
     out = copy()
-    segs = [s for s in _segments(out) if s[3] >= 0]
-    (name, k1, row1, i1) = segs[0]
-    k2, i2 = next((k, i) for n, k, r, i in segs if n == name and r != row1)
+    (name, k1, i1), (k2, i2) = _two_rows(out)
 
     def swap(a: Arrays) -> None:
         a["sample_index"][[k1, k2]] = [i2, i1]
@@ -276,9 +285,7 @@ def test_two_samples_swapped_between_rows(copy: Any) -> None:
 
 def test_a_duplicated_sample(copy: Any) -> None:
     out = copy()
-    segs = [s for s in _segments(out) if s[3] >= 0]
-    name, _, row1, i1 = segs[0]
-    k2, i2 = next((k, i) for n, k, r, i in segs if n == name and r != row1)
+    (name, _, i1), (k2, i2) = _two_rows(out)
     edit_shard(out, name, lambda a: a["sample_index"].__setitem__(k2, i1))
     # The copy is misplaced and the sample it replaced is gone: two facts, two problems.
     assert kinds(out) == {"sample.placement": 1, "sample.missing": 1}

@@ -17,7 +17,8 @@ samples_table       samples.order, samples.tokens, samples.total, samples.status
 rank_files          step.ranks, rank.files
 denominators        loss.formula, step.denominators (T, S, scale factor, weight sum)
 weight_formula      sample.formula (token_loss_weight against the aggregation, float32 rounding)
-step_metadata       step.counts, step.weight_sum, step.advantage (overall and per env)
+step_metadata       step.counts, step.reward, step.weight_sum, step.advantage (overall and
+                    per env: every figure of the step's record)
 rank_counts         rank.counts (samples, real tokens, tokens)
 shards_readable     shard.corrupt
 row_structure       row.budget, row.size, row.length, row.mask
@@ -55,7 +56,7 @@ from rolltool.format import SAMPLES
 from rolltool.problems import Problem, Problems
 from rolltool.reader import open_packed
 from rolltool.verify.content import compared, content
-from rolltool.verify.context import Context, layout_settings, load_samples, open_input
+from rolltool.verify.context import Context, Samples, layout_settings, load_samples, open_input
 from rolltool.verify.records import files_and_hashes, rank_files, samples_table
 from rolltool.verify.rows import (
     padding,
@@ -94,6 +95,9 @@ class VerifyReport:
     problems: Problems
     checked: Mapping[str, int]
     input: str
+    notes: tuple[str, ...] = ()
+    """What was not checked and why (e.g. rewards of a pack written before samples.parquet
+    had a ``reward`` column)."""
 
     @property
     def ok(self) -> bool:
@@ -106,6 +110,7 @@ class VerifyReport:
             "counts": dict(self.problems.counts),
             "checked": dict(self.checked),
             "input": self.input,
+            "notes": list(self.notes),
         }
 
 
@@ -147,7 +152,16 @@ def run_verify(
         status = "not compared: see problems"
     elif state.reader is not None:
         checked["input_samples"] = compared(ctx)
-    return VerifyReport(problems, checked, status)
+    return VerifyReport(problems, checked, status, _notes(samples))
+
+
+def _notes(samples: Samples) -> tuple[str, ...]:
+    if samples.reward is not None:
+        return ()
+    return (
+        f"{SAMPLES} has no reward column (written by an older rolltool): the steps' "
+        "reward_mean and uniform_groups_kept were not checked",
+    )
 
 
 def verify(

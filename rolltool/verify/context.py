@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from rolltool.errors import RolltoolError
-from rolltool.format import SAMPLES, InputRecord, Manifest
+from rolltool.format import SAMPLES, STATUSES, InputRecord, Manifest
 from rolltool.problems import Problem
 from rolltool.source import InputFile, invert_mapping, resolve_inputs
 from rolltool.tokens import TokenReader
@@ -45,6 +45,10 @@ class Samples:
     env: np.ndarray  # [n] int64, index into env_names
     env_names: tuple[str, ...]
     status_counts: Mapping[str, int]
+    fate: np.ndarray  # [n] int64, index into STATUSES (-1: a status rolltool does not write)
+    group: np.ndarray  # [n] int64, dense code of group_id
+    rollout: np.ndarray  # [n] int64, dense code of (group_id, rollout_id)
+    reward: np.ndarray | None  # [n] float64; None for packs written before the column existed
     by_step: np.ndarray  # trained samples of steps 0..num_steps-1, sorted by step (stable)
     step_bounds: np.ndarray  # [num_steps + 1]: by_step[bounds[s]:bounds[s + 1]] train at step s
 
@@ -70,17 +74,35 @@ class Samples:
         )
 
 
+def _codes(column: pa.ChunkedArray) -> np.ndarray:
+    """[n] int64 dense codes of a column's values (any type; order of first appearance)."""
+    encoded = pc.dictionary_encode(column.combine_chunks())
+    return encoded.indices.to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def _read(path: Path) -> pa.Table:
+    """samples.parquet's columns that verify judges (``reward`` only when written)."""
+    names = set(pq.read_schema(path).names)
+    wanted = [*_INT_COLUMNS, *_FLOAT_COLUMNS, "status", "env", "group_id", "rollout_id"]
+    t = pq.read_table(path, columns=wanted + ["reward"] * ("reward" in names))
+    nulls = [c for c in t.column_names if t.column(c).null_count]
+    if nulls:
+        raise RolltoolError(f"{SAMPLES}: null values in {', '.join(nulls)}")
+    return t
+
+
 def load_samples(path: Path, num_steps: int) -> Samples:
     """Read samples.parquet; a `RolltoolError` when it cannot be read or lacks a column."""
     try:
-        t = pq.read_table(path, columns=[*_INT_COLUMNS, *_FLOAT_COLUMNS, "status", "env"])
-        nulls = [c for c in t.column_names if t.column(c).null_count]
-        if nulls:
-            raise RolltoolError(f"{SAMPLES}: null values in {', '.join(nulls)}")
+        t = _read(path)
         ints = {c: t.column(c).to_numpy().astype(np.int64) for c in _INT_COLUMNS}
         adv, weight = (t.column(c).to_numpy().astype(np.float32) for c in _FLOAT_COLUMNS)
         status = pc.cast(t.column("status"), pa.string()).combine_chunks()
         env = pc.cast(t.column("env"), pa.string()).combine_chunks().dictionary_encode()
+        group, rollout_id = _codes(t.column("group_id")), _codes(t.column("rollout_id"))
+        reward = (
+            t.column("reward").to_numpy().astype(np.float64) if "reward" in t.column_names else None
+        )
     except (pa.ArrowException, KeyError, OSError, ValueError, TypeError) as e:
         raise RolltoolError(f"{SAMPLES}: unreadable or missing columns ({e})") from None
     trained = pc.equal(status, "trained").to_numpy(zero_copy_only=False)
@@ -88,6 +110,7 @@ def load_samples(path: Path, num_steps: int) -> Samples:
     order = np.flatnonzero(trained & (step >= 0) & (step < num_steps))
     order = order[np.argsort(step[order], kind="stable")]
     counts = {c["values"]: c["counts"] for c in pc.value_counts(status).to_pylist()}
+    pairs = group * (int(rollout_id.max()) + 1 if len(rollout_id) else 1) + rollout_id
     return Samples(
         index=ints["sample_index"],
         step=step,
@@ -101,6 +124,10 @@ def load_samples(path: Path, num_steps: int) -> Samples:
         env=env.indices.to_numpy(zero_copy_only=False).astype(np.int64),
         env_names=tuple(env.dictionary.to_pylist()),
         status_counts=counts,
+        fate=pc.index_in(status, pa.array(STATUSES)).fill_null(-1).to_numpy().astype(np.int64),
+        group=group,
+        rollout=np.unique(pairs, return_inverse=True)[1].astype(np.int64).reshape(-1),
+        reward=reward,
         by_step=order,
         step_bounds=np.searchsorted(step[order], np.arange(num_steps + 1), side="left"),
     )

@@ -9,12 +9,14 @@ against a formula fed with the wrong denominators.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from rolltool.format import Denominators, StepCounts
+from rolltool.format import STATUSES, Denominators, StepCounts, StepRecord
 from rolltool.problems import Problem
-from rolltool.verify.context import Context
+from rolltool.verify.context import Context, Samples
 
 WEIGHT_RTOL = 2.0**-23
 """Weights are float32 roundings of exact values: at most half an ulp (2^-24 relative) off."""
@@ -138,22 +140,90 @@ def _moments(adv: np.ndarray) -> tuple[float | None, float | None]:
     return mean, float(a.std(ddof=1)) if len(a) > 1 else None
 
 
-def _scope_problems(
-    ctx: Context, where: str, rec: StepCounts, sel: np.ndarray, weights: bool
-) -> Iterator[Problem]:
-    """One scope of a step (all samples or one env's): counts, weight sum, advantage moments."""
-    s = ctx.samples
-    for key, value in (
-        ("samples", len(sel)),
-        ("sampled_tokens", int(s.length[sel].sum())),
-        ("trainable_tokens", int(s.trainable[sel].sum())),
-    ):
-        if getattr(rec, key) != value:
-            recorded = getattr(rec, key)
+@dataclass(frozen=True)
+class Scope:
+    """One scope of a step (all its samples, or one env's) as samples.parquet has it."""
+
+    where: str
+    trained: np.ndarray  # samples trained at the step
+    dropped: np.ndarray  # samples of the uniform groups it skipped (status uniform_dropped)
+    overlong: np.ndarray  # its samples over the token budget (status overlong_dropped)
+
+    def only(self, env: np.ndarray, e: int, name: str) -> Scope:
+        """The part of this scope in env code `e` (`env`: every sample's env code)."""
+        return Scope(
+            f"{self.where} env {name}",
+            *(a[env[a] == e] for a in (self.trained, self.dropped, self.overlong)),
+        )
+
+
+def _by_step(s: Samples, status: str, num_steps: int) -> list[np.ndarray]:
+    """Per step, the samples with `status` that samples.parquet puts at it, in sample order."""
+    idx = np.flatnonzero((s.fate == STATUSES.index(status)) & (s.step >= 0) & (s.step < num_steps))
+    idx = idx[np.argsort(s.step[idx], kind="stable")]
+    bounds = np.searchsorted(s.step[idx], np.arange(num_steps + 1))
+    return [idx[bounds[k] : bounds[k + 1]] for k in range(num_steps)]
+
+
+def uniform_groups(s: Samples) -> np.ndarray | None:
+    """[G] bool per group code: two or more rollouts, all rewards equal (None without rewards).
+
+    Whole groups are placed, so a group's rows in samples.parquet are all of its rollouts."""
+    if s.reward is None:
+        return None
+    g = int(s.group.max()) + 1 if s.n else 0
+    lo, hi = np.full(g, np.inf), np.full(g, -np.inf)
+    np.minimum.at(lo, s.group, s.reward)
+    np.maximum.at(hi, s.group, s.reward)
+    _, first = np.unique(s.rollout, return_index=True)
+    size = np.bincount(s.group[first], minlength=g)
+    return (size >= 2) & (lo == hi)
+
+
+def figures(s: Samples, scope: Scope, uniform: np.ndarray | None) -> dict[str, Any]:
+    """The StepCounts figures samples.parquet gives for a scope (reward ones only with
+    ``uniform``, i.e. when samples.parquet has rewards)."""
+    sel = scope.trained
+    groups = np.unique(s.group[sel])
+    _, first = np.unique(s.rollout[sel], return_index=True)
+    found: dict[str, Any] = {
+        "groups": len(groups),
+        "rollouts": len(first),
+        "samples": len(sel),
+        "sampled_tokens": int(s.length[sel].sum()),
+        "trainable_tokens": int(s.trainable[sel].sum()),
+        "uniform_groups_dropped": len(np.unique(s.group[scope.dropped])),
+        "overlong_dropped": len(scope.overlong),
+    }
+    if uniform is not None and s.reward is not None:
+        found["uniform_groups_kept"] = int(uniform[groups].sum())
+        found["reward_mean"] = float(s.reward[sel][first].mean()) if len(first) else None
+    return found
+
+
+def _figure_problems(found: dict[str, Any], rec: StepCounts, where: str) -> Iterator[Problem]:
+    for key, value in found.items():
+        recorded = getattr(rec, key)
+        if key == "reward_mean":
+            same = (value is None) == (recorded is None) and (
+                value is None or _close(value, recorded, 1e-9, 1e-9) or value == recorded
+            )
+            if not same:
+                text = f"reward_mean {value} in samples.parquet, the manifest says {recorded}"
+                yield Problem("step.reward", where, text)
+        elif recorded != value:
             text = (
                 f"{value} {key.replace('_', ' ')} in samples.parquet, the manifest says {recorded}"
             )
             yield Problem("step.counts", where, text)
+
+
+def _scope_problems(
+    ctx: Context, scope: Scope, rec: StepCounts, weights: bool, found: dict[str, Any]
+) -> Iterator[Problem]:
+    """One scope of a step: its `figures` (``found``), weight sum, advantage moments."""
+    s, sel, where = ctx.samples, scope.trained, scope.where
+    yield from _figure_problems(found, rec, where)
     total = float((s.weight[sel].astype(np.float64) * s.trainable[sel]).sum())
     if weights and not _close(total, rec.loss_weight_sum, SUM_RTOL):
         text = f"loss weights sum to {total:.9g}, the manifest says {rec.loss_weight_sum}"
@@ -173,27 +243,44 @@ def _scope_problems(
         yield Problem("step.advantage", where, text)
 
 
+def _actual(ctx: Context, step: int, rec: StepRecord, found: dict[str, Any]) -> Iterator[Problem]:
+    """The step's ``actual`` size in its batch unit (rollouts, samples or sampled tokens) as
+    samples.parquet gives it (``found``: the step's `figures`)."""
+    steps = ctx.manifest.config.get("steps")
+    unit = str(steps.get("batch_unit")) if isinstance(steps, dict) else ""
+    key = {"rollouts": "rollouts", "samples": "samples", "tokens": "sampled_tokens"}.get(unit)
+    if key is not None and rec.actual != found[key]:
+        text = f"actual is {rec.actual} {unit}, samples.parquet gives {found[key]}"
+        yield Problem("step.counts", f"step {step}", text)
+
+
 def step_metadata(ctx: Context) -> Iterator[Problem]:
-    """Per step, overall and per env: samples, sampled and trainable tokens, the loss-weight sum
-    and the advantage mean/std of the step's trained samples equal the step's record."""
-    s = ctx.samples
+    """Per step, overall and per env, every StepCounts figure equals what samples.parquet gives:
+    groups, rollouts, samples, sampled and trainable tokens, uniform groups kept and dropped,
+    over-long samples dropped, the reward mean (when samples.parquet has rewards), the
+    loss-weight sum and the advantage mean/std of the trained samples; and the step's actual
+    size in its batch unit."""
+    s, m = ctx.samples, ctx.manifest
     sound = set(_sound_steps(ctx)) if _formula_error(ctx) is None else set()
-    for step, rec in enumerate(ctx.manifest.steps):
-        planned = s.planned(step)
-        weights = step in sound
-        yield from _scope_problems(ctx, f"step {step}", rec, planned, weights)
-        env_of = s.env[planned]
-        names = sorted(set(rec.envs) | {s.env_names[e] for e in np.unique(env_of)})
+    dropped = _by_step(s, "uniform_dropped", m.num_steps)
+    overlong = _by_step(s, "overlong_dropped", m.num_steps)
+    uniform = uniform_groups(s)
+    for step, rec in enumerate(m.steps):
+        scope = Scope(f"step {step}", s.planned(step), dropped[step], overlong[step])
+        weights, found = step in sound, figures(s, scope, uniform)
+        yield from _scope_problems(ctx, scope, rec, weights, found)
+        yield from _actual(ctx, step, rec, found)
+        present = np.concatenate([scope.trained, scope.dropped, scope.overlong])
+        names = sorted(set(rec.envs) | {s.env_names[e] for e in np.unique(s.env[present])})
         for name in names:
-            sel = planned[env_of == s.env_names.index(name)] if name in s.env_names else planned[:0]
+            e = s.env_names.index(name) if name in s.env_names else -1
+            part = scope.only(s.env, e, name)
             if name not in rec.envs:
-                yield Problem(
-                    "step.counts",
-                    f"step {step}",
-                    f"no record for env {name!r} ({len(sel)} samples)",
-                )
+                text = f"no record for env {name!r} ({len(part.trained)} samples)"
+                yield Problem("step.counts", f"step {step}", text)
                 continue
-            yield from _scope_problems(ctx, f"step {step} env {name}", rec.envs[name], sel, weights)
+            found = figures(s, part, uniform)
+            yield from _scope_problems(ctx, part, rec.envs[name], weights, found)
 
 
 def rank_counts(ctx: Context) -> Iterator[Problem]:
