@@ -52,8 +52,9 @@ looked at ``REFINE_WORK`` items in all (a step looks at the items of 3 parts, ra
 EXHAUSTIVE_UP_TO, PAIR_STEPS, PAIR_WORK = 256, 4, 1 << 19
 """Up to this many items ``auto`` refines both LPT's and KK's result with the exhaustive pairwise
 search (``refine_pairs``, at most ``PAIR_STEPS · (n + k)`` steps and ``PAIR_WORK`` matrix cells
-each, a few ms) and keeps the lighter: never heavier than KK followed by that search when it
-ends within those limits (it does on every test input; at n = 256, k = 64 it may not)."""
+each, a few ms; not when the budgeted refinement already reached ``lower_bound``) and keeps
+the lightest: never heavier than KK followed by that search when it ends within those limits
+(it does on every test input; at n = 256, k = 64 it may not)."""
 
 
 def _lpt(ws: np.ndarray, k: int, equal_count: bool) -> np.ndarray:
@@ -87,8 +88,8 @@ def _auto(ws: np.ndarray, k: int, equal_count: bool) -> np.ndarray:
         refine(ws, best, k, equal_count=equal_count, max_steps=2 * k + REFINE_STEPS,
                max_work=REFINE_WORK, others=not small)
     ]  # fmt: skip
-    if small:  # also each start refined by the exhaustive pair search
-        floor = lower_bound(ws, k, equal_count=equal_count)
+    floor = lower_bound(ws, k, equal_count=equal_count) if small else 0.0
+    if small and _max_load(ws, refined[0], k) > floor:  # also the exhaustive pair search
         steps = PAIR_STEPS * (len(ws) + k)
         refined += [
             refine_pairs(ws, s, k, equal_count=equal_count, max_steps=steps, max_work=PAIR_WORK,
