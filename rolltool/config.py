@@ -163,12 +163,23 @@ class PackConfig:
     def from_options(cls, **options: Any) -> PackConfig:
         """A PackConfig from one flat set of settings (how the CLI and a script both name them):
         `StepConfig`'s fields go to ``steps``, `AdvantageConfig`'s to ``advantages``, the rest to
-        the PackConfig; anything not given takes its default.
+        the PackConfig; anything not given (or None for ``batch_size``) takes its default.
+        ``batch_unit="tokens"`` needs an explicit ``batch_size`` (`OptionConflict`): the
+        default counts rollouts.
 
         >>> c = PackConfig.from_options(dp=8, batch_size=64, estimator="rloo", row_len=8192)
         >>> c.steps.batch_size, c.advantages.estimator, c.micro_batch_tokens
         (64, 'rloo', 8192)
         """
+        if options.get("batch_unit") == "tokens" and options.get("batch_size") is None:
+            raise OptionConflict(
+                "--batch-unit tokens needs --batch-size in tokens (the default "
+                f"{DEFAULT_BATCH_SIZE} counts rollouts or samples: {DEFAULT_BATCH_SIZE} tokens "
+                "would make every group a step of its own)",
+                hint="give the sampled tokens per step, e.g. --batch-size 1000000",
+            )
+        if options.get("batch_size", 0) is None:  # not given: the default
+            del options["batch_size"]
         parts: dict[str, Any] = {}
         for name, record in (("steps", _default_steps()), ("advantages", AdvantageConfig())):
             given = {k: options.pop(k) for k in _field_names(record) if k in options}

@@ -159,11 +159,13 @@ def test_cli_defaults_and_choices_come_from_the_config() -> None:
     checked = 0
     for record in (d, d.steps, d.advantages):
         for f in dataclasses.fields(record):
-            if f.name in ctx.params and f.name != "micro_batch_tokens":
+            if f.name in ctx.params and f.name not in ("micro_batch_tokens", "batch_size"):
                 assert ctx.params[f.name] == getattr(record, f.name), f.name
                 checked += 1
     assert checked >= 20  # the loop really compared the options
     assert ctx.params["micro_batch_tokens"] is None  # resolved by the config
+    assert ctx.params["batch_size"] is None  # resolved by the config (its unit decides)
+    assert PackConfig.from_options(dp=1, batch_size=None).steps == d.steps
     for name, choices in (("align", ALIGNS), ("overlong", OVERLONG), ("loss_agg", LOSS_AGGS),
                           ("batch_unit", BATCH_UNITS), ("order", ORDERS),
                           ("uniform", UNIFORM_POLICIES), ("balance", sorted(WORKLOADS)),

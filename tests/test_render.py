@@ -80,7 +80,9 @@ def test_pack_and_stats_print_the_same_balance_figures(run: tuple[Manifest, Path
     """pack printed lockstep overhead as 1.0123 and stats as +1.23%: now both print the plan's
     figure the one way (numfmt.over), under the same header."""
     manifest, out = run
-    pack_steps = _cells(_pack_steps(manifest, str(out)))
+    *pack_steps, total = _cells(_pack_steps(manifest, str(out)))
+    assert total["step"] == "all"
+    assert total["sampled tokens"] == f"{sum(st.sampled_tokens for st in manifest.steps):,}"
     report = compute_stats([str(out)]).report
     stats_steps = _cells(_table(stats_render.render(report, per_step=True), "steps"))
     assert len(pack_steps) == len(stats_steps) == manifest.num_steps

@@ -8,6 +8,7 @@ from rolltool.advantages import ESTIMATORS, AdvantageConfig
 from rolltool.cli._common import err, handle_errors, out, print_json, warn
 from rolltool.cli.options import column_option, estimator_options, force_option, json_option
 from rolltool.cli.sections import SectionedCommand, opt, section
+from rolltool.cli.terminal import table_width
 
 
 @click.command(
@@ -49,5 +50,6 @@ def advantages(
     if as_json:
         print_json(report)
         return
-    out.print(render_advantages(report, width=out.width))
+    w = table_width()
+    out.print(render_advantages(report, width=w), width=w)
     err.print(f"wrote {report['samples']:,} samples to {output}")

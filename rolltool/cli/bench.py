@@ -77,9 +77,9 @@ def bench(packed: tuple[str, ...], check: bool, check_rows: int, calibrate: str 
     a·L + b·L² per segment (--calibrate writes it for pack --balance calibrated). Several
     directories are compared side by side, the best marked.
 
-    The JSON document (--json, --json-out) has ``backend``, ``steps`` and ``total``; with several
-    directories the top-level ``steps`` and ``total`` are the first directory's, and every
-    directory's (the first included) are under ``runs``, next to ``comparison``.
+    The JSON document (--json, --json-out) has the keys backend, steps and total; with several
+    directories the top-level steps and total are the first directory's, and every directory's
+    (the first included) are under runs, next to comparison.
     """
     from rolltool.bench import render
     from rolltool.bench.run import run_bench, write_json

@@ -22,11 +22,12 @@ from rolltool.cli.options import (
     mapping_callback,
 )
 from rolltool.cli.sections import SectionedCommand, opt, section
+from rolltool.cli.terminal import table_width
 from rolltool.config import DEFAULT_MICRO_BATCH_TOKENS, OVERLONG, PackConfig
 from rolltool.loss import LOSS_AGGS
 from rolltool.partition import ALIGNS
 from rolltool.steps import BATCH_UNITS, ORDERS, UNIFORM_POLICIES
-from rolltool.workload import MODEL_PRESETS, WORKLOADS
+from rolltool.workload import DEFAULT_PRESET, MODEL_PRESETS, WORKLOADS
 
 D = PackConfig(dp=1)
 """Every default, as the API resolves it."""
@@ -39,7 +40,7 @@ BUDGET = (f"Hard token budget per micro-batch [default: --row-len when given, el
 @section(
     "Steps",
     opt("--batch-unit", BATCH_UNITS, D.steps.batch_unit, "What --batch-size counts."),
-    opt("--batch-size", POSITIVE, D.steps.batch_size, "Step size in batch units (whole groups only)."),
+    opt("--batch-size", POSITIVE, None, f"Step size in batch units (whole groups only) [default: {D.steps.batch_size} rollouts or samples; required with --batch-unit tokens]."),
     opt("--exact", bool, D.steps.exact, "Error when whole groups cannot fill a step exactly."),
     opt("--uniform", UNIFORM_POLICIES, D.steps.uniform, "drop: skip uniform groups (no signal), keep filling."),
     opt("--order", ORDERS, D.steps.order, "Order groups are taken in (completion: by finished_at)."),
@@ -52,7 +53,7 @@ BUDGET = (f"Hard token budget per micro-batch [default: --row-len when given, el
     "Partition",
     opt("--dp", POSITIVE, None, "Data-parallel ranks.", required=True),
     opt("--balance", tuple(sorted(WORKLOADS)), D.balance, "Cost model ranks and micro-batches are balanced on."),
-    opt("--model", str, None, f"Model preset for --balance flops ({', '.join(MODEL_PRESETS)})."),
+    opt("--model", str, None, f"Model preset for --balance flops ({', '.join(MODEL_PRESETS)}) [default: {DEFAULT_PRESET}]."),
     opt("--model-config", click.Path(dir_okay=False), None, "A model config.json for --balance flops."),
     opt("--calibration", click.Path(dir_okay=False), None, "Coefficients for --balance calibrated (bench --calibrate)."),
     opt("--align", ALIGNS, D.align, "lockstep: ranks meet at every micro-batch (FSDP/ZeRO-3/TP); total: DDP."),
@@ -83,9 +84,11 @@ BUDGET = (f"Hard token budget per micro-batch [default: --row-len when given, el
     opt("--shard-mb", float, D.shard_mb, "Largest shard file, MB."),
     force_option("an existing output directory"),
     json_option("the manifest as one JSON document"),
+    opt("--per-step", bool, False, "Every step in the tables (else more than 12 steps are summarised)."),
 )  # fmt: skip
 @handle_errors
 def pack(inputs: tuple[str, ...], output: str, columns: dict[str, str], force: bool, as_json: bool,
+         per_step: bool,
          model_config: str | None, **settings: object) -> None:  # fmt: skip
     """Pack rollout Parquet INPUTS into sharded, balanced, pre-packed tensor files.
 
@@ -94,6 +97,7 @@ def pack(inputs: tuple[str, ...], output: str, columns: dict[str, str], force: b
     that do not depend on the layout.
     """
     from rolltool.pack import run_pack
+    from rolltool.stats.packed import step_size_warning
     from rolltool.stats.render import pack_summary, render_pack
 
     if settings["model"] is not None and model_config is not None:
@@ -111,8 +115,12 @@ def pack(inputs: tuple[str, ...], output: str, columns: dict[str, str], force: b
                         estimator_chosen=chosen)  # fmt: skip
     for w in manifest.warnings:  # to stderr, with --json too (the manifest also lists them)
         warn(w)
+    sizes = step_size_warning(manifest.steps, config.steps.batch_unit)
+    if sizes is not None:
+        warn(sizes)
     if as_json:
         print_json(manifest.to_json())
         return
-    out.print(render_pack(manifest, output, width=out.width))
+    width = table_width()
+    out.print(render_pack(manifest, output, width=width, per_step=per_step), width=width)
     err.print(pack_summary(manifest, output))

@@ -8,7 +8,9 @@ config records, never re-typed) and help.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import textwrap
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import click
@@ -39,14 +41,45 @@ class SectionedCommand(click.Command):
         sections[OPTIONS] = sections.pop(OPTIONS, [])  # the undeclared ones last
         for name, records in sections.items():
             if records:
-                with formatter.section(name):
+                with formatter.section(name), _whole_words():
                     formatter.write_dl(records)
+
+
+def _wrap(
+    text: str,
+    width: int = 78,
+    initial_indent: str = "",
+    subsequent_indent: str = "",
+    preserve_paragraphs: bool = False,
+) -> str:
+    """click's ``wrap_text`` for one option's help, never breaking a word at a hyphen: a choice
+    such as seq-mean-token-sum-norm stays whole (it may be copied)."""
+    return textwrap.fill(text, width, initial_indent=initial_indent,
+                         subsequent_indent=subsequent_indent, break_on_hyphens=False,
+                         break_long_words=False)  # fmt: skip
+
+
+@contextmanager
+def _whole_words() -> Iterator[None]:
+    """``HelpFormatter.write_dl`` wraps through ``click.formatting.wrap_text``: swap in `_wrap`
+    for the block."""
+    saved = click.formatting.wrap_text
+    click.formatting.wrap_text = _wrap
+    try:
+        yield
+    finally:
+        click.formatting.wrap_text = saved
+
+
+MAX_CHOICES_WIDTH = 50
+"""Choices longer than this, joined with "|", are listed in the help text (wrapped to the
+terminal) instead of next to the option name, where they would pass 80 columns."""
 
 
 def opt(flags: str, kind: Any, default: Any, help: str, **extra: Any) -> dict[str, Any]:
     """One option: ``flags`` split on spaces (a word without dashes names the parameter),
     ``kind`` a click type, a tuple of choices or ``bool`` (a flag), ``default`` shown in the
-    help unless None."""
+    help unless None. Long choice lists (`MAX_CHOICES_WIDTH`) go into the help as NAME."""
     kw: dict[str, Any] = {"param_decls": flags.split(), "help": help}
     if default is not None:  # click 8.3 takes an explicit None as a value (never "missing")
         kw["default"] = default
@@ -54,6 +87,8 @@ def opt(flags: str, kind: Any, default: Any, help: str, **extra: Any) -> dict[st
         kw.update(is_flag=True, default=bool(default))
     elif isinstance(kind, tuple | list):
         kw.update(type=click.Choice(list(kind)), show_default=default is not None)
+        if len("|".join(kind)) > MAX_CHOICES_WIDTH and "metavar" not in extra:
+            kw.update(metavar="NAME", help=f"{help} One of: {', '.join(kind)}.")
     else:
         kw.update(type=kind, show_default=default is not None)
     return {**kw, **extra}

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import sys
+
 import click
 
 from rolltool.cli._common import err, handle_errors, out, print_json, progress
 from rolltool.cli.options import POSITIVE, column_option, json_option
 from rolltool.cli.sections import SectionedCommand, opt, section
+from rolltool.cli.terminal import table_width
 
 
 @click.command(
@@ -43,11 +46,11 @@ def stats(
 ) -> None:
     """Statistics of rollout Parquet PATHS (files, directories, globs) or of one packed directory.
 
-    \b
     Rollout Parquet: per env, groups and group sizes, rollouts, branches, sampled and trainable
     tokens (total, mean, p50/p90/p99/max), reward, uniform groups, completion order.
-    Packed directory: per step and env, counts and shares; packing efficiency and padding;
-    rank imbalance and lockstep overhead, next to a token-count and a count-based split.
+
+    Packed directory: per step and env, counts and shares; packing efficiency and padding; rank
+    imbalance and lockstep overhead, next to a token-count and a count-based split.
     """
     from rolltool.stats import compute_stats
     from rolltool.stats.render import render
@@ -59,12 +62,17 @@ def stats(
         limit=limit,
         progress=progress,
     )
-    if plot_path is not None:
-        from rolltool.stats.plot import save_figure
-
-        save_figure(result, plot_path, step=step)
-        err.print(f"wrote {plot_path}")
     if as_json:
         print_json(result.report)
-        return
-    out.print(render(result.report, per_step=per_step, step=step, width=out.width))
+    else:
+        w = table_width()
+        out.print(render(result.report, per_step=per_step, step=step, width=w), width=w)
+    if plot_path is not None:  # after the tables: a missing matplotlib loses none of them
+        from rolltool.stats.plot import PlotUnavailable, save_figure
+
+        try:
+            written = save_figure(result, plot_path, step=step)
+        except PlotUnavailable as e:
+            err.print(f"No figure: {e.message}; {e.hint}.", markup=False)
+            sys.exit(1)
+        err.print(f"wrote {written}", markup=False)

@@ -3,10 +3,26 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import click
 
 from rolltool.cli._common import handle_errors, out, print_json, warn
+from rolltool.errors import RolltoolError
+
+
+def _check_packed_path(path: str) -> None:
+    """A file where a packed directory is expected is named as such, before anything opens it
+    (the reader would only say "no such directory")."""
+    p = Path(path)
+    if p.is_file():
+        hint = (
+            f"verify checks what `rolltool pack {path} -o DIR` wrote: give DIR; to look at "
+            f"rollout Parquet, run `rolltool stats {path}`"
+            if p.suffix == ".parquet"
+            else "give the directory `rolltool pack -o DIR` wrote"
+        )
+        raise RolltoolError(f"{path}: is a file, not a packed directory", hint=hint)
 
 
 @click.command(short_help="Check a packed directory's hashes and invariants.")
@@ -33,6 +49,7 @@ def verify(
 
     if inputs and no_input:
         raise click.UsageError("--input and --no-input exclude each other")
+    _check_packed_path(path)
     report = run_verify(
         path, hashes=not no_hash, inputs=list(inputs) or None, recorded_inputs=not no_input
     )

@@ -21,16 +21,27 @@ from rolltool.errors import RolltoolError
 from rolltool.stats.accumulate import Stats, ValueCounts
 
 
+class PlotUnavailable(RolltoolError):
+    """matplotlib (the optional extra ``plot``) is not installed."""
+
+
 def _matplotlib() -> Any:
     try:
         import matplotlib  # noqa: F401
         from matplotlib.figure import Figure
     except ImportError:
-        raise RolltoolError(
+        raise PlotUnavailable(
             "--plot needs matplotlib, which is not installed",
             hint="pip install 'rolltool[plot]' (or pip install matplotlib)",
         ) from None
     return Figure
+
+
+def figure_path(path: str | Path) -> Path:
+    """The file ``save_figure`` writes: ``path``, with ``.png`` added when it has no suffix
+    (what matplotlib itself does; the CLI names the file actually written)."""
+    p = Path(path)
+    return p if p.suffix else p.with_name(p.name + ".png")
 
 
 def _colors(names: list[str]) -> dict[str, Any]:
@@ -328,16 +339,19 @@ def _rollouts_figure(stats: Stats) -> Any:
 
 
 def figure(stats: Stats, *, step: int | None = None) -> Any:
-    """The one-page ``matplotlib.figure.Figure`` of ``stats`` (rollout Parquet or packed run)."""
+    """The one-page ``matplotlib.figure.Figure`` of ``stats`` (rollout Parquet or packed run).
+    Raises `PlotUnavailable` before any drawing when matplotlib is missing."""
+    _matplotlib()
     if stats.report["kind"] == "packed":
         return _packed_figure(stats, step)
     return _rollouts_figure(stats)
 
 
 def save_figure(stats: Stats, path: str | Path, *, step: int | None = None) -> Path:
-    """Draw ``figure(stats)`` into ``path`` (PNG, or any format matplotlib knows by suffix)."""
+    """Draw ``figure(stats)`` into ``path`` (PNG, or any format matplotlib knows by suffix; no
+    suffix: PNG, ``.png`` added) and return the path written."""
     fig = figure(stats, step=step)
-    p = Path(path)
+    p = figure_path(path)
     try:
         fig.savefig(p, dpi=110)
     except (OSError, ValueError) as e:

@@ -27,9 +27,9 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
-from rolltool.format import Manifest, StepCounts
+from rolltool.format import Manifest, StepCounts, StepRecord
 from rolltool.numfmt import count, num, over, pct
-from rolltool.stats.packed import ALTERNATIVES, env_totals
+from rolltool.stats.packed import ALTERNATIVES, COUNTS, env_totals
 
 ALL = "(all)"
 """The column of all envs together in the rollout table (an env may be named "all")."""
@@ -499,29 +499,76 @@ def _counts(c: StepCounts) -> list[str]:
     ]
 
 
-def _pack_steps_table(manifest: Manifest, output: str, width: int | None) -> Table:
-    """One row per step: size in batch units (and why it is not full), counts, layout, balance."""
+MAX_STEP_ROWS = 12
+"""Beyond this many steps, pack's step table shows the first and last few and a total row
+(``--per-step`` for every step)."""
+
+EDGE_STEPS = 3
+"""Steps shown at each end of a summarised step table."""
+
+
+def _pack_step_row(st: StepRecord) -> list[str]:
+    size = f"{count(st.actual)}/{count(st.nominal)}"
+    p = st.plan
+    return [str(st.step), size if st.status == "full" else f"{size} {st.status}", *_counts(st),
+            str(p.micro_batches_per_rank), pct(p.token_fill), over(p.imbalance_cost),
+            over(p.lockstep_overhead_cost)]  # fmt: skip
+
+
+def _pack_total_row(steps: Sequence[StepRecord]) -> list[str]:
+    """The run's totals in the step table's columns: sums, and the mean of the per-step ratios
+    (token fill, imbalance, overhead)."""
+
+    def mean(values: list[float | None]) -> float | None:
+        xs = [x for x in values if x is not None]
+        return sum(xs) / len(xs) if xs else None
+
+    t = {k: sum(getattr(s, k) for s in steps) for k in COUNTS}
+    nominal = sum(s.nominal or 0 for s in steps)
+    size = f"{count(sum(s.actual for s in steps))}/{count(nominal)}"
+    plans = [s.plan for s in steps]
+    return ["all", size,
+            *(count(t[k]) for k in COUNTS[:5]),
+            f"{count(t['uniform_groups_kept'])} / {count(t['uniform_groups_dropped'])}",
+            count(t["overlong_dropped"]), count(sum(p.micro_batches_per_rank for p in plans)),
+            pct(mean([p.token_fill for p in plans])),
+            over(mean([p.imbalance_cost for p in plans])),
+            over(mean([p.lockstep_overhead_cost for p in plans]))]  # fmt: skip
+
+
+def _pack_steps_table(
+    manifest: Manifest, output: str, width: int | None, per_step: bool = False
+) -> Table:
+    """One row per step: size in batch units (and why it is not full), counts, layout, balance.
+    More than `MAX_STEP_ROWS` steps (and not ``per_step``): the first and last `EDGE_STEPS`,
+    then a total row (ratios: mean over steps)."""
     unit, align = manifest.config["steps"]["batch_unit"], manifest.config["align"]
-    rows: list[Sequence[str] | None] = []
-    for st in manifest.steps:
-        size = f"{count(st.actual)}/{count(st.nominal)}"
-        p = st.plan
-        rows.append(
-            [str(st.step), size if st.status == "full" else f"{size} {st.status}", *_counts(st),
-             str(p.micro_batches_per_rank), pct(p.token_fill), over(p.imbalance_cost),
-             over(p.lockstep_overhead_cost)]
-        )  # fmt: skip
-    cols = [PACK_STEP_COLS[0], Col(f"{unit} (status)", f"{unit}\n(status)"), *PACK_STEP_COLS[2:]]
-    return _fit(
-        f"pack -> {output} ({manifest.workload['kind']} balance, {align})", cols, rows, width
-    )
-
-
-def _pack_envs_table(manifest: Manifest, width: int | None) -> Table:
-    """Per step and env what each env contributes; for long runs, the per-env run totals."""
     steps = manifest.steps
-    if len(steps) > MAX_ENV_STEPS:
-        title = f"per env, all {len(steps)} steps (rolltool stats --per-step for each)"
+    title = f"pack -> {output} ({manifest.workload['kind']} balance, {align})"
+    rows: list[Sequence[str] | None]
+    if per_step or len(steps) <= MAX_STEP_ROWS:
+        rows = [_pack_step_row(st) for st in steps]
+    else:
+        skipped = len(steps) - 2 * EDGE_STEPS
+        rows = [*(_pack_step_row(st) for st in steps[:EDGE_STEPS]),
+                ["…", f"{skipped:,} steps", *[""] * (len(PACK_STEP_COLS) - 2)],
+                *(_pack_step_row(st) for st in steps[-EDGE_STEPS:])]  # fmt: skip
+        title += f", {len(steps):,} steps (--per-step: all)"
+    short = sum(st.status != "full" for st in steps)
+    if short and len(steps) > 1:
+        title += f", {short:,} not full"
+    if len(steps) > 1:
+        rows += [None, _pack_total_row(steps)]
+    cols = [PACK_STEP_COLS[0], Col(f"{unit} (status)", f"{unit}\n(status)"), *PACK_STEP_COLS[2:]]
+    return _fit(title, cols, rows, width)
+
+
+def _pack_envs_table(manifest: Manifest, width: int | None, per_step: bool = False) -> Table:
+    """Per step and env what each env contributes; for long runs (unless ``per_step``), the
+    per-env run totals."""
+    steps = manifest.steps
+    if len(steps) > MAX_ENV_STEPS and not per_step:
+        title = f"per env, all {len(steps)} steps (--per-step for each)"
         return _env_table(title, env_totals(steps), width)
     rows: list[Sequence[str] | None] = [
         [str(st.step), env, *_counts(e), num(e.reward_mean, ".3f"), num(e.advantage_mean, "+.3f"),
@@ -532,10 +579,15 @@ def _pack_envs_table(manifest: Manifest, width: int | None) -> Table:
     return _fit("per step and env", PACK_ENV_COLS, rows, width)
 
 
-def render_pack(manifest: Manifest, output: str, *, width: int | None = None) -> RenderableType:
-    """What ``rolltool pack`` prints on stdout: its steps, and its envs per step (or in total)."""
+def render_pack(
+    manifest: Manifest, output: str, *, width: int | None = None, per_step: bool = False
+) -> RenderableType:
+    """What ``rolltool pack`` prints on stdout: its steps (summarised beyond `MAX_STEP_ROWS`
+    unless ``per_step``), and its envs per step (or in total beyond `MAX_ENV_STEPS`)."""
     return Group(
-        _pack_steps_table(manifest, output, width), Text(""), _pack_envs_table(manifest, width)
+        _pack_steps_table(manifest, output, width, per_step),
+        Text(""),
+        _pack_envs_table(manifest, width, per_step),
     )
 
 
