@@ -16,9 +16,10 @@ cycles, and the heaviest part never gets heavier.
   NumPy matrix (a's items by the lighter parts' items): O(n²) at worst.
 * ``refine`` (large inputs, under a work budget): the heaviest part h with the ``PARTNERS``
   lightest parts, all parts when those offer nothing, and when h is stuck the next heaviest parts
-  with every lighter one (that changes h's candidates for the next steps); each step takes the
-  best swap or move of its part against the partners, found with binary searches over the part's
-  sorted weights (O(m log m) per step for m candidate items).
+  with every lighter one (that changes h's candidates for the next steps; ``others=False`` stops
+  where h is stuck instead); each step takes the best swap or move of its part against the
+  partners, found with binary searches over the part's sorted weights (O(m log m) per step for m
+  candidate items).
 
 Example (k = 2, free): {8, 6 | 7, 4, 5} = 14 | 16, gap 2: move nothing (no item of size 1), swap 7
 and 6 (d = 1) -> {8, 7 | 6, 4, 5} = 15 | 15.
