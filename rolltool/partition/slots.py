@@ -11,8 +11,8 @@ of one slot need equal cost, not bins of different slots.
   and a bin of many short ones cost the same under ``a·L + b·L²`` and not under ``a·L + 2b·L²``.
   ``refill`` takes the shortest samples out, groups the remaining bins into slots by Σ L² (so a
   slot's bins hold similar long samples), and puts the short samples back one by one (longest
-  first) where they raise Σ_j max_r cost the least, preferring a bin whose slot max they stay
-  under. The bins of a slot end with about equal cost *and* equal Σ L², hence equal tokens: any
+  first) where they raise Σ_j max_r cost the least, counting as raised what a slot's bins can
+  no longer reach under the cap, and preferring a bin whose slot max they stay under. The bins of a slot end with about equal cost *and* equal Σ L², hence equal tokens: any
   cost a'·L + b'·L² near the planning model stays balanced.
 * ``choose``: the plan with the lowest lockstep cost, except that among plans within
   ``ROBUST_TOLERANCE`` of it the one with the lowest lockstep cost in tokens wins.
@@ -43,10 +43,11 @@ __all__ = [
 # A grid is [dp][M] lists of sample-index arrays: grid[r][j] is rank r's micro-batch j.
 Grid = list[list[np.ndarray]]
 
-FILL_PER_BIN = (1, 3)
+FILL_PER_BIN = (1, 2, 3, 4)
 """``refill`` candidates: take out this many short samples per bin (on average), then put them
-back. One per bin is cheap and enough when bins hold many samples; three regroup the bins of a
-heavy-tailed step almost from scratch, tried only up to ``FEW_PER_BIN`` samples per bin."""
+back. One per bin is cheap and enough when bins hold many samples; more regroup the bins of a
+heavy-tailed step (few samples per bin) almost from scratch: tried only up to ``FEW_PER_BIN``
+samples per bin."""
 
 FEW_PER_BIN = 4
 """Samples per bin (on average) up to which ``refill`` also tries the larger ``FILL_PER_BIN``."""
@@ -54,10 +55,6 @@ FEW_PER_BIN = 4
 ROBUST_TOLERANCE = 5e-4
 """``choose`` trades up to this much lockstep cost (of the ideal) for the best balance in tokens:
 a model off by 2x in its L² term costs far more than 0.05% on the planning model."""
-
-RAISE_SLACK = 0.05
-"""``refill``: a sample that cannot go under any slot's max goes, among the bins whose slot max
-it raises at most this share of its cost above the least, to the one with the most room."""
 
 
 def members(labels: np.ndarray, order: np.ndarray, nb: int) -> list[np.ndarray]:
@@ -148,33 +145,71 @@ def _put_back(
     dp: int,
 ) -> bool:
     """Place ``items`` (longest first) into bins ``b`` (slot ``b // dp``), updating ``labels``
-    and the bins' costs ``c`` and tokens ``t`` in place; False when one fits nowhere.
+    and the bins' costs ``c`` in place (``t``, their tokens, is read); False when one fits
+    nowhere.
 
-    Under a slot's max: the bin it fits tightest (what is left under the max closest to zero).
-    Otherwise: the least increase of its slot's max, up to ``RAISE_SLACK``, then the most room.
+    A bin's *ceiling* is the cost it would reach filled to the cap with the cheapest tokens
+    (``unit`` per token); a bin whose ceiling is under its slot's max is *short* by the
+    difference, for good. A sample goes under a slot's max if it can: to the short bin it lifts
+    most (a longer sample raises a bin's ceiling), else where it fits tightest under the max.
+    Otherwise it raises a slot's max where that adds least to (the max + its bins' shortfall).
     """
-    smax = np.repeat(c.reshape(-1, dp).max(axis=1), dp)  # per bin: its slot's max
-    head = smax - c  # cost a bin can take without raising its slot's max
+    unit = _unit_cost(items, length, cost)
     room = cap - t
-    inf = np.inf
+    top = np.repeat(c.reshape(-1, dp).max(axis=1), dp)  # per bin: its slot's max
+    short = np.maximum(top - c - unit * room, 0.0)
     for i, ti, ci in zip(items.tolist(), length[items].tolist(), cost[items].tolist(), strict=True):
-        left = np.where(room >= ti, head - ci, -inf)  # -inf: no room
-        b = int(np.argmax(left))
-        if left[b] == -inf:
-            return False
-        if left[b] >= 0:
-            b = int(np.argmin(np.where(left >= 0, left, inf)))
+        ok = room >= ti
+        over = c + ci - top  # <= 0: stays under the slot's max
+        free = ok & (over <= 0)
+        if free.any():
+            lift = np.where(free, np.minimum(short, ci - unit * ti), -1.0)
+            most = float(lift.max())
+            b = int(np.argmax(np.where(lift >= most, over, -np.inf)))
+        elif ok.any():
+            b = _least_raise(ok, over, c, room, top, short, ti, ci, unit, dp)
         else:
-            b = int(np.argmax(np.where(left >= left[b] - RAISE_SLACK * ci, room, -1)))
+            return False
         labels[i] = b
         c[b] += ci
-        t[b] += ti
         room[b] -= ti
-        head[b] -= ci
-        if head[b] < 0:  # b raised its slot's max: every bin of the slot gains that much head
-            j = b - b % dp
-            head[j : j + dp] -= head[b]
+        j = b - b % dp
+        if c[b] > top[b]:
+            top[j : j + dp] = c[b]
+        short[j : j + dp] = np.maximum(top[j : j + dp] - c[j : j + dp] - unit * room[j : j + dp], 0)
     return True
+
+
+def _least_raise(
+    ok: np.ndarray,
+    over: np.ndarray,
+    c: np.ndarray,
+    room: np.ndarray,
+    top: np.ndarray,
+    short: np.ndarray,
+    ti: int,
+    ci: float,
+    unit: float,
+    dp: int,
+) -> int:
+    """The bin where a sample that fits under no slot's max raises (that max + the shortfall of
+    the slot's other bins) least; ties to the most room."""
+    bins = np.flatnonzero(ok)
+    new = c[bins] + ci
+    first = bins - bins % dp
+    slot = first[:, None] + np.arange(dp)  # [k, dp] the bins of each candidate's slot
+    ceil = c[slot] + unit * room[slot]
+    after = np.maximum(new[:, None] - ceil, 0.0)
+    after[slot == bins[:, None]] = 0.0  # the bin itself reaches the new max
+    pen = over[bins] + after.sum(axis=1) - short[slot].sum(axis=1)
+    best = pen <= pen.min() + 1e-9 * max(abs(ci), 1.0)
+    return int(bins[np.argmax(np.where(best, room[bins], -1))])
+
+
+def _unit_cost(items: np.ndarray, length: np.ndarray, cost: np.ndarray) -> float:
+    """The cheapest cost per token among ``items`` (0.0 if none has tokens)."""
+    pos = length[items] > 0
+    return float((cost[items][pos] / length[items][pos]).min()) if pos.any() else 0.0
 
 
 def choose(
