@@ -14,14 +14,18 @@
 
 How (token mode, ``align="lockstep"``): with FSDP/ZeRO-3 or tensor parallelism the ranks meet at
 every micro-batch, so a step costs Σ_j max_r cost(r, j). The planner picks M, the micro-batch
-count per rank, from the token lower bound ceil(tokens / (dp · max_tokens)) upwards; packs all
-samples into dp·M bins, each to the cheapest bin with room (``pack_balanced``); sorts the bins by
-cost and deals them into M slots of dp bins (so each slot's bins cost about the same); and
-finally permutes each slot's bins over the ranks to even out rank totals (which does not change
-the lockstep cost). If balanced packing cannot fit the cap with M up to FFD's count, the plan
-uses the first-fit-decreasing bins, or balanced packing with FFD's count + 1 when that steps
-faster in lockstep by ``WIDER_GAIN`` (0.1%) or more. ``align="total"`` (plain DDP) or ``equal_count=True`` split the
-samples over ranks first (``balance``), then pack each rank and align its bins by cost.
+count per rank: the first count from the token lower bound ceil(tokens / (dp · max_tokens))
+upwards at which dp·M bins hold every sample under the cap by any construction: each sample to
+the cheapest bin with room (``pack_balanced``), or a token split by LPT or Karmarkar-Karp
+(``split_tokens``, the peers' way), or FFD's bins at FFD's count. So M is never above FFD's count
+nor above the KK-by-tokens pipeline's. It sorts the bins by cost and deals them into M slots of
+dp bins (so each slot's bins cost about the same), and permutes each slot's bins over the ranks
+to even out rank totals (which does not change the lockstep cost). Then ``slots.refill`` regroups
+the bins so that a slot's bins also hold similar tokens (robust to a cost model that is off) and
+``slots.choose`` keeps the best (``_robust``). When M's bins are not cost-balanced, balanced
+packing with M + 1 is used if that steps faster in lockstep by ``WIDER_GAIN`` (0.1%) or more.
+``align="total"`` (plain DDP) or ``equal_count=True`` split the samples over ranks first
+(``balance``), then pack each rank (by the same constructions) and align its bins by cost.
 
 Example: 8 samples of 7 tokens, dp = 2, max_tokens = 8 -> 4 micro-batches per rank, one sample
 each (7 tokens), where "KK into ceil(56 / 8 / 2) = 4 parts" would put 14 tokens in some.

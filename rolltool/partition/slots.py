@@ -12,13 +12,16 @@ of one slot need equal cost, not bins of different slots.
   ``refill`` takes the shortest samples out, groups the remaining bins into slots by Σ L² (so a
   slot's bins hold similar long samples), and puts the short samples back one by one (longest
   first) where they raise Σ_j max_r cost the least, counting as raised what a slot's bins can
-  no longer reach under the cap, and preferring a bin whose slot max they stay under. The bins of a slot end with about equal cost *and* equal Σ L², hence equal tokens: any
-  cost a'·L + b'·L² near the planning model stays balanced.
+  no longer reach under the cap, and preferring a bin whose slot max they stay under. The bins
+  of a slot end with about equal cost *and* equal Σ L², hence equal tokens: any cost
+  a'·L + b'·L² near the planning model stays balanced.
 * ``choose``: the plan with the lowest lockstep cost, except that among plans within
   ``ROBUST_TOLERANCE`` of it the one with the lowest lockstep cost in tokens wins.
 
-Example (dp 2, a slot of bins {8} and {5, 2, 1} under cost L²: 64 and 30): the grid costs 64 for
-that slot; ``refill`` would rather pair {8} with {7} and put {5, 2, 1} elsewhere.
+Example (dp 2, cost L + L²/10, lengths 10, 9, 4, 3, 3, 2, 1, cap 12): the grid with slots
+{10 | 9, 1} (20 | 18.2) and {4, 3, 3, 2 | -} (15.8 | 0) steps in 35.8 (ideal 27.0). ``refill``
+with 4 short samples out (3, 3, 2, 1) leaves {10}, {9}, {4}, {} grouped by Σ L² into {10 | 9} and
+{4 | -}, and puts them back: slots {10, 1 | 9, 3} (21.1 | 21.0) and {4 | 3, 2} (5.6 | 6.3): 27.4.
 """
 
 from __future__ import annotations
