@@ -85,7 +85,12 @@ class PackConfig:
     Token-budget mode only: fixed mode (``micro_batch_size``) lays out the same rows either way,
     so ``total`` with it is an ``OptionConflict``."""
     equal_count: bool = False
-    """Give every rank the same number of samples."""
+    """Give every rank the same number of samples: a step whose trained samples --dp does not
+    divide is an error, unless ``equal_count_trim``."""
+    equal_count_trim: bool = False
+    """Equal counts (implies ``equal_count``), leaving out of each step the last ``n % dp`` of
+    its ``n`` trained samples (status ``count_trimmed`` in samples.parquet, counted in the
+    manifest, a warning) instead of stopping."""
     overlong: str = "error"
     """A sample longer than the token budget: error, or drop it from training (counted)."""
     loss_agg: str = "token-mean"
@@ -98,6 +103,8 @@ class PackConfig:
     """Decoded input row groups kept in memory (MB); input that fits is read from disk once."""
 
     def __post_init__(self) -> None:
+        if self.equal_count_trim:
+            object.__setattr__(self, "equal_count", True)  # trimming is a way to equal counts
         self._check_choices()
         self._check_conflicts()
         if self.micro_batch_tokens is None and self.micro_batch_size is None:
@@ -208,6 +215,7 @@ class PackConfig:
             "calibration": self.calibration,
             "align": self.align,
             "equal_count": self.equal_count,
+            "equal_count_trim": self.equal_count_trim,
             "overlong": self.overlong,
             "loss_agg": self.loss_agg,
             "loss_scale_factor": self.loss_scale_factor,

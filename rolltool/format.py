@@ -38,8 +38,16 @@ SUPPORTED_VERSIONS = (1,)
 MANIFEST = "manifest.json"
 SAMPLES = "samples.parquet"
 
-STATUSES = ("trained", "uniform_dropped", "overlong_dropped", "leftover", "env_unweighted")
-"""samples.parquet ``status``: trained, or why a sample was not."""
+STATUSES = (
+    "trained",
+    "uniform_dropped",
+    "overlong_dropped",
+    "leftover",
+    "env_unweighted",
+    "count_trimmed",
+)
+"""samples.parquet ``status``: trained, or why a sample was not (``count_trimmed``: left out of
+its step so that --dp divides its samples, ``--equal-count-trim``)."""
 
 PAD_SAMPLE = -1
 """``sample_index`` of a padding segment."""
@@ -202,6 +210,7 @@ class SampleCounts:
     overlong_dropped: int
     leftover: int
     env_unweighted: int
+    count_trimmed: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -17,6 +17,7 @@ Pure: no file is read or written here. `schedule` takes the validated light colu
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +62,8 @@ class PlannedStep:
     record: StepRecord  # counts, denominators and plan summary; ``ranks`` are added on write
     uniform_dropped: np.ndarray  # [u] int64 samples of uniform groups skipped while filling it
     overlong_dropped: np.ndarray  # [o] int64 samples of its groups over the token budget
+    count_trimmed: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    """[t] int64 samples left out so that --dp divides the step's samples (--equal-count-trim)"""
 
     @property
     def order(self) -> np.ndarray:
@@ -108,7 +111,7 @@ def schedule(
         steps=steps,
         assembly=assembly,
         advantages=adv,
-        warnings=_thin_steps(steps, config.dp),
+        warnings=_thin_steps(steps, config.dp) + _trim_warning(steps, config.dp),
         **placement(ro, assembly, in_group, too_long, steps, adv.value),
     )
 
@@ -159,19 +162,16 @@ def plan_one_step(
     """The step's trained samples, their advantages and loss weights, its partition plan and
     the record that explains its cost and gradient scale."""
     all_members = _samples_of(step.groups, in_group)
-    members = all_members[~too_long[all_members]]
+    kept = _equal_counts(~too_long[all_members], config, step.index)
+    members = all_members[kept]
+    trimmed = all_members[~too_long[all_members] & ~kept]
+    if len(trimmed):
+        step = _trimmed(ro, step, members, config.steps.batch_unit)
     overlong = np.concatenate(
         [all_members[too_long[all_members]], _samples_of(step.skipped, in_group)]
     )
-    advantage = _step_advantages(ro, config, adv, all_members, ~too_long[all_members])
+    advantage = _step_advantages(ro, config, adv, all_members, kept)
     weight = sample_weights(config.loss_agg, ro.trainable[members], config.loss_scale_factor)
-    if config.equal_count and len(members) % config.dp:
-        raise RolltoolError(
-            f"--equal-count: step {step.index} trains {len(members)} samples, not a multiple of "
-            f"--dp {config.dp}",
-            hint="use --batch-unit samples with a --batch-size divisible by dp that whole groups "
-            "fill (--exact makes sure), or drop --equal-count",
-        )
     plan = plan_step(
         ro.length[members],
         dp=config.dp,
@@ -204,7 +204,46 @@ def plan_one_step(
         record=record,
         uniform_dropped=_samples_of(step.dropped, in_group),
         overlong_dropped=overlong,
+        count_trimmed=trimmed,
     )
+
+
+def _equal_counts(kept: np.ndarray, config: PackConfig, step: int) -> np.ndarray:
+    """[n] bool: the step's samples that train. With --equal-count the count must be a multiple
+    of --dp: an error, or with --equal-count-trim the last ``count % dp`` kept samples (of the
+    last groups taken) are left out.
+
+    >>> from rolltool.config import PackConfig
+    >>> c = PackConfig(dp=3, equal_count_trim=True)
+    >>> _equal_counts(np.array([True, True, False, True, True, True]), c, 0).astype(int).tolist()
+    [1, 1, 0, 1, 0, 0]
+    """
+    extra = int(kept.sum()) % config.dp
+    if not config.equal_count or not extra:
+        return kept
+    if not config.equal_count_trim:
+        raise RolltoolError(
+            f"--equal-count: step {step} trains {int(kept.sum())} samples, not a multiple of "
+            f"--dp {config.dp}",
+            hint="pass --equal-count-trim to leave the last few samples of such steps out "
+            "(counted), or use --batch-unit samples with a --batch-size divisible by dp "
+            "that whole groups fill (--exact makes sure)",
+        )
+    out = kept.copy()
+    out[np.flatnonzero(kept)[-extra:]] = False
+    return out
+
+
+def _trimmed(ro: Rollouts, step: Step, members: np.ndarray, unit: str) -> Step:
+    """``step`` as it trains after trimming: only groups with a trained sample left, and its
+    size in ``unit`` over the trained samples (what samples.parquet gives)."""
+    actual = {
+        "rollouts": lambda: len(np.unique(ro.rollout[members])),
+        "samples": lambda: len(members),
+        "tokens": lambda: int(ro.length[members].sum()),
+    }[unit]()
+    groups = step.groups[np.isin(step.groups, ro.group[members])]
+    return dataclasses.replace(step, groups=groups, actual=actual)
 
 
 def _step_advantages(
@@ -258,6 +297,7 @@ def placement(
         for fate, idx in (
             ("uniform_dropped", st.uniform_dropped),
             ("overlong_dropped", st.overlong_dropped),
+            ("count_trimmed", st.count_trimmed),
         ):
             status[idx] = fate
             step_of[idx] = st.index
@@ -286,6 +326,18 @@ def _thin_steps(steps: list[PlannedStep], dp: int) -> list[str]:
     return [
         f"{len(thin)} step(s) (first: step {thin[0]}) have fewer samples than --dp {dp}: "
         "some ranks get only all-padding micro-batches"
+    ]
+
+
+def _trim_warning(steps: list[PlannedStep], dp: int) -> list[str]:
+    trimmed = [st for st in steps if len(st.count_trimmed)]
+    if not trimmed:
+        return []
+    n = sum(len(st.count_trimmed) for st in trimmed)
+    return [
+        f"--equal-count-trim: {n} sample(s) in {len(trimmed)} step(s) (first: step "
+        f"{trimmed[0].index}) left out so that --dp {dp} divides each step's samples "
+        "(status count_trimmed in samples.parquet)"
     ]
 
 

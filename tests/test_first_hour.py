@@ -211,3 +211,51 @@ def test_help_fits_80_columns(monkeypatch: pytest.MonkeyPatch) -> None:
     for flag in repeatable:
         block = pack_help.split(flag, 1)[1].split("\n  -", 1)[0]
         assert "(repeatable)" in " ".join(block.split()), flag
+
+
+def _samples(path: Path) -> Any:
+    import polars as pl
+
+    return pl.read_parquet(path / "samples.parquet")
+
+
+def test_equal_count_hint_names_a_way_that_works(run_cli, synth_path: Path, tmp_path: Path) -> None:
+    """--dp 3 with --equal-count: the error's hint names --equal-count-trim, and following it
+    works: every step trains a multiple of 3 samples, the same number on every rank, and the few
+    left out are counted (status count_trimmed, fewer than dp per step, in the manifest)."""
+    args = ("pack", synth_path, "-o", tmp_path / "p", "--dp", "3", "--batch-size", "16")
+    refused = run_cli(*args, "--equal-count")
+    assert refused.exit_code == 1
+    assert "--equal-count-trim" in refused.stderr
+    result = run_cli(*args, "--equal-count-trim", "--json")
+    assert result.exit_code == 0, result.output
+    manifest = json.loads(result.stdout)
+    s = _samples(tmp_path / "p")
+    trimmed = s.filter(s["status"] == "count_trimmed")
+    assert len(trimmed) == manifest["samples"]["count_trimmed"] > 0  # trimming really happened
+    assert "--equal-count-trim" in result.stderr
+    trained = s.filter(s["status"] == "trained")
+    for step in range(manifest["num_steps"]):
+        here = trained.filter(trained["step"] == step)
+        per_rank = here.group_by("rank").len()["len"].to_list()
+        assert len(per_rank) == 3 and len(set(per_rank)) == 1, (step, per_rank)
+        assert len(trimmed.filter(trimmed["step"] == step)) < 3
+        assert manifest["steps"][step]["samples"] == len(here)
+    assert sum(manifest["samples"][k] for k in manifest["samples"] if k != "total") == len(s)
+    verified = run_cli("verify", tmp_path / "p")
+    assert verified.exit_code == 0, verified.output
+
+
+def test_equal_count_trim_changes_nothing_when_dp_divides(
+    run_cli, synth_path: Path, tmp_path: Path
+) -> None:
+    args = ("--dp", "1", "--batch-size", "16")
+    a = run_cli("pack", synth_path, "-o", tmp_path / "a", *args, "--equal-count")
+    b = run_cli("pack", synth_path, "-o", tmp_path / "b", *args, "--equal-count-trim")
+    assert a.exit_code == b.exit_code == 0, (a.output, b.output)
+    shards = sorted(
+        str(p.relative_to(tmp_path / "a")) for p in (tmp_path / "a").rglob("*.safetensors")
+    )
+    assert shards
+    for name in [*shards, "samples.parquet"]:
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name

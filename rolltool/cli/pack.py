@@ -57,7 +57,8 @@ BUDGET = (f"Hard token budget per micro-batch [default: --row-len when given, el
     opt("--model-config", click.Path(dir_okay=False), None, "A model config.json for --balance flops."),
     opt("--calibration", click.Path(dir_okay=False), None, "Coefficients for --balance calibrated (bench --calibrate)."),
     opt("--align", ALIGNS, D.align, "lockstep: ranks meet at every micro-batch (FSDP/ZeRO-3/TP); total: DDP."),
-    opt("--equal-count", bool, D.equal_count, "Give every rank the same number of samples."),
+    opt("--equal-count", bool, D.equal_count, "Give every rank the same number of samples (error when --dp does not divide a step's samples)."),
+    opt("--equal-count-trim", bool, D.equal_count_trim, "--equal-count, leaving out the last few samples of a step that --dp does not divide (counted, status count_trimmed)."),
 )  # fmt: skip
 @section(
     "Rows",

@@ -598,6 +598,7 @@ def pack_summary(manifest: Manifest, output: str) -> str:
         f"wrote {manifest.num_steps} steps x {manifest.dp} ranks to {output}: "
         f"{s.trained:,} of {s.total:,} samples trained, {s.uniform_dropped:,} in dropped "
         f"uniform groups, {s.overlong_dropped:,} over-long, {s.leftover:,} left over"
+        + (f", {s.count_trimmed:,} trimmed for --equal-count" if s.count_trimmed else "")
     )
 
 
