@@ -376,6 +376,23 @@ def _signals_held() -> Iterator[None]:
             signal.raise_signal(signum)
 
 
+@contextmanager
+def _folder_locked(folder: Path) -> Iterator[None]:
+    """Hold a lock on `folder` (flock on the directory itself) so that two runs' swaps in it
+    never interleave; best effort where the file system has no such locks."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        yield
+        return
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 def _check_own(tmp: Path, fd: int, work: Path, shown: str) -> None:
     try:
         still = os.path.samestat(os.stat(tmp / LOCK), os.fstat(fd)) and os.path.lexists(work)
@@ -391,11 +408,11 @@ def _check_own(tmp: Path, fd: int, work: Path, shown: str) -> None:
 
 def _commit(work: Path, target: Path, tmp: Path, force: bool, shown: str) -> None:
     """Move the complete `work` to `target`, replacing what is there (module docstring)."""
-    if os.path.lexists(target):
-        if not force:
-            raise RolltoolError(f"{shown} appeared while this run was writing it")
-        _check_replaceable(target, shown)
-    with _signals_held():
+    with _signals_held(), _folder_locked(target.parent):
+        if os.path.lexists(target):
+            if not force:
+                raise RolltoolError(f"{shown} appeared while this run was writing it")
+            _check_replaceable(target, shown)
         if not os.path.lexists(target):
             os.rename(work, target)
         elif work.is_file() and target.is_file() and not target.is_symlink():
