@@ -334,3 +334,24 @@ def test_force_refusals_through_the_cli(
     assert {p: _digest(p) for p in before} == before
     assert (tmp_path / "link").is_symlink() and (tmp_path / "dangling").is_symlink()
     assert not list(tmp_path.glob(".*"))
+
+
+def test_a_shard_deleted_from_the_temp_before_the_commit_is_an_error(
+    data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a cleaner that took a live run for dead did: the run must not commit the rest."""
+    import rolltool.writer
+
+    real = rolltool.writer.write_shard
+
+    def write_then_lose(root: Path, *args: Any) -> Any:
+        name, record = real(root, *args)
+        if name.endswith("step-000002-00.safetensors"):
+            (root / name).unlink()
+        return name, record
+
+    monkeypatch.setattr(rolltool.writer, "write_shard", write_then_lose)
+    result = cli("pack", data, "-o", tmp_path / "out", *PACK)
+    assert result.exit_code == 1
+    assert "vanished or changed before the commit" in result.stderr.splitlines()[0]
+    assert _visible(tmp_path) == []
