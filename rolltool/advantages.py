@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -78,6 +78,9 @@ class AdvantageInput:
     """Every env of the input; a subset (one step) may have no sample of some."""
     reward: np.ndarray  # [n] float64, equal for a rollout's branches
     trainable: np.ndarray  # [n] int64 tokens with loss_mask 1
+    group_ids: Any = None
+    """[G] the user's group_id of each group code (a pyarrow array or a sequence), for
+    messages; None names groups by code."""
 
     def __post_init__(self) -> None:
         n = len(self.group)
@@ -93,7 +96,7 @@ class AdvantageInput:
     def from_rollouts(cls, ro: Rollouts) -> AdvantageInput:
         """The scanned input's light columns (`rolltool.schema.scan`)."""
         return cls(group=ro.group, rollout=ro.rollout, env=ro.env, env_names=ro.env_names,
-                   reward=ro.reward, trainable=ro.trainable)  # fmt: skip
+                   reward=ro.reward, trainable=ro.trainable, group_ids=ro.group_ids)  # fmt: skip
 
     def take(self, indices: np.ndarray) -> AdvantageInput:
         """The samples at ``indices`` (in that order), group and rollout codes made dense again
@@ -108,7 +111,15 @@ class AdvantageInput:
             env_names=self.env_names,
             reward=self.reward[indices],
             trainable=self.trainable[indices],
+            group_ids=_take(self.group_ids, np.unique(self.group[indices])),
         )
+
+    def group_name(self, g: int) -> str:
+        """How messages name group code g: its group_id when known."""
+        if self.group_ids is None:
+            return f"group code {g}"
+        value = self.group_ids[g]
+        return f"group {getattr(value, 'as_py', lambda: value)()!r}"
 
     def without_tokens(self, mask: np.ndarray) -> AdvantageInput:
         """The same samples, those where ``mask`` holds bringing no trainable tokens: they stay
@@ -117,22 +128,45 @@ class AdvantageInput:
         return replace(self, trainable=np.where(mask, 0, self.trainable))
 
 
+def _take(ids: Any, codes: np.ndarray) -> Any:
+    if ids is None:
+        return None
+    return ids.take(codes) if hasattr(ids, "take") else [ids[int(c)] for c in codes]
+
+
 def _dense(codes: np.ndarray) -> np.ndarray:
     """Codes renumbered 0..k-1 in sorted order: ``[7, 3, 7] -> [1, 0, 1]``."""
     return np.unique(codes, return_inverse=True)[1].astype(np.int64)
 
 
+SAFE_REWARD = 1e150
+"""Largest reward magnitude whose squares and sums stay finite in float64 (1e300 each, ~1e8 of
+them); a group with a larger reward is computed in units of its largest |reward|."""
+
+
 @dataclass(frozen=True)
 class GroupStats:
-    """Per-rollout view of the input that the estimators work on (arrays indexed by rollout)."""
+    """Per-rollout view of the input that the estimators work on (arrays indexed by rollout).
+
+    Rewards, means and stds are in units of the group's ``scale``: 1 (values as given, the
+    arithmetic exactly as written) unless a reward's magnitude passes `SAFE_REWARD`, where it is
+    the group's largest |reward|, so that squares and sums of finite rewards stay finite.
+    """
 
     group: np.ndarray  # [R] int64 dense group code of each rollout
-    reward: np.ndarray  # [R] float64
+    reward: np.ndarray  # [R] float64, in units of its group's scale
     trainable: np.ndarray  # [R] int64 trainable tokens summed over the rollout's branches
     size: np.ndarray  # [G] int64 rollouts per group
-    mean: np.ndarray  # [G] float64 group mean reward
-    std: np.ndarray  # [G] float64 unbiased group std (0 for singletons)
+    mean: np.ndarray  # [G] float64 group mean reward, in units of scale
+    std: np.ndarray  # [G] float64 unbiased group std (0 for singletons), in units of scale
     uniform: np.ndarray  # [G] bool: two or more rollouts, all rewards equal
+    scale: np.ndarray  # [G] float64: 1, or the group's largest |reward| past SAFE_REWARD
+
+
+def _scales(r_group: np.ndarray, r_reward: np.ndarray, n_groups: int) -> np.ndarray:
+    big = np.zeros(n_groups)
+    np.maximum.at(big, r_group, np.abs(r_reward))
+    return np.where(big > SAFE_REWARD, big, 1.0)
 
 
 def group_stats(
@@ -149,6 +183,8 @@ def group_stats(
     # Assign in reverse so the first branch's values win (branches share one reward anyway).
     r_group[rollout[::-1]] = group[::-1]
     r_reward[rollout[::-1]] = reward[::-1]
+    scale = _scales(r_group, r_reward, n_groups)
+    r_reward = r_reward / scale[r_group]  # exact where the scale is 1
     r_train = np.bincount(rollout, weights=trainable, minlength=n_rollouts).astype(np.int64)
     size = np.bincount(r_group, minlength=n_groups).astype(np.int64)
     lo = np.full(n_groups, np.inf)
@@ -162,7 +198,7 @@ def group_stats(
     mean = np.where(lo == hi, lo, mean)
     sq = np.bincount(r_group, weights=(r_reward - mean[r_group]) ** 2, minlength=n_groups)
     std = np.sqrt(np.divide(sq, size - 1, out=np.zeros(n_groups), where=size > 1))
-    return GroupStats(r_group, r_reward, r_train, size, mean, std, uniform)
+    return GroupStats(r_group, r_reward, r_train, size, mean, std, uniform, scale)
 
 
 Estimator = Callable[[GroupStats, np.ndarray, float], np.ndarray]
@@ -177,19 +213,21 @@ def _centered(s: GroupStats) -> np.ndarray:
 
 def _grpo(s: GroupStats, mask: np.ndarray, eps: float) -> np.ndarray:
     single = s.size[s.group] == 1
-    denom = np.where(single, 1.0, s.std[s.group]) + eps
+    scale = s.scale[s.group]
+    # (r - mean) / (std + eps) in units of the scale: the scale cancels but for eps / scale.
+    denom = np.where(single, 1.0 / scale, s.std[s.group]) + eps / scale
     # A uniform group has std 0: with std_eps 0 it gets 0, not 0/0 = nan (verl's result).
     return np.divide(_centered(s), denom, out=np.zeros(len(denom)), where=denom > 0)
 
 
 def _dr_grpo(s: GroupStats, mask: np.ndarray, eps: float) -> np.ndarray:
-    return _centered(s)
+    return _centered(s) * s.scale[s.group]
 
 
 def _rloo(s: GroupStats, mask: np.ndarray, eps: float) -> np.ndarray:
     n = s.size[s.group].astype(np.float64)
     factor = np.divide(n, n - 1, out=np.ones_like(n), where=n > 1)
-    return factor * _centered(s)
+    return factor * _centered(s) * s.scale[s.group]
 
 
 def _opo(s: GroupStats, mask: np.ndarray, eps: float) -> np.ndarray:
@@ -203,11 +241,15 @@ def _opo(s: GroupStats, mask: np.ndarray, eps: float) -> np.ndarray:
     # verl divides 0/0 = nan for a group with no trainable tokens; we keep the reward (b = 0)
     # there, which is what the singleton rule gives, and the samples carry no loss anyway.
     base = np.where((s.size > 1) & (den > 0), base, 0.0)
-    return s.reward - base[s.group]
+    return (s.reward - base[s.group]) * s.scale[s.group]
 
 
 def _reinforce_pp_baseline(s: GroupStats, mask: np.ndarray, eps: float) -> np.ndarray:
-    a = _centered(s)
+    # Whitening is scale-free: in units of the largest group scale S (1 for ordinary rewards,
+    # where this is the formula as written), (a - m) / sqrt(v + 1e-8) = (a' - m') /
+    # sqrt(v' + 1e-8 / S**2).
+    top = float(s.scale[s.group[mask]].max()) if mask.any() else 1.0
+    a = _centered(s) * (s.scale[s.group] / top)
     w = s.trainable[mask].astype(np.float64)
     total = w.sum()
     if total < 2:
@@ -218,7 +260,7 @@ def _reinforce_pp_baseline(s: GroupStats, mask: np.ndarray, eps: float) -> np.nd
         )
     m = float((w * a[mask]).sum() / total)
     var = float((w * (a[mask] - m) ** 2).sum() / (total - 1))
-    return (a - m) / np.sqrt(var + 1e-8)
+    return (a - m) / np.sqrt(var + 1e-8 / top / top)
 
 
 ESTIMATORS: dict[str, Estimator] = {
@@ -270,14 +312,37 @@ def compute_advantages(config: AdvantageConfig, rollouts: AdvantageInput) -> Adv
         if not mask.any():  # none of its envs in this subset (e.g. a step): nothing to do
             continue
         r_adv[mask] = ESTIMATORS[name](stats, mask, config.std_eps)[mask]
+    _check_range(r_adv, stats, ro)
     g = ro.group
     return Advantages(
         advantage=r_adv[ro.rollout].astype(np.float32),
         group_size=stats.size[g],
-        group_reward_mean=stats.mean[g],
-        group_reward_std=stats.std[g],
+        group_reward_mean=(stats.mean * stats.scale)[g],
+        group_reward_std=(stats.std * stats.scale)[g],  # inf past float64's range
         group_uniform=stats.uniform[g],
         estimator=names[ro.env] if len(ro.env) else np.zeros(0, dtype=object),
+    )
+
+
+FLOAT32_LIMIT = float(np.finfo(np.float32).max) + 2.0**103
+"""Smallest magnitude float32 rounds to inf (its maximum plus half an ulp)."""
+
+
+def _check_range(r_adv: np.ndarray, stats: GroupStats, ro: AdvantageInput) -> None:
+    """Refuse advantages that are not finite or that float32 (the stored dtype) cannot hold,
+    naming the first such group: finite rewards can still be too far apart for estimators
+    that do not divide by the spread."""
+    bad = ~(np.abs(r_adv) < FLOAT32_LIMIT)
+    if not bad.any():
+        return
+    r = int(np.flatnonzero(bad)[0])
+    g = int(stats.group[r])
+    sel = stats.group == g
+    spread = (stats.reward[sel].max() - stats.reward[sel].min()) * stats.scale[g]
+    raise RolltoolError(
+        f"{ro.group_name(g)}: advantage {r_adv[r]:.4g} is beyond float32's range (+-3.4e38) "
+        f"(its rewards span {spread:.4g}); {int(bad.sum())} rollout(s) are",
+        hint="rescale these rewards, or use --estimator grpo (it divides by the group's std)",
     )
 
 
@@ -301,8 +366,7 @@ def summarize(adv: Advantages, ro: AdvantageInput) -> tuple[list[dict], dict]:
             "samples": int(sel.sum()),
             "uniform_groups": uniform_groups,
             "uniform_share": uniform_groups / len(groups) if len(groups) else 0.0,
-            "reward_mean": float(r.mean()) if len(r) else None,
-            "reward_std": float(r.std(ddof=1)) if len(r) > 1 else None,
+            **_reward_moments(r),
             "advantage_mean": float(a.mean()) if len(a) else None,
             "advantage_std": float(a.std(ddof=1)) if len(a) > 1 else None,
             "advantage_min": float(a.min()) if len(a) else None,
@@ -311,3 +375,15 @@ def summarize(adv: Advantages, ro: AdvantageInput) -> tuple[list[dict], dict]:
 
     rows = [row(env == i, name) for i, name in enumerate(ro.env_names)]
     return rows, row(np.ones(len(env), dtype=bool), None)
+
+
+def _reward_moments(r: np.ndarray) -> dict[str, float | None]:
+    """Mean and unbiased std of rewards, in units of the largest |reward| past `SAFE_REWARD`
+    (as the group statistics are) so that finite rewards give a finite mean."""
+    scale = float(np.abs(r).max()) if len(r) else 1.0
+    scale = scale if scale > SAFE_REWARD else 1.0
+    x = r / scale
+    return {
+        "reward_mean": float(x.mean()) * scale if len(r) else None,
+        "reward_std": float(x.std(ddof=1)) * scale if len(r) > 1 else None,
+    }

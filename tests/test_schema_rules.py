@@ -90,6 +90,24 @@ def _with(cols: dict[str, Any], name: str, i: int, value: Any) -> dict[str, Any]
 
 # -- row rules -----------------------------------------------------------------------------------
 
+LIMIT = rows.FLOAT32_LIMIT
+"""The smallest magnitude float32 cannot hold: one below it (float64's next value down) can."""
+
+
+def _f64_logprobs() -> dict[str, Any]:
+    lp = good()["logprobs"]
+    return good(logprobs=pa.array(lp.to_pylist(), pa.list_(pa.float64())))
+
+
+def test_the_float32_limit_is_where_float32_overflows() -> None:
+    below = np.nextafter(LIMIT, 0.0)
+    with np.errstate(over="ignore"):
+        assert np.isinf(np.float32(LIMIT)) and np.isinf(np.float32(-LIMIT))
+        assert np.isfinite(np.float32(below)) and np.isfinite(np.float32(-below))
+    edge = _with(_with(_f64_logprobs(), "logprobs", 3, [0.0, -below]), "advantage", 2, below)
+    assert all_rows(batch(edge)) == {}
+
+
 ROW_CASES: list[tuple[Callable, Callable[[], dict[str, Any]], str, list[int]]] = [
     (rows.nulls, lambda: _with(good(), "group_id", 2, None), "null", [2]),
     (rows.nulls, lambda: _with(good(), "reward", 1, None), "null", [1]),
@@ -112,6 +130,12 @@ ROW_CASES: list[tuple[Callable, Callable[[], dict[str, Any]], str, list[int]]] =
      "logprobs.value", [1]),
     (rows.logprobs_values, lambda: _with(good(), "logprobs", 0, [0.0, None, -1.0]),
      "logprobs.value", [0]),
+    (rows.logprobs_values, lambda: _with(_f64_logprobs(), "logprobs", 3, [0.0, -1e39]),
+     "logprobs.range", [3]),
+    (rows.logprobs_values, lambda: _with(_f64_logprobs(), "logprobs", 1, [0.0, -LIMIT]),
+     "logprobs.range", [1]),
+    (rows.advantage_values, lambda: _with(good(), "advantage", 1, 1e39), "advantage.range", [1]),
+    (rows.advantage_values, lambda: _with(good(), "advantage", 0, -LIMIT), "advantage.range", [0]),
     (rows.empty_sequence, lambda: _with(_with(_with(good(), "input_ids", 1, []), "loss_mask", 1, []),
                                         "logprobs", 1, []), "sequence.empty", [1]),
     (rows.empty_sequence, lambda: _with(_with(prompt_response(), "prompt_ids", 0, []),

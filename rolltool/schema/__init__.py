@@ -24,7 +24,9 @@ Rules and their kinds:
   are optional per sample), ``reward.value`` / ``finished_at.value`` / ``advantage.value``
   (not finite), ``loss_mask.length`` / ``logprobs.length`` (not as long as the sequence),
   ``loss_mask.value`` (not 0/1), ``token.range`` (negative, null or above 2**31 - 1: packed as
-  int32), ``logprobs.value`` (null or non-finite inside a list), ``sequence.empty``;
+  int32), ``logprobs.value`` (null or non-finite inside a list), ``logprobs.range`` /
+  ``advantage.range`` (finite, but beyond float32's +-3.4e38: they are packed as float32 and
+  would become inf), ``sequence.empty``;
 - across rows: ``sample_id.duplicate``, ``rollout.reward`` / ``rollout.advantage`` (branches of
   one rollout disagree), ``group.env`` (a group spread over two envs).
 

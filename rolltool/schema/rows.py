@@ -175,8 +175,27 @@ def finished_at_values(b: RowBatch) -> Iterator[Flagged]:
 
 
 def advantage_values(b: RowBatch) -> Iterator[Flagged]:
-    """``advantage.value``: a given advantage that is nan or infinite."""
-    return _non_finite(b, "advantage", "advantage.value")
+    """``advantage.value``: a given advantage that is nan or infinite; ``advantage.range``: a
+    finite one that float32 (the packed dtype) cannot hold: it would be packed as inf."""
+    yield from _non_finite(b, "advantage", "advantage.value")
+    values = b.floats("advantage")
+    if values is None:
+        return
+    rows = np.flatnonzero(np.isfinite(values) & (np.abs(values) >= FLOAT32_LIMIT))
+    if len(rows):
+        yield Flagged("advantage.range", rows, lambda i: _too_big("advantage", values[i]))
+
+
+FLOAT32_LIMIT = float(np.finfo(np.float32).max) + 2.0**103
+"""Smallest magnitude that float32 rounds to inf: its maximum, (2 - 2**-23) * 2**127, plus
+half an ulp (2**103; a tie rounds to even, which is inf)."""
+
+
+def _too_big(col: str, value: float) -> str:
+    return (
+        f"column '{col}' holds {value:.6g}, beyond float32's range (+-3.4e38): it would be "
+        "packed as inf"
+    )
 
 
 def mask_length(b: RowBatch) -> Iterator[Flagged]:
@@ -256,6 +275,20 @@ def logprobs_values(b: RowBatch) -> Iterator[Flagged]:
         rows = _rows_of(offsets, ~finite.to_numpy(zero_copy_only=False))
         text = _says("column 'logprobs' holds null or non-finite values")
         yield Flagged("logprobs.value", rows, text)
+    yield from _logprobs_range(offsets, values)
+
+
+def _logprobs_range(offsets: np.ndarray, values: pa.Array) -> Iterator[Flagged]:
+    """``logprobs.range``: a finite logprob float32 (the packed dtype) cannot hold."""
+    if not len(values) or values.type not in (pa.float64(), pa.float16(), pa.float32()):
+        return
+    lo_hi = pc.min_max(pc.if_else(pc.is_finite(values), values, 0.0))
+    if max(-(lo_hi["min"].as_py() or 0.0), lo_hi["max"].as_py() or 0.0) < FLOAT32_LIMIT:
+        return  # the common case, one pass
+    flat = values.fill_null(0.0).to_numpy(zero_copy_only=False)
+    rows = _rows_of(offsets, np.isfinite(flat) & (np.abs(flat) >= FLOAT32_LIMIT))
+    worst = float(flat[np.isfinite(flat)][np.argmax(np.abs(flat[np.isfinite(flat)]))])
+    yield Flagged("logprobs.range", rows, lambda i: _too_big("logprobs", worst))
 
 
 def empty_sequence(b: RowBatch) -> Iterator[Flagged]:
