@@ -671,3 +671,36 @@ def test_an_id_column_typed_differently_across_files_is_refused(
     result = run_cli("stats", tmp_path / "data")
     assert result.exit_code == 1, result.output
     assert f"column '{column}' is integer in {a} but string in {b}" in result.stderr
+
+
+@pytest.mark.parametrize("n", [5, 35, 500])
+def test_row_capacity_panel_is_readable(n: int) -> None:
+    """Issue 13: 35 overlapping percentage labels and an axis from 0 squashed the part that
+    matters. Labels only where they fit (none overlapping), the axis starting just below the
+    lowest step, every step's bar reaching 100% of its capacity inside the view."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from rolltool.stats.plot import MAX_CAPACITY_LABELS, _capacity
+
+    rng = np.random.default_rng(n)
+    eff = rng.uniform(0.55, 0.99, n)
+    pad = rng.uniform(0.0, 0.3, n) * (1 - eff)
+    steps = [
+        {"row_capacity": 10_000, "real_tokens": int(e * 10_000), "padding_tokens": int(p * 10_000)}
+        for e, p in zip(eff, pad, strict=True)
+    ]
+    fig = Figure(figsize=(7, 4.5), layout="constrained")
+    ax = fig.subplots()
+    _capacity(ax, steps, np.arange(n), {"packing_efficiency": 0.8, "padding_fraction": 0.05})
+    renderer = _drawn(fig)
+    lo, hi = ax.get_ylim()
+    assert 0 < lo <= eff.min() - 0.05 and hi >= 1.0
+    labels = [t for t in ax.texts if t.get_text()]
+    assert len(labels) == (n if n <= MAX_CAPACITY_LABELS else 0)
+    boxes = [t.get_window_extent(renderer) for t in labels]
+    for i, a in enumerate(boxes):
+        assert not any(a.overlaps(b) for b in boxes[i + 1 :]), labels[i].get_text()
+    tops = [p.get_y() + p.get_height() for p in ax.patches]
+    assert len(tops) == 3 * n and max(tops) == pytest.approx(1.0)
+    assert all(label.endswith("%") for _, label in _ticks(ax.yaxis))

@@ -131,6 +131,67 @@ def _lengths(ax: Any, lengths: dict[str, ValueCounts], colors: dict[str, Any], t
     ax.set_ylabel("samples")
 
 
+MAX_CAPACITY_LABELS = 12
+"""Up to this many steps, each bar of the row-capacity panel is labelled with its packing
+efficiency; more steps get a mean line instead (labels would overlap)."""
+
+
+def _capacity_floor(efficiency: np.ndarray) -> float:
+    """Where the row-capacity panel's axis starts: 10% below the lowest step's efficiency,
+    rounded down to a multiple of 10% (0 when a step is below 20%), so that the part that
+    differs between steps fills the panel.
+
+    >>> _capacity_floor(np.array([0.83, 0.97])), _capacity_floor(np.array([0.15, 0.9]))
+    (0.7, 0.0)
+    """
+    lowest = float(efficiency.min(initial=1.0))
+    return max(0.0, float(np.floor((lowest - 0.1) * 10 + 1e-9)) / 10) if lowest >= 0.2 else 0.0
+
+
+def _capacity(ax: Any, steps: list[dict[str, Any]], x: np.ndarray, totals: dict[str, Any]) -> None:
+    """Row capacity per step as shares of it (real tokens, padding, unused), the axis zoomed on
+    the range the steps cover; labels per bar up to `MAX_CAPACITY_LABELS` steps, else a mean."""
+    from matplotlib.ticker import PercentFormatter
+
+    cap = np.array([s["row_capacity"] for s in steps], dtype=np.float64)
+    cap[cap == 0] = 1.0
+    real = np.array([s["real_tokens"] for s in steps], dtype=np.float64) / cap
+    pad = np.array([s["padding_tokens"] for s in steps], dtype=np.float64) / cap
+    unused = np.maximum(1.0 - real - pad, 0.0)
+    many = len(steps) > 60
+    bar = {"width": 1.0 if many else 0.85, "linewidth": 0}
+    ax.bar(x, real, color="tab:green", alpha=0.8, label="real tokens", **bar)
+    ax.bar(x, pad, bottom=real, color="tab:red", label="padding", **bar)
+    ax.bar(x, unused, bottom=real + pad, color="0.88", label="unused row capacity", **bar)
+    floor = _capacity_floor(real)
+    if len(steps) <= MAX_CAPACITY_LABELS:
+        for xi, r in zip(x, real, strict=True):
+            ax.text(xi, r - 0.01, f"{r:.0%}", ha="center", va="top", fontsize=9, color="white")
+    elif totals["packing_efficiency"] is not None:
+        run = float(totals["packing_efficiency"])
+        ax.axhline(run, color="black", ls="--", lw=1, label=f"whole run {run:.1%}")
+    ax.set_ylim(floor, 1.12)  # room for the legend above 100%
+    ax.set_yticks([t for t in ax.get_yticks() if floor <= t <= 1.0 + 1e-9])
+    ax.yaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
+    ax.set_title(
+        f"Row capacity per step (packing efficiency {totals['packing_efficiency']:.1%}, "
+        f"padding {totals['padding_fraction']:.1%})",
+        loc="left",
+        fontsize=11,
+    )
+    ax.set_xlabel(
+        "step" if len(steps) > MAX_CAPACITY_LABELS else "step (label: packing efficiency)"
+    )
+    ax.set_ylabel("share of row capacity" + (f" (axis from {floor:.0%})" if floor else ""))
+    ax.legend(frameon=False, fontsize=8, loc="upper left", ncols=4)
+    if len(steps) <= 20:
+        ax.set_xticks(x)
+    else:
+        _integer(ax.xaxis)
+    if many:
+        ax.set_xlim(float(x.min()) - 0.5, float(x.max()) + 0.5)
+
+
 def _packed_figure(stats: Stats, step: int | None) -> Any:
     from matplotlib.ticker import FuncFormatter
 
@@ -231,32 +292,7 @@ def _packed_figure(stats: Stats, step: int | None) -> Any:
         if mean_line is not None:
             ax_rank.legend([mean_line], ["mean rank load"], frameon=False, fontsize=8, loc="upper left")  # fmt: skip
 
-    real = np.array([s["real_tokens"] for s in steps], dtype=np.float64)
-    pad = np.array([s["padding_tokens"] for s in steps], dtype=np.float64)
-    unused = np.array([s["row_capacity"] - s["row_tokens"] for s in steps], dtype=np.float64)
-    unused = np.maximum(unused, 0)
-    ax_pad.bar(x, real, color="tab:green", alpha=0.8, width=0.85, label="real tokens")
-    ax_pad.bar(x, pad, bottom=real, color="tab:red", width=0.85, label="padding")
-    ax_pad.bar(x, unused, bottom=real + pad, color="0.85", hatch="//", edgecolor="0.6", width=0.85, label="unused row capacity")  # fmt: skip
-    if len(steps) <= 40:
-        for xi, s, top in zip(x, steps, real + pad + unused, strict=True):
-            eff = s["packing_efficiency"]
-            if eff is not None:
-                ax_pad.text(xi, top, f"{eff:.0%}", ha="center", va="bottom", fontsize=8)
-    ax_pad.set_ylim(0, float((real + pad + unused).max(initial=1)) * 1.22)
-    ax_pad.yaxis.set_major_formatter(FuncFormatter(_si))
-    ax_pad.set_title(
-        f"Row capacity per step: real tokens, padding, unused (padding {rep['totals']['padding_fraction']:.1%})",
-        loc="left",
-        fontsize=11,
-    )
-    ax_pad.set_xlabel("step (label: packing efficiency)")
-    ax_pad.set_ylabel("tokens")
-    ax_pad.legend(frameon=False, fontsize=8, loc="upper left", ncols=3)
-    if len(steps) <= 20:
-        ax_pad.set_xticks(x)
-    else:
-        _integer(ax_pad.xaxis)
+    _capacity(ax_pad, steps, x, rep["totals"])
     return fig
 
 
