@@ -46,14 +46,18 @@ __all__ = [
 # A grid is [dp][M] lists of sample-index arrays: grid[r][j] is rank r's micro-batch j.
 Grid = list[list[np.ndarray]]
 
-FILL_PER_BIN = (1, 2, 3, 4)
+FILL_PER_BIN = (1, 4)
 """``refill`` candidates: take out this many short samples per bin (on average), then put them
-back. One per bin is cheap and enough when bins hold many samples; more regroup the bins of a
-heavy-tailed step (few samples per bin) almost from scratch: tried only up to ``FEW_PER_BIN``
-samples per bin."""
+back. One per bin is cheap and enough when bins hold many samples; four regroup the bins of a
+heavy-tailed step (few samples per bin: nearly all of them) from scratch, tried only up to
+``FEW_PER_BIN`` samples per bin. (2 and 3 per bin never did better than the pair in the
+benchmark's agent steps.)"""
 
 FEW_PER_BIN = 4
 """Samples per bin (on average) up to which ``refill`` also tries the larger ``FILL_PER_BIN``."""
+
+RAISE_FIRST = 8
+"""``refill``: bins whose raise is priced exactly first (the lowest lower bounds)."""
 
 ROBUST_TOLERANCE = 5e-4
 """``choose`` trades up to this much lockstep cost (of the ideal) for the best balance in tokens:
@@ -170,7 +174,7 @@ def _put_back(
             most = float(lift.max())
             b = int(np.argmax(np.where(lift >= most, over, -np.inf)))
         elif ok.any():
-            b = _least_raise(ok, over, c, room, top, short, ti, ci, unit, dp)
+            b = _least_raise(ok, over, c, room, short, ci, unit, dp)
         else:
             return False
         labels[i] = b
@@ -188,25 +192,48 @@ def _least_raise(
     over: np.ndarray,
     c: np.ndarray,
     room: np.ndarray,
-    top: np.ndarray,
     short: np.ndarray,
-    ti: int,
     ci: float,
     unit: float,
     dp: int,
 ) -> int:
     """The bin where a sample that fits under no slot's max raises (that max + the shortfall of
-    the slot's other bins) least; ties to the most room."""
+    the slot's other bins) least; ties to the most room, then the first bin.
+
+    A raise costs at least ``over - short`` of its bin (the other bins' shortfalls only grow), so
+    the exact figure is needed only where that bound is under the best exact one found: the
+    ``RAISE_FIRST`` lowest bounds first, then every bin whose bound is not above their best.
+    """
     bins = np.flatnonzero(ok)
+    bound = over[bins] - short[bins]
+    tol = 1e-9 * max(abs(ci), 1.0)
+    look = bins
+    if len(bins) > RAISE_FIRST:
+        first = bins[np.argpartition(bound, RAISE_FIRST)[:RAISE_FIRST]]
+        best = float(_raise_costs(first, c, room, over, short, ci, unit, dp).min())
+        look = bins[bound <= best + tol]
+    pen = _raise_costs(look, c, room, over, short, ci, unit, dp)
+    near = pen <= pen.min() + tol
+    return int(look[np.argmax(np.where(near, room[look], -1))])
+
+
+def _raise_costs(
+    bins: np.ndarray,
+    c: np.ndarray,
+    room: np.ndarray,
+    over: np.ndarray,
+    short: np.ndarray,
+    ci: float,
+    unit: float,
+    dp: int,
+) -> np.ndarray:
+    """What raising each of ``bins``' slot max adds: the raise, plus how much more the slot's
+    other bins fall short of the new max than of the old (a bin's own shortfall is gone)."""
     new = c[bins] + ci
-    first = bins - bins % dp
-    slot = first[:, None] + np.arange(dp)  # [k, dp] the bins of each candidate's slot
-    ceil = c[slot] + unit * room[slot]
-    after = np.maximum(new[:, None] - ceil, 0.0)
-    after[slot == bins[:, None]] = 0.0  # the bin itself reaches the new max
-    pen = over[bins] + after.sum(axis=1) - short[slot].sum(axis=1)
-    best = pen <= pen.min() + 1e-9 * max(abs(ci), 1.0)
-    return int(bins[np.argmax(np.where(best, room[bins], -1))])
+    slot = (bins - bins % dp)[:, None] + np.arange(dp)  # [k, dp] the bins of each one's slot
+    after = np.maximum(new[:, None] - c[slot] - unit * room[slot], 0.0)
+    after[slot == bins[:, None]] = 0.0
+    return over[bins] + after.sum(axis=1) - short[slot].sum(axis=1)
 
 
 def _unit_cost(items: np.ndarray, length: np.ndarray, cost: np.ndarray) -> float:
