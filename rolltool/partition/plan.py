@@ -288,19 +288,26 @@ def _lockstep_grid(
 
 def _robust(grid: Grid, length: np.ndarray, cost: np.ndarray, cap: int) -> Grid:
     """The grid or one of its ``slots.refill`` variants (``FILL_PER_BIN`` short samples per bin
-    taken out and put back; the larger only up to ``FEW_PER_BIN`` samples per bin), chosen by ``slots.choose``: lowest lockstep cost, ties within
-    ``ROBUST_TOLERANCE`` to the most even tokens per slot."""
+    taken out and put back), chosen by ``slots.choose``: lowest lockstep cost, ties within
+    ``ROBUST_TOLERANCE`` to the most even tokens per slot. A step with few samples per bin (up to
+    ``FEW_PER_BIN``) also tries the larger refills, and then refills the chosen grid once more
+    (its slots regrouped: in the benchmark's agent steps 1.0031 -> 1.0029 at worst)."""
     dp, m = len(grid), len(grid[0])
     if dp < 2:
         return grid
-    grids = [grid]
-    for per_bin in FILL_PER_BIN:
-        if per_bin > 1 and len(length) > FEW_PER_BIN * dp * m:
-            continue
-        variant = refill(grid, length, cost, cap, per_bin * dp * m)
-        if variant is not None:
-            grids.append(variant)
-    return grids[choose(grids, cost, length)]
+    few = len(length) <= FEW_PER_BIN * dp * m
+    variants = [
+        refill(grid, length, cost, cap, per_bin * dp * m)
+        for per_bin in FILL_PER_BIN
+        if per_bin == 1 or few
+    ]
+    grids = [grid, *(g for g in variants if g is not None)]
+    best = grids[choose(grids, cost, length)]
+    if few:
+        again = refill(best, length, cost, cap, FILL_PER_BIN[0] * dp * m)
+        if again is not None:
+            best = [best, again][choose([best, again], cost, length)]
+    return best
 
 
 CANDIDATES_UP_TO = 512
