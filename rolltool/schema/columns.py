@@ -45,7 +45,30 @@ def token_format(names: Collection[str]) -> str | None:
     return "input_ids" if "loss_mask" in names else None
 
 
+def plain_type(t: pa.DataType) -> pa.DataType:
+    """The type values are read as: a dictionary's value type (pandas categoricals), ``string``
+    for ``string_view``; any other type as it is."""
+    if pa.types.is_dictionary(t):
+        return plain_type(t.value_type)
+    if pa.types.is_string_view(t):
+        return pa.string()
+    return t
+
+
+def plain_columns(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """`batch` with dictionary and string_view columns decoded to `plain_type` (no copy when
+    there are none)."""
+    types = [plain_type(f.type) for f in batch.schema]
+    if all(t == f.type for t, f in zip(types, batch.schema, strict=True)):
+        return batch
+    arrays = [
+        col if t == col.type else col.cast(t) for t, col in zip(types, batch.columns, strict=True)
+    ]
+    return pa.RecordBatch.from_arrays(arrays, names=batch.schema.names)
+
+
 def is_id_type(t: pa.DataType) -> bool:
+    t = plain_type(t)
     return pa.types.is_integer(t) or pa.types.is_string(t) or pa.types.is_large_string(t)
 
 
@@ -62,6 +85,7 @@ def _is_number(t: pa.DataType) -> bool:
 
 
 def _is_string(t: pa.DataType) -> bool:
+    t = plain_type(t)
     return pa.types.is_string(t) or pa.types.is_large_string(t)
 
 
@@ -171,7 +195,7 @@ def id_type_conflicts(schemas: Iterable[tuple[str, pa.Schema]]) -> list[str]:
     for path, schema in schemas:
         for col in ID_COLUMNS:
             if col in schema.names and is_id_type(t := schema.field(col).type):
-                kind = "integer" if pa.types.is_integer(t) else "string"
+                kind = "integer" if pa.types.is_integer(plain_type(t)) else "string"
                 first.setdefault((col, kind), path)
     return [
         f"column '{col}' is integer in {first[(col, 'integer')]} but string in "

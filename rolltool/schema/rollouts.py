@@ -21,6 +21,7 @@ from rolltool.schema.columns import (
     FileColumns,
     file_columns,
     is_id_type,
+    plain_columns,
 )
 from rolltool.schema.rows import ROW_RULES, Flagged, row_batch
 from rolltool.source import InputFile, check_mapping, file_schema, iter_row_groups
@@ -144,13 +145,14 @@ def _batches(
     table: pa.Table | None,
     on_row_group: Callable[[int, int, pa.Table], None] | None,
 ) -> Iterator[pa.RecordBatch]:
+    """The file's scanned columns in batches, dictionary and string_view columns decoded."""
     if table is not None:
-        yield from table.to_batches(max_chunksize=65_536)
+        yield from map(plain_columns, table.to_batches(max_chunksize=65_536))
         return
     for rg, t in iter_row_groups(fc.file, rename, [c for c in SCAN_COLUMNS if c not in fc.skip]):
         if on_row_group is not None:
             on_row_group(k, rg, t)
-        yield from t.to_batches(max_chunksize=65_536)
+        yield from map(plain_columns, t.to_batches(max_chunksize=65_536))
 
 
 def _scan_rows(

@@ -52,6 +52,11 @@ class RowBatch:
 
 
 def _floats(arr: pa.Array) -> np.ndarray:
+    """float64 values; timestamps as seconds since the epoch (nanoseconds kept as far as
+    float64 holds them: a cast to microseconds would refuse to lose them)."""
+    if pa.types.is_timestamp(arr.type) and arr.type.unit == "ns":
+        ns = arr.view(pa.int64()).fill_null(0).to_numpy(zero_copy_only=False)
+        return np.where(_null(arr), np.nan, ns / 1e9)
     if pa.types.is_timestamp(arr.type):
         arr = pc.divide(pc.cast(pc.cast(arr, pa.timestamp("us")), pa.int64()), 1e6)
     return np.asarray(pc.cast(arr, pa.float64()).to_numpy(zero_copy_only=False), dtype=np.float64)
