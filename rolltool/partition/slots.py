@@ -209,10 +209,18 @@ def _least_raise(
     tol = 1e-9 * max(abs(ci), 1.0)
     look = bins
     if len(bins) > RAISE_FIRST:
-        first = bins[np.argpartition(bound, RAISE_FIRST)[:RAISE_FIRST]]
-        best = float(_raise_costs(first, c, room, over, short, ci, unit, dp).min())
-        look = bins[bound <= best + tol]
-    pen = _raise_costs(look, c, room, over, short, ci, unit, dp)
+        pick = np.argpartition(bound, RAISE_FIRST)[:RAISE_FIRST]
+        pen = _raise_costs(bins[pick], c, room, over, short, ci, unit, dp)
+        need = bound <= float(pen.min()) + tol
+        if need.sum() == need[pick].sum():  # every bin that could win was priced
+            priced = np.full(len(bins), np.inf)
+            priced[pick] = pen
+            look, pen = bins[need], priced[need]
+        else:
+            look = bins[need]
+            pen = _raise_costs(look, c, room, over, short, ci, unit, dp)
+    else:
+        pen = _raise_costs(look, c, room, over, short, ci, unit, dp)
     near = pen <= pen.min() + tol
     return int(look[np.argmax(np.where(near, room[look], -1))])
 
