@@ -328,6 +328,8 @@ def _rolltool_rows(
                            (name + " dM", plan.num_micro_batches - bound),
                            (name + " over FFD", plan.num_micro_batches - plan.ffd_micro_batches)):  # fmt: skip
             worst[key] = max(worst.get(key, -1e9), value)
+        over_ffd = plan.num_micro_batches > (plan.ffd_micro_batches or 0)
+        worst[name + " steps over FFD"] = worst.get(name + " steps over FFD", 0) + over_ffd
 
 
 def _baseline_rows(seed: int, lengths: np.ndarray, dp: int, cap: int, wl: Any) -> None:
@@ -354,8 +356,9 @@ def _plan_targets(worst: dict[str, float], regime: str) -> None:
         w = worst[f"{lock} {f}"]
         print(f"- lockstep overhead <= 1.008 with the L² coefficient {f}: worst {w:.4f} "
               f"({_met(w <= 1.008)})")  # fmt: skip
-    over = worst[lock + " over FFD"]
-    print(f"- micro-batches no more than FFD's: worst {over:+.0f} ({_met(over <= 0)})")
+    over, steps = worst[lock + " over FFD"], worst[lock + " steps over FFD"]
+    print(f"- micro-batches no more than FFD's: worst {over:+.0f}, {steps:.0f} step(s) above "
+          f"({_met(over <= 0)}; one more is allowed where it steps >= 0.1% faster, WIDER_GAIN)")
     if regime == "synth":
         ms = worst[lock + " ms"]
         print(f"- plan time <= 50 ms (dp 8 x 1,024): worst median {ms:.1f} ms ({_met(ms <= 50)})")
