@@ -358,7 +358,7 @@ def _plan_targets(worst: dict[str, float], regime: str) -> None:
               f"({_met(w <= 1.008)})")  # fmt: skip
     over, steps = worst[lock + " over FFD"], worst[lock + " steps over FFD"]
     print(f"- micro-batches no more than FFD's: worst {over:+.0f}, {steps:.0f} step(s) above "
-          f"({_met(over <= 0)}; one more is allowed where it steps >= 0.1% faster, WIDER_GAIN)")
+          f"({_met(over <= 0)}; one more is allowed where it steps >= 0.1% faster, WIDER_GAIN)")  # fmt: skip
     if regime == "synth":
         ms = worst[lock + " ms"]
         print(f"- plan time <= 50 ms (dp 8 x 1,024): worst median {ms:.1f} ms ({_met(ms <= 50)})")
