@@ -210,6 +210,20 @@ class Workload:
         length = np.asarray(lengths, dtype=np.float64)
         return self.c + length * (self.a + self.b * length)
 
+    def unreliable(self) -> str | None:
+        """For a calibration that ``rolltool bench`` flagged (``"reliable": false``, or its
+        ``warning`` in files written before that flag), a sentence saying so; else None."""
+        if self.kind != "calibrated":
+            return None
+        flagged = self.notes.get("reliable") is False or "warning" in self.notes
+        if not flagged:
+            return None
+        why = str(self.notes.get("warning") or "bench marked its fit unreliable")
+        return (
+            f"calibration file {self.source}: {why}; the balance follows those coefficients "
+            "anyway (bench again on a quiet device, or use --balance flops)"
+        )
+
     def describe(self) -> str:
         """One line for people, e.g. ``flops(dense-7b): 4.56e+10·L + 6.02e+05·L²``."""
         terms = [f"{v:.3g}{s}" for v, s in ((self.c, ""), (self.a, "·L"), (self.b, "·L²")) if v]

@@ -736,3 +736,83 @@ def test_cli_import_does_not_import_torch() -> None:
     code = "import sys, rolltool.cli, rolltool.cli.bench, rolltool.bench; assert 'torch' not in sys.modules"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def _repeats_device(monkeypatch, noise: float, repeats: int = 5) -> None:
+    """Row time proportional to tokens, each repeat scaled per row by up to ±``noise``."""
+    from rolltool.bench import run
+
+    rng = np.random.default_rng(1)
+
+    def fake(torch: Any, backend: Any, rows: Any, config: Any, **_: Any) -> np.ndarray:
+        base = np.array([1e-6 * r.tokens for r in rows])
+        return base * (1 + rng.uniform(-noise, noise, size=(repeats, len(rows))))
+
+    monkeypatch.setattr(run, "time_rows", fake)
+
+
+def test_noisy_repeats_warn_that_efficiencies_are_unsupported(
+    run_cli, packed_dirs, monkeypatch
+) -> None:
+    """Issue 13: CPU runs gave 60%, 78% and 98% efficiency on the same data without a word.
+    Repeats whose efficiencies range wider than what the figure says is lost: a warning naming
+    the range; steady repeats: none."""
+    _repeats_device(monkeypatch, noise=0.6)
+    noisy = run_cli("bench", packed_dirs["tokens"], *TINY, "--json")
+    assert noisy.exit_code == 0, noisy.output
+    doc = json.loads(noisy.stdout)
+    r = doc["noise"]["lockstep_efficiency"]
+    assert doc["noise"]["repeats"] == 5 and r["max"] - r["min"] > 0.02
+    assert "timing noise is as large as the imbalance" in noisy.stderr
+    assert "on CPU" in noisy.stderr
+    _repeats_device(monkeypatch, noise=0.0)
+    steady = run_cli("bench", packed_dirs["tokens"], *TINY, "--json")
+    assert steady.exit_code == 0, steady.output
+    assert "timing noise" not in steady.stderr
+    assert json.loads(steady.stdout)["noise"]["row_spread"] == pytest.approx(0.0)
+
+
+def test_repeat_spread_against_each_pass_alone() -> None:
+    """The range is over the efficiencies of each timed pass computed on its own (slow: the
+    efficiencies by hand from the formulas of the module docstring)."""
+    from rolltool.bench.report import repeat_spread
+
+    rng = np.random.default_rng(0)
+    dp, steps, m = 3, 4, 2
+    step, rank, mb = (a.ravel() for a in np.meshgrid(range(steps), range(dp), range(m), indexing="ij"))  # fmt: skip
+    times = rng.uniform(0.5, 1.5, size=(6, len(step)))
+    spread = repeat_spread(step, rank, mb, times, dp)
+    lock = []
+    for t in times:
+        grid = t.reshape(steps, dp, m)
+        ideal = grid.sum() / dp
+        lock.append(ideal / sum(grid[s].max(axis=0).sum() for s in range(steps)))
+    assert spread["lockstep_efficiency"]["min"] == pytest.approx(min(lock))
+    assert spread["lockstep_efficiency"]["max"] == pytest.approx(max(lock))
+    assert spread["repeats"] == 6
+
+
+def test_fit_warning_without_calibrate_and_reliable_flag(
+    run_cli, packed_dirs, monkeypatch, tmp_path: Path
+) -> None:
+    """R² near 0 warns even without --calibrate; the calibration file says ``reliable``, and
+    pack --balance calibrated warns on a file marked unreliable (and not on a good one)."""
+    from rolltool.bench import run
+
+    rng = np.random.default_rng(0)
+    monkeypatch.setattr(run, "time_rows", lambda torch, be, rows, config, **_: rng.uniform(1e-3, 2e-3, size=(1, len(rows))))  # fmt: skip
+    plain = run_cli("bench", packed_dirs["flops"], *TINY)
+    assert plain.exit_code == 0 and "unreliable" in plain.stderr
+    bad = tmp_path / "bad.json"
+    assert run_cli("bench", packed_dirs["flops"], *TINY, "--calibrate", bad).exit_code == 0
+    assert json.loads(bad.read_text())["reliable"] is False
+    _synthetic_device(monkeypatch, 1e-12)
+    good = tmp_path / "good.json"
+    assert run_cli("bench", packed_dirs["flops"], *TINY, "--calibrate", good).exit_code == 0
+    assert json.loads(good.read_text())["reliable"] is True
+    data = packed_dirs["flops"].parent / "synth.parquet"
+    for cal, warned in ((bad, True), (good, False)):
+        result = run_cli("pack", data, "--dp", "2", "--batch-size", "16", "--balance",
+                         "calibrated", "--calibration", cal, "-o", tmp_path / f"p-{cal.stem}")  # fmt: skip
+        assert result.exit_code == 0, result.output
+        assert (f"calibration file {cal}" in result.stderr) is warned, result.stderr

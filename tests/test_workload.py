@@ -329,3 +329,28 @@ def test_calibration_file_mistakes(tmp_path) -> None:
         make_workload("calibrated", calibration=tmp_path / "missing.json")
     path.write_text(json.dumps({"a": 1, "b": 0}))  # integers are numbers
     assert make_workload("calibrated", calibration=path).a == 1.0
+
+
+def test_unreliable_calibration_is_named(tmp_path) -> None:
+    """bench's flag (``reliable: false``) or its warning (files written before the flag) make
+    ``Workload.unreliable`` a sentence naming the file; a good file, or another kind, None."""
+    import json
+
+    from rolltool.workload import make_workload
+
+    cases = {
+        "flagged": ({"a": 1e-7, "b": 1e-12, "reliable": False}, True),
+        "old": ({"a": 1e-7, "b": 1e-12, "warning": "the fit is unreliable (R² 0.010 < 0.9)"}, True),
+        "good": ({"a": 1e-7, "b": 1e-12, "reliable": True, "r2": 0.99}, False),
+    }
+    for name, (doc, flagged) in cases.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(doc))
+        said = make_workload("calibrated", calibration=path).unreliable()
+        assert (said is not None) is flagged, name
+        if said is not None:
+            assert str(path) in said
+    assert "R² 0.010" in (
+        make_workload("calibrated", calibration=tmp_path / "old.json").unreliable() or ""
+    )
+    assert make_workload("flops").unreliable() is None

@@ -13,6 +13,7 @@ from typing import Any
 from rich.console import Group, RenderableType
 from rich.table import Table
 
+from rolltool.bench.report import noise_warning
 from rolltool.errors import RolltoolError
 from rolltool.numfmt import big, count, ms, num, pct
 
@@ -52,13 +53,20 @@ def render(doc: dict[str, Any], *, rows: bool = False) -> RenderableType:
 
 
 def warnings(doc: dict[str, Any]) -> list[str]:
-    """Directories that hold different samples; a fit too poor to calibrate with."""
+    """Directories that hold different samples; a fit too poor to trust (or calibrate with);
+    efficiencies that timing noise moves as much as the imbalance they report."""
     found = []
     if "comparison" in doc and not doc["comparison"]["same_input"]:
         found.append("the directories hold different samples/tokens")
     if doc["fit_warning"] and doc["calibration_file"]:
         found.append(f"{doc['fit_warning']} (written anyway to {doc['calibration_file']}, "
                      "with this warning)")  # fmt: skip
+    elif doc["fit_warning"]:
+        found.append(doc["fit_warning"])
+    for run in doc.get("runs", [doc]):
+        noisy = noise_warning(run, str(doc["config"].get("device")))
+        if noisy is not None:
+            found.append(noisy)
     return found
 
 

@@ -24,6 +24,7 @@ workload pack balances on, so a FLOP here is the same FLOP there.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -207,3 +208,62 @@ def proportional_fit(predicted: np.ndarray, seconds: np.ndarray) -> dict[str, An
 def calibration(fit: Mapping[str, Any], notes: Mapping[str, Any]) -> dict[str, Any]:
     """The file ``pack --balance calibrated`` reads: ``{"a": s/token, "b": s/token², ...notes}``."""
     return {"a": fit["a"], "b": fit["b"], "r2": fit["r2"], "rows": fit["rows"], **notes}
+
+
+def repeat_spread(
+    step: np.ndarray, rank: np.ndarray, micro_batch: np.ndarray, times: np.ndarray, dp: int
+) -> dict[str, Any]:
+    """How far timing noise alone moves the run's efficiencies: each of the ``[repeats, n]``
+    timed passes taken alone gives its own total dp and lockstep efficiency; their range is
+    the least difference the reported efficiencies can support. ``row_spread``: the median over
+    rows of (max - min) / median of a row's repeats.
+
+    Example: efficiencies 0.97, 0.78 and 0.60 over three passes: range 0.37, far above the
+    0.03 the best of them says is lost to imbalance.
+    """
+    per = [total_times(step_times(step, rank, micro_batch, t, dp)) for t in times]
+    spread: dict[str, Any] = {"repeats": len(per)}
+    for key in ("dp_efficiency", "lockstep_efficiency"):
+        xs = [p[key] for p in per if math.isfinite(p[key])]
+        spread[key] = {"min": min(xs), "max": max(xs)} if xs else None
+    median = np.median(times, axis=0) if times.size else np.zeros(0)
+    ok = median > 0
+    rel = (times.max(axis=0)[ok] - times.min(axis=0)[ok]) / median[ok] if times.size else median
+    spread["row_spread"] = float(np.median(rel)) if rel.size else None
+    return spread
+
+
+NOISE_FLOOR = 0.01
+"""A repeat range of the efficiencies below this (1 point) is never called noisy."""
+
+
+def noise_warning(run: Mapping[str, Any], device: str) -> str | None:
+    """A sentence when the repeats' range of an efficiency exceeds `NOISE_FLOOR` and a quarter
+    of what the reported efficiency says is lost (1 - efficiency): the timings cannot support
+    the figure (CPU timings of small rows, a busy device). None otherwise, or with one repeat.
+
+    >>> run = {"path": "d", "total": {"lockstep_efficiency": 0.78, "dp_efficiency": 0.9},
+    ...        "noise": {"repeats": 3, "lockstep_efficiency": {"min": 0.6, "max": 0.98},
+    ...                  "dp_efficiency": {"min": 0.89, "max": 0.91}, "row_spread": 0.4}}
+    >>> noise_warning(run, "cpu")[:48]
+    'd: timing noise is as large as the imbalance mea'
+    """
+    noise = run.get("noise") or {}
+    if noise.get("repeats", 0) < 2:
+        return None
+    shaky = []
+    for key, name in (("lockstep_efficiency", "lockstep"), ("dp_efficiency", "dp")):
+        r, e = noise.get(key), run["total"][key]
+        if r is None or not math.isfinite(e):
+            continue
+        if r["max"] - r["min"] > max(NOISE_FLOOR, 0.25 * (1 - e)):
+            shaky.append(f"{name} efficiency {e:.1%} ranges {r['min']:.1%}-{r['max']:.1%}")
+    if not shaky:
+        return None
+    where = " (timings on CPU are noisy: bench on the GPU you train on)" if device == "cpu" else ""
+    return (
+        f"{run['path']}: timing noise is as large as the imbalance measured "
+        f"({'; '.join(shaky)} over {noise['repeats']} repeats, rows vary by "
+        f"{noise.get('row_spread') or 0:.0%}): do not read the efficiencies, or differences "
+        f"between directories, more finely than that; raise --repeats or --layers{where}"
+    )

@@ -121,6 +121,7 @@ def report_one(
         "throughput": rp.throughput(
             float(flops.sum()), float(seconds.sum()), dev_name, setup.dtype
         ),
+        "noise": rp.repeat_spread(step, rank, mb, times, packed.dp),
         "fit": rp.fit_quadratic(tokens, sum_sq, seconds),
         "workload_fit": rp.proportional_fit(predicted, seconds),
         "flops_fit": rp.proportional_fit(flops, seconds),
@@ -193,6 +194,7 @@ def run_bench(
     runs, fit = time_and_report(torch, be, packed, setup, dev_name, progress)
     notes = _notes(setup, be, dev_name, torch, paths)
     warning = fit_warning(fit)
+    notes["reliable"] = warning is None  # pack --balance calibrated warns on False
     if warning is not None:
         notes["warning"] = warning
     checks_ok = all(r.get("check", {}).get("ok", True) for r in runs)
