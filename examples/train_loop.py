@@ -1,23 +1,35 @@
-"""A minimal consumer of `rolltool pack` output: a tiny causal LM trained with the packed files.
+"""A minimal consumer of `rolltool pack` output: one process plays every rank, step by step.
 
     rolltool pack examples/rollouts.parquet --dp 8 -o packed && python examples/train_loop.py packed
+    python examples/train_loop.py packed --start-step 3      # resume: steps 3.. only
 
 Why the plain sum is right: every token's `loss_weight` already divides by the *step's*
 denominator (e.g. 1 / trainable tokens of the whole step, over all ranks), so summing
 `loss_weight * token_loss` over a rank's rows and summing gradients over ranks gives exactly the
 step's loss, however the samples were packed. (DDP averages gradients over ranks: multiply by dp.)
-Here one process plays every rank in turn, so gradients simply accumulate.
+Here the ranks take turns in one process, so gradients simply accumulate.
+
+The model is a linear-time stand-in (a causal mean restarting at every segment) so this runs in
+seconds on the whole example; examples/train_ddp.py is the real thing: one process per rank under
+torchrun, a causal transformer attending per segment, gradients all-reduced.
 """
 
+import argparse
 import itertools
-import sys
 
 import torch
+from torch.utils.data import DataLoader
 
 import rolltool
 
 VOCAB, DIM = 256, 32
-ds = rolltool.open_packed(sys.argv[1] if len(sys.argv) > 1 else "packed")
+
+parser = argparse.ArgumentParser(description="Train a tiny model on a packed directory.")
+parser.add_argument("packed", nargs="?", default="packed")
+parser.add_argument("--start-step", type=int, default=0, help="resume at this step")
+args = parser.parse_args()
+
+ds = rolltool.open_packed(args.packed)
 emb, mix, head = (
     torch.nn.Embedding(VOCAB, DIM),
     torch.nn.Linear(2 * DIM, DIM),
@@ -32,8 +44,6 @@ def token_logprobs(mb: dict) -> torch.Tensor:
     ids = mb["input_ids"].long() % VOCAB
     x = emb(ids)
     cu = mb["cu_seqlens"].tolist()
-    # Causal mean that restarts at every segment boundary (a linear-time stand-in for attention
-    # with cu_seqlens): no token sees another sample.
     ctx = torch.cat(
         [x[a:b].cumsum(0) / torch.arange(1, b - a + 1)[:, None] for a, b in itertools.pairwise(cu)]
     )
@@ -44,17 +54,24 @@ def token_logprobs(mb: dict) -> torch.Tensor:
     return torch.cat([torch.zeros(1), logp]).masked_fill(first, 0.0)
 
 
-for step in range(ds.num_steps):
+# One loader per rank, each reading only that rank's files, from --start-step on. Items are
+# whole packed micro-batches: batch_size=None. (A real rank makes only its own.)
+loaders = [
+    iter(DataLoader(ds.torch_dataset(rank, start_step=args.start_step), batch_size=None))
+    for rank in range(ds.dp)
+]
+for step in range(args.start_step, ds.num_steps):
+    meta = ds.step_meta(step)
     opt.zero_grad()
     step_loss = 0.0
-    for rank in range(ds.dp):  # one process plays every rank; real ranks sum gradients
-        for mb in ds.micro_batches(step, rank, torch=True):
+    for rank, loader in enumerate(loaders):
+        for mb in itertools.islice(loader, meta.ranks[rank].micro_batches):
             token_loss = -mb["advantages"] * token_logprobs(mb)  # REINFORCE-style policy loss
             loss = (mb["loss_weight"] * token_loss).sum()
             loss.backward()
             step_loss += loss.item()
     opt.step()
-    meta = ds.step_meta(step)
     print(
-        f"step {step}: loss {step_loss:+.5f}  samples {meta.samples}  trainable tokens {meta.trainable_tokens:,}"
+        f"step {step}: loss {step_loss:+.5f}  samples {meta.samples}  "
+        f"trainable tokens {meta.trainable_tokens:,}"
     )
