@@ -26,7 +26,7 @@ Replacing an existing output takes these steps, all holding the lock::
     4. delete .name.tmp-<id>
 
 A file replacing a file is one atomic ``os.replace`` instead. SIGINT and SIGTERM are held
-during the steps and delivered after them.
+(and SIGHUP) during the steps and delivered after them.
 
 **Guarantee.** Whenever a run is killed (even by SIGKILL), either ``name`` holds a complete
 output (the previous or the new one), or ``name`` is missing and ``.name.old-<id>`` holds the
@@ -360,13 +360,18 @@ def remove_stale(target: Path) -> list[Path]:
 
 @contextmanager
 def _signals_held() -> Iterator[None]:
-    """Hold SIGINT and SIGTERM for the block and deliver them after it (main thread only)."""
+    """Hold SIGINT, SIGTERM and SIGHUP for the block and deliver them after it (main thread
+    only; an ignored signal stays ignored)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     caught: list[int] = []
-    sigs = (signal.SIGINT, signal.SIGTERM)
-    previous = {s: signal.signal(s, lambda n, _: caught.append(n)) for s in sigs}
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {
+        s: signal.signal(s, lambda n, _: caught.append(n))
+        for s in sigs
+        if signal.getsignal(s) is not signal.SIG_IGN
+    }
     try:
         yield
     finally:

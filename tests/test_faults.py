@@ -127,12 +127,15 @@ def test_killed_anywhere_leaves_nothing_complete_looking_and_reruns_identically(
         assert (False, False, True) in states
 
 
-def test_sigterm_and_sigint_clean_up_and_exit_143_and_130(data: Path, tmp_path: Path) -> None:
+def test_sigterm_sigint_and_sighup_clean_up_and_exit_143_130_and_129(
+    data: Path, tmp_path: Path
+) -> None:
     out = tmp_path / "out"
     assert cli("pack", data, "-o", out, *PACK, "--dp", 1).exit_code == 0
     before = _digest(out)
     args = ["pack", data, "-o", out, *PACK, "--force"]
-    for sig, code, name in ((signal.SIGTERM, 143, "SIGTERM"), (signal.SIGINT, 130, "SIGINT")):
+    signals = ((signal.SIGTERM, 143, "SIGTERM"), (signal.SIGINT, 130, "SIGINT"), (signal.SIGHUP, 129, "SIGHUP"))  # fmt: skip
+    for sig, code, name in signals:
         run = _child(Injector(at=3, sig=sig, only="write_shard"), *args)
         assert run.returncode == code, run.stderr
         assert f"Interrupted by {name}: no output was written" in run.stderr

@@ -30,12 +30,17 @@ err = Console(stderr=True, highlight=False, soft_wrap=True)  # log lines: never 
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised in the main thread like SIGINT's KeyboardInterrupt, so that the same
-    clean-up runs (temporary outputs removed, a --force swap held until it completes)."""
+    """SIGTERM (or SIGHUP), raised in the main thread like SIGINT's KeyboardInterrupt, so that
+    the same clean-up runs (temporary outputs removed, a --force swap held until it completes)."""
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        super().__init__(signum)
+        self.signum = signum
 
 
-EXIT_SIGINT, EXIT_SIGTERM = 130, 143
-"""Exit codes of a command stopped by a signal, as shells report them (128 + signal)."""
+EXIT_SIGINT = 130
+"""Exit code of a command stopped by SIGINT, as shells report it (128 + signal): 130; SIGTERM
+gives 143, SIGHUP 129."""
 
 _OS_HINTS = {
     errno.ENOSPC: "free some space, or write the output elsewhere with -o",
@@ -49,19 +54,20 @@ _OS_HINTS = {
 
 
 def _raise_terminated(signum: int, frame: Any) -> None:
-    raise Terminated()
+    raise Terminated(signum)
 
 
 def _interrupted(e: KeyboardInterrupt) -> int:
     """Say what an interrupt left, and the exit code for it."""
     from rolltool.outputs import committed
 
-    name = "SIGTERM" if isinstance(e, Terminated) else "SIGINT"
+    signum = e.signum if isinstance(e, Terminated) else signal.SIGINT
+    name = signal.Signals(signum).name
     if committed:
         click.echo(f"Interrupted by {name} after {committed[-1]} was written (complete).", err=True)
     else:
         click.echo(f"Interrupted by {name}: no output was written.", err=True)
-    return EXIT_SIGTERM if isinstance(e, Terminated) else EXIT_SIGINT
+    return 128 + int(signum)
 
 
 def _os_error(e: OSError) -> None:
@@ -76,15 +82,20 @@ def _os_error(e: OSError) -> None:
 
 @contextmanager
 def _sigterm_raises() -> Iterator[None]:
-    """SIGTERM raises `Terminated` for the block (main thread only; restored after)."""
+    """SIGTERM and SIGHUP raise `Terminated` for the block, unless ignored (``nohup``): main
+    thread only, the previous handlers restored after."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    previous = {}
+    for s in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(s) is not signal.SIG_IGN:
+            previous[s] = signal.signal(s, _raise_terminated)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        for s, handler in previous.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
 
 
 def handle_errors(fn: F) -> F:
