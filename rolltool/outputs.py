@@ -312,14 +312,15 @@ def _remove(tmp: Path, fd: int) -> None:
 
 
 def _settle(target: Path, old: Path, garbage: Path) -> None:
-    """A dead run's previous output: back in place when `target` is missing, else garbage."""
+    """A dead run's previous output: back in place when `target` is missing, else garbage.
+    One this process may not move (another user's) is left where it is."""
     try:
         if not os.path.lexists(target):
             os.rename(old, target)
         else:
             os.rename(old, garbage / "discard")
-    except FileNotFoundError:
-        pass  # another run settled it meanwhile
+    except OSError:
+        pass  # settled by another run meanwhile, or not ours to move
 
 
 def repair(target: Path) -> list[Path]:
@@ -411,6 +412,15 @@ def _check_own(tmp: Path, fd: int, work: Path, shown: str) -> None:
         )
 
 
+def _discard(old: Path, tmp: Path) -> None:
+    """After the new output is in place nothing may fail: the previous one becomes garbage in
+    `tmp` (deleted with it), or, if even that rename is refused, is deleted where it is."""
+    try:
+        os.rename(old, tmp / "discard")
+    except OSError:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def _commit(work: Path, target: Path, tmp: Path, force: bool, shown: str) -> None:
     """Move the complete `work` to `target`, replacing what is there (module docstring)."""
     with _signals_held(), _folder_locked(target.parent):
@@ -430,7 +440,7 @@ def _commit(work: Path, target: Path, tmp: Path, force: bool, shown: str) -> Non
             except BaseException:
                 os.rename(old, target)  # put the previous output back
                 raise
-            os.rename(old, tmp / "discard")
+            _discard(old, tmp)
         committed.append(target)
 
 
