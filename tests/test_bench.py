@@ -816,3 +816,17 @@ def test_fit_warning_without_calibrate_and_reliable_flag(
                          "calibrated", "--calibration", cal, "-o", tmp_path / f"p-{cal.stem}")  # fmt: skip
         assert result.exit_code == 0, result.output
         assert (f"calibration file {cal}" in result.stderr) is warned, result.stderr
+
+
+def test_comparison_within_noise_warns(run_cli, packed_dirs, monkeypatch) -> None:
+    """Directories timed in the same passes: when the fastest one changes from pass to pass,
+    the comparison's best is within noise (a warning); when every pass agrees, no warning."""
+    dirs = [packed_dirs[k] for k in ("tokens", "count")]
+    _repeats_device(monkeypatch, noise=0.6)
+    noisy = run_cli("bench", *dirs, *TINY)
+    assert noisy.exit_code == 0, noisy.output
+    assert "fastest directory changes from pass to pass" in noisy.stderr
+    _repeats_device(monkeypatch, noise=0.0)
+    steady = run_cli("bench", *dirs, *TINY)
+    assert steady.exit_code == 0, steady.output
+    assert "fastest directory changes" not in steady.stderr

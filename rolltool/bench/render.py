@@ -13,7 +13,7 @@ from typing import Any
 from rich.console import Group, RenderableType
 from rich.table import Table
 
-from rolltool.bench.report import noise_warning
+from rolltool.bench.report import noise_warning, winner_warning
 from rolltool.errors import RolltoolError
 from rolltool.numfmt import big, count, ms, num, pct
 
@@ -67,6 +67,9 @@ def warnings(doc: dict[str, Any]) -> list[str]:
         noisy = noise_warning(run, str(doc["config"].get("device")))
         if noisy is not None:
             found.append(noisy)
+    ranked = winner_warning(doc.get("runs", []))
+    if ranked is not None:
+        found.append(ranked)
     return found
 
 

@@ -223,6 +223,7 @@ def repeat_spread(
     """
     per = [total_times(step_times(step, rank, micro_batch, t, dp)) for t in times]
     spread: dict[str, Any] = {"repeats": len(per)}
+    spread["per_pass"] = {k: [p[k] for p in per] for k in ("dp_time", "lockstep_time")}
     for key in ("dp_efficiency", "lockstep_efficiency"):
         xs = [p[key] for p in per if math.isfinite(p[key])]
         spread[key] = {"min": min(xs), "max": max(xs)} if xs else None
@@ -266,4 +267,35 @@ def noise_warning(run: Mapping[str, Any], device: str) -> str | None:
         f"({'; '.join(shaky)} over {noise['repeats']} repeats, rows vary by "
         f"{noise.get('row_spread') or 0:.0%}): do not read the efficiencies, or differences "
         f"between directories, more finely than that; raise --repeats or --layers{where}"
+    )
+
+
+def winner_warning(runs: Sequence[Mapping[str, Any]]) -> str | None:
+    """With several directories (timed in the same passes): a sentence when the fastest
+    directory by a time is not the same in every pass, i.e. the comparison's best is within
+    timing noise; None when every pass agrees (or there is one pass).
+
+    >>> runs = [{"path": p, "noise": {"per_pass": {"dp_time": d, "lockstep_time": d}}}
+    ...         for p, d in (("a", [1.0, 2.0]), ("b", [1.5, 1.5]))]
+    >>> winner_warning(runs)[:40]
+    'the fastest directory changes from pass '
+    """
+    passes = [r.get("noise", {}).get("per_pass") for r in runs]
+    if len(runs) < 2 or any(p is None for p in passes):
+        return None
+    changes = []
+    for key in ("lockstep_time", "dp_time"):
+        table = np.array([p[key] for p in passes if p is not None])  # [runs, passes]
+        if table.shape[1] < 2:
+            return None
+        wins = np.bincount(table.argmin(axis=0), minlength=len(runs))
+        if (wins > 0).sum() > 1:
+            best = int(wins.argmax())
+            changes.append(f"{key.replace('_', ' ')}: {runs[best]['path']} fastest in "
+                           f"{wins[best]} of {table.shape[1]} passes")  # fmt: skip
+    if not changes:
+        return None
+    return (
+        f"the fastest directory changes from pass to pass ({'; '.join(changes)}): the "
+        "comparison's best is within timing noise; raise --repeats or --layers"
     )
