@@ -60,7 +60,7 @@ def run_pack(
     --env-estimator given); an input with its own 'advantage' column then gets a warning that
     the estimator is not used.
     """
-    check_target(Path(output), force)
+    check_target(output, force, inputs=inputs)
     workload = config.workload()
     rename = invert_mapping(columns or {})
     files = resolve_inputs(inputs)

@@ -687,15 +687,21 @@ def test_env_estimator_overrides_through_the_cli(synth_path: Path, tmp_path: Pat
 
 
 def test_rerun_on_its_own_output_replaces_the_columns(synth_path: Path, run_cli) -> None:
-    first = run_cli("advantages", synth_path, "-o", synth_path, "--force", "--estimator", "opo")
+    a, b = synth_path.with_name("a.parquet"), synth_path.with_name("b.parquet")
+    first = run_cli("advantages", synth_path, "-o", a, "--estimator", "opo")
     assert first.exit_code == 0, first.output
-    once = pq.read_table(synth_path)
-    again = run_cli("advantages", synth_path, "-o", synth_path, "--force", "--estimator", "opo")
+    once = pq.read_table(a)
+    again = run_cli("advantages", a, "-o", b, "--estimator", "opo")
     assert again.exit_code == 0, again.output
     assert "replaced" in again.stderr
-    twice = pq.read_table(synth_path)
+    twice = pq.read_table(b)
     assert twice.column_names == once.column_names  # no duplicated columns
     assert twice.equals(once)
+    # Writing over the input itself is refused, even with --force, before any work.
+    before = a.read_bytes()
+    same = run_cli("advantages", a, "-o", a, "--force", "--estimator", "opo")
+    assert same.exit_code == 1 and "is one of the inputs" in same.stderr
+    assert a.read_bytes() == before
 
 
 def test_an_input_advantage_column_is_replaced_unchecked(

@@ -235,13 +235,22 @@ def test_existing_output_is_refused_without_force(inp: Path) -> None:
 
 def test_force_replaces_the_output(inp: Path) -> None:
     out = inp.parent / "out"
-    out.mkdir()
-    (out / "keep.txt").write_text("old")
+    pack(inp, out, *BASE, "--batch-size", 8)
+    (out / "keep.txt").write_text("old")  # still a packed directory: replaced whole
     manifest = pack(inp, out, *BASE, "--force")
     assert "keep.txt" not in _listing(out) and (out / "manifest.json").is_file()
     assert manifest["num_steps"] == 4
     assert cli("verify", out).exit_code == 0
     assert _listing(inp.parent) == ["in.parquet", "out"]  # nothing old or temporary left beside
+
+
+def test_force_refuses_what_rolltool_did_not_write(inp: Path) -> None:
+    notes = inp.parent / "notes"
+    notes.mkdir()
+    (notes / "keep.txt").write_text("mine")
+    _fails_cleanly(cli("pack", inp, "-o", notes, *BASE, "--force"), 1, "not an output rolltool")
+    _fails_cleanly(cli("pack", inp, "-o", inp.parent, *BASE, "--force"), 1, "contains the input")
+    assert (notes / "keep.txt").read_text() == "mine" and inp.is_file()
 
 
 # --- runs that die midway ------------------------------------------------------------------

@@ -479,6 +479,12 @@ def test_existing_output_needs_force(write_parquet, run_cli, out: Path) -> None:
     assert "already exists" in result.stderr and "--force" in result.stderr
     assert out.read_bytes() == b"keep me"
 
+    result = advantages(run_cli, [path], out, "--force")  # not rolltool's: refused
+    assert result.exit_code == 1 and "not an output rolltool wrote" in result.stderr
+    assert out.read_bytes() == b"keep me"
+
+    out.unlink()
+    assert advantages(run_cli, [path], out).exit_code == 0
     result = advantages(run_cli, [path], out, "--force")
     assert result.exit_code == 0, result.output
     assert pq.read_table(out).num_rows == 4
@@ -486,11 +492,13 @@ def test_existing_output_needs_force(write_parquet, run_cli, out: Path) -> None:
 
 
 def test_invalid_input_leaves_an_existing_output_alone(write_parquet, run_cli, out: Path) -> None:
+    good = write_parquet(rollouts(), "good.parquet")
+    assert advantages(run_cli, [good], out).exit_code == 0
+    before = out.read_bytes()
     path = write_parquet(rollouts(reward=[1.0, float("nan"), 0.5, 0.25]))
-    out.write_bytes(b"keep me")
     result = advantages(run_cli, [path], out, "--force")
-    assert result.exit_code == 1
-    assert out.read_bytes() == b"keep me"
+    assert result.exit_code == 1 and "reward" in result.stderr
+    assert out.read_bytes() == before
     assert sorted(p.name for p in out.parent.iterdir()) == [out.name]
 
 
@@ -845,11 +853,15 @@ def test_directory_skips_hidden_underscore_and_packed_folders(
             (data / junk).write_text("")
     assert [f.path for f in resolve_inputs([data])] == [str(p) for p in sorted(good)]
 
-    # Packing into a folder inside the input directory does not read its samples.parquet back.
+    # Packing into a folder inside the input directory is refused before any work; a packed
+    # folder put there is not read back (its samples.parquet is not rollout input).
     (other.parent / "manifest.json").unlink()
-    first = _pack_into(run_cli, data, data / "packed")
+    inside = run_cli("pack", data, "-o", data / "packed", "--dp", 1, "--batch-size", 2)
+    assert inside.exit_code == 1 and "lies inside the input" in inside.stderr
+    first = _pack_into(run_cli, data, tmp_path / "packed")
+    (tmp_path / "packed").rename(data / "packed")
     assert (data / "packed" / "samples.parquet").is_file()
-    second = _pack_into(run_cli, data, data / "packed-again")
+    second = _pack_into(run_cli, data, tmp_path / "packed-again")
     assert first["samples"]["total"] == second["samples"]["total"] == 12
     assert [f.path for f in resolve_inputs([data])] == [str(p) for p in sorted(good)]
 

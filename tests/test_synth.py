@@ -298,6 +298,11 @@ def test_cli_existing_output(run_cli, tmp_path: Path) -> None:
     result = run_cli("synth", "-o", out, "--groups", 2)
     assert result.exit_code == 1 and "--force" in result.stderr
     assert out.read_bytes() == b"keep me"
+    result = run_cli("synth", "-o", out, "--groups", 2, "--force")  # not rolltool's: refused
+    assert result.exit_code == 1 and "not an output rolltool wrote" in result.stderr
+    assert out.read_bytes() == b"keep me"
+    out.unlink()
+    assert run_cli("synth", "-o", out, "--groups", 2).exit_code == 0
     result = run_cli("synth", "-o", out, "--groups", 2, "--max-len", 2048, "--force")
     assert result.exit_code == 0, result.output
     assert pq.read_metadata(out).num_rows > 0

@@ -186,7 +186,7 @@ def run_bench(
     """
     config = config or BenchConfig()
     if calibrate is not None:
-        check_target(Path(calibrate), force)
+        check_target(calibrate, force, inputs=paths)
     torch = import_torch()
     packed = load_all(paths, config.steps)
     setup, be, reason = resolve(torch, config, packed[0])
