@@ -14,8 +14,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+import rolltool.source as source
 from rolltool.schema import scan
-from rolltool.source import resolve_inputs
+from rolltool.source import InputFile, read_row_group, resolve_inputs
 
 
 def _rows(k: int, n: int = 4) -> dict[str, Any]:
@@ -107,6 +108,19 @@ def test_many_input_files_under_a_low_open_file_limit(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     for args in (
         ["pack", str(data), "-o", str(tmp_path / "out"), "--dp", "2", "--batch-size", "16"],
+        [
+            "pack",
+            str(data),
+            "-o",
+            str(tmp_path / "o0"),
+            "--dp",
+            "1",
+            "--batch-size",
+            "16",
+            "--cache-mb",
+            "0",
+        ],
+        ["verify", str(tmp_path / "out")],
         ["stats", str(data), "--json"],
         ["stats", str(data), "--json", "--limit", "5"],
     ):
@@ -120,3 +134,36 @@ def test_many_input_files_under_a_low_open_file_limit(tmp_path: Path) -> None:
         )
         assert result.returncode == 0, result.stderr[-2000:]
     assert (tmp_path / "out" / "manifest.json").is_file()
+
+
+# -- one footer parse per file -------------------------------------------------------------------
+
+
+def _open_fds(path: Path) -> int:
+    fds = Path("/proc/self/fd")
+    return sum(1 for fd in fds.iterdir() if os.path.realpath(fd) == str(path.resolve()))
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc")
+def test_row_groups_read_one_at_a_time_parse_the_footer_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reading every row group of a file one at a time (the token reader with --cache-mb 0,
+    verify) parsed its footer each time: quadratic in row groups. Now once per file while it
+    is unchanged, and no file stays open."""
+    path = tmp_path / "rg.parquet"
+    pq.write_table(pa.table(_rows(0, n=300)), path, row_group_size=1)
+    parses = []
+    real = pq.read_metadata
+    monkeypatch.setattr(pq, "read_metadata", lambda p, **kw: parses.append(p) or real(p, **kw))
+    file = InputFile(str(path), 300)
+    got = [read_row_group(file, {}, ["sample_id"], rg).column(0)[0].as_py() for rg in range(300)]
+    assert got == [f"s0-{i}" for i in range(300)]
+    assert len(parses) == 1
+    assert _open_fds(path) == 0
+    # a file changed since: its new footer is read, never the old one's offsets
+    pq.write_table(pa.table(_rows(1, n=3)), path, row_group_size=2)
+    os.utime(path, ns=(1, 1))
+    assert read_row_group(file, {}, ["sample_id"], 1).column(0).to_pylist() == ["s1-2"]
+    assert len(parses) == 2
+    assert len(source._footers) <= source.FOOTERS_KEPT
