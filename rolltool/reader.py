@@ -134,15 +134,16 @@ class PackedDataset:
     def read_rows(self, refs: Iterable[RowRef], *, torch: bool = False) -> Iterator[dict[str, Any]]:
         """The rows `refs` point to, in order; a shard is mapped (and checked) once while
         consecutive refs stay in it. ``torch=True``: tensors (see `rolltool.torch_data`)."""
-        convert: Callable[[dict[str, np.ndarray]], dict[str, Any]] = lambda row: row
+        to_tensors: Callable[[dict[str, np.ndarray]], dict[str, Any]] | None = None
         if torch:
-            from rolltool.torch_data import to_tensors as convert
+            from rolltool.torch_data import to_tensors
         path, arrays = None, None
         for ref in refs:
             if ref.file.path != path:
                 path, arrays = ref.file.path, self._open_shard(ref.file)
             assert arrays is not None
-            yield convert(unpack_row(arrays, ref.row))
+            row = unpack_row(arrays, ref.row)
+            yield to_tensors(row) if to_tensors is not None else row
 
     def _open_shard(self, f: ShardRef) -> dict[str, np.ndarray]:
         arrays = read_shard(self.path / f.path)
