@@ -103,7 +103,8 @@ def _expand(text: str) -> list[tuple[Path, dict[str, str]]]:
             raise RolltoolError(
                 f"{text}: directory holds no *.parquet files "
                 "(names starting with '.' or '_' and folders written by `rolltool pack` "
-                "are skipped)"
+                "are skipped)",
+                hint=convert_hint(path),
             )
         return [(f, _partitions(path, f)) for f in files]
     if path.is_file():
@@ -145,12 +146,66 @@ def _open(path: str | os.PathLike[str]) -> pq.ParquetFile:
     return pq.ParquetFile(path, metadata=footer(path))
 
 
+JSON_SUFFIXES = (".jsonl", ".ndjson", ".json")
+ARROW_SUFFIXES = (".arrow", ".feather", ".ipc")
+
+
+def _hf_hint(folder: str) -> str:
+    shards = os.path.join(folder, "*.arrow")
+    return (
+        "a Hugging Face datasets directory: write Parquet next to its shards once with "
+        'python -c "import glob, pyarrow as pa, pyarrow.parquet as pq; '
+        "[pq.write_table(pa.ipc.open_stream(f).read_all(), f[:-6] + '.parquet') "
+        f'for f in sorted(glob.glob({shards!r}))]" and give the directory again '
+        "(or, with the datasets package: datasets.load_from_disk(DIR).to_parquet(FILE))"
+    )
+
+
+def convert_hint(path: str | os.PathLike[str]) -> str | None:
+    """The exact command that converts a JSON Lines or JSON file, an Arrow file or a Hugging
+    Face ``datasets`` directory (``save_to_disk``: ``*.arrow`` shards) to Parquet; None for
+    other paths. rolltool reads Parquet only (it reads row groups on demand by the footer).
+
+    >>> print(convert_hint("r.jsonl"))
+    convert it once: python -c "import polars as pl; pl.scan_ndjson('r.jsonl').sink_parquet('r.parquet')"
+    """
+    text = os.fspath(path)
+    if os.path.isdir(text):
+        return _hf_hint(text) if any(f.endswith(".arrow") for f in os.listdir(text)) else None
+    suffix = next((x for x in (*JSON_SUFFIXES, *ARROW_SUFFIXES) if text.lower().endswith(x)), "")
+    if not suffix:
+        return None
+    out = text[: -len(suffix)] + ".parquet"
+    if suffix == ".json":  # one JSON array of objects
+        return (
+            f'convert it once: python -c "import polars as pl; pl.read_json({text!r})'
+            f'.write_parquet({out!r})" (one object per line: pl.scan_ndjson instead)'
+        )
+    if suffix in JSON_SUFFIXES:
+        return (
+            f'convert it once: python -c "import polars as pl; pl.scan_ndjson({text!r})'
+            f'.sink_parquet({out!r})"'
+        )
+    return (
+        'convert it once: python -c "import pyarrow as pa, pyarrow.parquet as pq; '
+        f'pq.write_table(pa.ipc.open_stream({text!r}).read_all(), {out!r})" '
+        "(an Arrow file rather than a stream: pa.ipc.open_file)"
+    )
+
+
+def _unreadable(path: str, e: Exception) -> RolltoolError:
+    hint = convert_hint(path)
+    if hint is not None:
+        return RolltoolError(f"{path}: not a Parquet file (rolltool reads Parquet)", hint=hint)
+    return RolltoolError(f"{path}: not a readable Parquet file ({e})")
+
+
 def _rows(path: str) -> int:
     """Rows of a Parquet file from its footer (the file is closed again at once)."""
     try:
         return footer(path).num_rows
     except (pa.ArrowException, OSError) as e:
-        raise RolltoolError(f"{path}: not a readable Parquet file ({e})") from None
+        raise _unreadable(path, e) from None
 
 
 def resolve_inputs(inputs: Sequence[str | os.PathLike[str]]) -> list[InputFile]:
@@ -175,9 +230,10 @@ def resolve_inputs(inputs: Sequence[str | os.PathLike[str]]) -> list[InputFile]:
 
 def _read_schema(file: InputFile) -> pa.Schema:
     try:
-        return pq.read_schema(file.path)
+        with _open(file.path) as pf:
+            return pf.schema_arrow
     except (pa.ArrowException, OSError) as e:
-        raise RolltoolError(f"{file.path}: not a readable Parquet file ({e})") from None
+        raise _unreadable(file.path, e) from None
 
 
 def file_schema(file: InputFile, rename: Mapping[str, str]) -> pa.Schema:
@@ -322,5 +378,5 @@ def row_group_rows(file: InputFile) -> list[int]:
     try:
         meta = footer(file.path)
     except (pa.ArrowException, OSError) as e:
-        raise RolltoolError(f"{file.path}: not a readable Parquet file ({e})") from None
+        raise _unreadable(file.path, e) from None
     return [meta.row_group(rg).num_rows for rg in range(meta.num_row_groups)]
