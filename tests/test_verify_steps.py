@@ -133,3 +133,21 @@ def test_a_pack_without_rewards_says_what_was_not_checked(copy: Any) -> None:
     assert len(report["notes"]) == 1 and "reward_mean" in report["notes"][0]
     edit_manifest(out, lambda m: m["steps"][0].update(groups=99))
     assert kinds(out, recorded_inputs=False) == {"step.counts": 1}
+
+
+@pytest.mark.parametrize(
+    ("key", "edit"),
+    [
+        ("dp", lambda v: v + 1),
+        ("samples", lambda v: v - 1),
+        ("samples_per_rank", lambda v: [v[0] + 1, *v[1:]]),
+        ("tokens", lambda v: v + 7),
+        ("empty_micro_batches", lambda v: v + 1),
+    ],
+)
+def test_the_plan_record_is_checked(copy: Any, key: str, edit: Any) -> None:
+    out = copy("drop")
+    edit_manifest(
+        out, lambda m: m["steps"][1]["plan"].update({key: edit(m["steps"][1]["plan"][key])})
+    )
+    assert kinds(out, recorded_inputs=False) == {"step.plan": 1}

@@ -19,6 +19,7 @@ denominators        loss.formula, step.denominators (T, S, scale factor, weight 
 weight_formula      sample.formula (token_loss_weight against the aggregation, float32 rounding)
 step_metadata       step.counts, step.reward, step.weight_sum, step.advantage (overall and
                     per env: every figure of the step's record)
+step_plans          step.plan (dp, samples, samples per rank, tokens, empty micro-batches)
 rank_counts         rank.counts (samples, real tokens, tokens)
 shards_readable     shard.corrupt
 row_structure       row.budget, row.size, row.length, row.mask
@@ -66,7 +67,13 @@ from rolltool.verify.rows import (
     shards_readable,
 )
 from rolltool.verify.segments import read_segments
-from rolltool.verify.steps import denominators, rank_counts, step_metadata, weight_formula
+from rolltool.verify.steps import (
+    denominators,
+    rank_counts,
+    step_metadata,
+    step_plans,
+    weight_formula,
+)
 
 Invariant = Callable[[Context], Iterator[Problem]]
 
@@ -76,6 +83,7 @@ INVARIANTS: tuple[Invariant, ...] = (
     denominators,
     weight_formula,
     step_metadata,
+    step_plans,
     rank_counts,
     shards_readable,
     row_structure,

@@ -283,6 +283,38 @@ def step_metadata(ctx: Context) -> Iterator[Problem]:
             yield from _scope_problems(ctx, part, rec.envs[name], weights, found)
 
 
+def plan_figures(s: Samples, planned: np.ndarray, dp: int, m: int) -> dict[str, Any]:
+    """The figures of a step's plan record samples.parquet gives (its trained samples
+    `planned`, placed inside a run of `dp` ranks; `m` micro-batches per rank)."""
+    rank, mb = s.rank[planned], s.micro_batch[planned]
+    used = len(np.unique(rank * (int(mb.max()) + 1 if len(mb) else 1) + mb))
+    return {
+        "dp": dp,
+        "samples": len(planned),
+        "samples_per_rank": tuple(int(x) for x in np.bincount(rank, minlength=dp)),
+        "tokens": int(s.length[planned].sum()),
+        "empty_micro_batches": dp * m - used,
+    }
+
+
+def step_plans(ctx: Context) -> Iterator[Problem]:
+    """Per step, the plan record's dp, samples, samples per rank, tokens and empty
+    micro-batches equal what samples.parquet gives (steps whose samples are all placed inside
+    the run; micro-batches per rank are the ranks' record, checked by `rank_files`)."""
+    m, s = ctx.manifest, ctx.samples
+    inside = s.inside_run(m.num_steps, m.dp)
+    for step, rec in enumerate(m.steps):
+        planned = s.planned(step)
+        if not inside[planned].all():
+            continue  # samples.place says so
+        found = plan_figures(s, planned, m.dp, rec.plan.micro_batches_per_rank)
+        for key, value in found.items():
+            recorded = getattr(rec.plan, key)
+            if recorded != value:
+                text = f"plan {key} is {recorded}, samples.parquet gives {value}"
+                yield Problem("step.plan", f"step {step}", text)
+
+
 def rank_counts(ctx: Context) -> Iterator[Problem]:
     """Per step and rank: samples and their tokens (samples.parquet), and tokens in its rows
     padding included (the shards), equal the rank's record."""
