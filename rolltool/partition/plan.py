@@ -44,6 +44,7 @@ from rolltool.partition.balance import balance_labels, descending_order
 from rolltool.partition.binpack import ffd, pack_balanced, split_tokens
 from rolltool.partition.metrics import ALIGNS
 from rolltool.partition.slots import (
+    FEW_FILLS,
     FEW_PER_BIN,
     FILL_PER_BIN,
     Grid,
@@ -290,21 +291,18 @@ def _robust(grid: Grid, length: np.ndarray, cost: np.ndarray, cap: int) -> Grid:
     """The grid or one of its ``slots.refill`` variants (``FILL_PER_BIN`` short samples per bin
     taken out and put back), chosen by ``slots.choose``: lowest lockstep cost, ties within
     ``ROBUST_TOLERANCE`` to the most even tokens per slot. A step with few samples per bin (up to
-    ``FEW_PER_BIN``) also tries the larger refills, and then refills the chosen grid once more
-    (its slots regrouped: in the benchmark's agent steps 1.0031 -> 1.0029 at worst)."""
+    ``FEW_PER_BIN``) also tries the ``FEW_FILLS`` refills, and then refills the chosen grid once
+    more (its slots regrouped: in the benchmark's agent steps 1.0031 -> 1.0029 at worst)."""
     dp, m = len(grid), len(grid[0])
     if dp < 2:
         return grid
     few = len(length) <= FEW_PER_BIN * dp * m
-    variants = [
-        refill(grid, length, cost, cap, per_bin * dp * m)
-        for per_bin in FILL_PER_BIN
-        if per_bin == 1 or few
-    ]
+    fills = (FILL_PER_BIN, *FEW_FILLS) if few else (FILL_PER_BIN,)
+    variants = [refill(grid, length, cost, cap, int(f * dp * m)) for f in fills]
     grids = [grid, *(g for g in variants if g is not None)]
     best = grids[choose(grids, cost, length)]
     if few:
-        again = refill(best, length, cost, cap, FILL_PER_BIN[0] * dp * m)
+        again = refill(best, length, cost, cap, int(FEW_FILLS[0] * dp * m))
         if again is not None:
             best = [best, again][choose([best, again], cost, length)]
     return best

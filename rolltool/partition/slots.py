@@ -33,6 +33,8 @@ import numpy as np
 from rolltool.partition import metrics
 
 __all__ = [
+    "FEW_FILLS",
+    "FEW_PER_BIN",
     "FILL_PER_BIN",
     "ROBUST_TOLERANCE",
     "Grid",
@@ -46,15 +48,18 @@ __all__ = [
 # A grid is [dp][M] lists of sample-index arrays: grid[r][j] is rank r's micro-batch j.
 Grid = list[list[np.ndarray]]
 
-FILL_PER_BIN = (1, 4)
-"""``refill`` candidates: take out this many short samples per bin (on average), then put them
-back. One per bin is cheap and enough when bins hold many samples; four regroup the bins of a
-heavy-tailed step (few samples per bin: nearly all of them) from scratch, tried only up to
-``FEW_PER_BIN`` samples per bin. (2 and 3 per bin never did better than the pair in the
-benchmark's agent steps.)"""
+FILL_PER_BIN = 0.5
+"""``refill``'s candidate for every step: take out this many short samples per bin (on average)
+and put them back. Cheap, and enough when bins hold many samples (one per bin did no better on
+the benchmark's synth steps, a quarter worse)."""
 
 FEW_PER_BIN = 4
-"""Samples per bin (on average) up to which ``refill`` also tries the larger ``FILL_PER_BIN``."""
+"""Samples per bin (on average) up to which a step is heavy-tailed enough for ``FEW_FILLS``."""
+
+FEW_FILLS = (1.0, 4.0)
+"""``refill`` candidates for a step with up to ``FEW_PER_BIN`` samples per bin, the first of
+them also for a second round on the chosen grid: four per bin regroups nearly every sample from
+scratch (two and three per bin never did better on the benchmark's agent steps)."""
 
 RAISE_FIRST = 8
 """``refill``: bins whose raise is priced exactly first (the lowest lower bounds)."""
