@@ -122,12 +122,18 @@ def test_an_edited_reward_in_samples_parquet_is_caught(copy: Any) -> None:
     assert kinds(out, recorded_inputs=False) == {"step.reward": 2}
 
 
-def test_a_pack_without_rewards_says_what_was_not_checked(copy: Any) -> None:
+def test_a_pack_without_rewards_uses_the_input_or_says_what_was_not_checked(copy: Any) -> None:
+    """Packs written before samples.parquet had a reward column: rewards come from the input
+    when it is read; without it, the reward figures are left unchecked and the notes say so."""
     out = copy("drop")
     t = pq.read_table(out / "samples.parquet")
     pq.write_table(t.drop_columns(["reward"]), out / "samples.parquet")
     rehash(out, "samples.parquet")
+    report = verify(out)
+    assert report["ok"] and report["input"] == "compared", report
+    assert len(report["notes"]) == 1 and "read from the input" in report["notes"][0]
     edit_manifest(out, lambda m: m["steps"][0].update(reward_mean=123.0))
+    assert kinds(out) == {"step.reward": 1}
     report = verify(out, recorded_inputs=False)
     assert report["ok"], report
     assert len(report["notes"]) == 1 and "reward_mean" in report["notes"][0]

@@ -49,15 +49,23 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from rolltool.errors import RolltoolError
 from rolltool.format import SAMPLES
 from rolltool.problems import Problem, Problems
 from rolltool.reader import open_packed
+from rolltool.tokens import TokenReader
 from rolltool.verify.content import compared, content
-from rolltool.verify.context import Context, Samples, layout_settings, load_samples, open_input
+from rolltool.verify.context import (
+    Context,
+    Samples,
+    input_rewards,
+    layout_settings,
+    load_samples,
+    open_input,
+)
 from rolltool.verify.records import files_and_hashes, rank_files, samples_table
 from rolltool.verify.rows import (
     padding,
@@ -146,6 +154,7 @@ def run_verify(
     except RolltoolError as e:
         problems.add("samples.unreadable", SAMPLES, e.message)
         return VerifyReport(problems, checked, state.status)
+    samples, notes = _with_rewards(samples, state.reader)
     segments = read_segments(ds.path, m, pad_id)
     ctx = Context(ds.path, m, samples, segments, row_len, pad_id, state.reader)
     for invariant in INVARIANTS:
@@ -160,15 +169,21 @@ def run_verify(
         status = "not compared: see problems"
     elif state.reader is not None:
         checked["input_samples"] = compared(ctx)
-    return VerifyReport(problems, checked, status, _notes(samples))
+    return VerifyReport(problems, checked, status, notes)
 
 
-def _notes(samples: Samples) -> tuple[str, ...]:
+def _with_rewards(samples: Samples, reader: TokenReader | None) -> tuple[Samples, tuple[str, ...]]:
+    """Rewards for a pack whose samples.parquet has no reward column (written before it had
+    one): the input's when it is read, else none, and a note saying which."""
     if samples.reward is not None:
-        return ()
-    return (
-        f"{SAMPLES} has no reward column (written by an older rolltool): the steps' "
-        "reward_mean and uniform_groups_kept were not checked",
+        return samples, ()
+    old = f"{SAMPLES} has no reward column (written by an older rolltool)"
+    rewards = input_rewards(reader, samples.n)
+    if rewards is not None:
+        return replace(samples, reward=rewards), (f"{old}: rewards read from the input",)
+    return samples, (
+        f"{old} and the input is not read: the steps' reward_mean and uniform_groups_kept "
+        "were not checked",
     )
 
 

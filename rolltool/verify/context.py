@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 from rolltool.errors import RolltoolError
 from rolltool.format import SAMPLES, STATUSES, InputRecord, Manifest
 from rolltool.problems import Problem
-from rolltool.source import InputFile, invert_mapping, resolve_inputs
+from rolltool.source import InputFile, invert_mapping, iter_batches, resolve_inputs
 from rolltool.tokens import TokenReader
 from rolltool.verify.segments import Segments
 
@@ -229,6 +229,23 @@ def open_input(
     except (RolltoolError, pa.ArrowException, OSError) as e:
         return _failed("input.unreadable", e.message if isinstance(e, RolltoolError) else str(e))
     return InputState(reader, "compared"), []
+
+
+def input_rewards(reader: TokenReader | None, n: int) -> np.ndarray | None:
+    """[n] float64 rewards of the input the reader reads (for packs whose samples.parquet has
+    no reward column); None without an input, or when it cannot be read or has not n rows."""
+    if reader is None:
+        return None
+    parts = []
+    try:
+        for file in reader.files:
+            for batch in iter_batches(file, reader.rename, ["reward"]):
+                parts.append(batch.column("reward").to_numpy(zero_copy_only=False))
+    except (RolltoolError, pa.ArrowException, KeyError, OSError) as e:
+        del e  # the content invariant reports an unreadable input
+        return None
+    rewards = np.concatenate(parts).astype(np.float64) if parts else np.zeros(0)
+    return rewards if len(rewards) == n else None
 
 
 def _failed(kind: str, text: str) -> tuple[InputState, list[Problem]]:
