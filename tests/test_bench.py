@@ -830,3 +830,18 @@ def test_comparison_within_noise_warns(run_cli, packed_dirs, monkeypatch) -> Non
     steady = run_cli("bench", *dirs, *TINY)
     assert steady.exit_code == 0, steady.output
     assert "fastest directory changes" not in steady.stderr
+
+
+def test_tables_fit_80_columns(run_cli, packed_dirs, monkeypatch) -> None:
+    """Issue 13: at 80 columns the row and comparison tables cut every number (``450,2…``);
+    they now shorten headers and hide columns (named in a caption) instead."""
+    import re
+
+    monkeypatch.setenv("COLUMNS", "80")
+    dirs = [packed_dirs[k] for k in ("tokens", "count")]
+    result = run_cli("bench", *dirs, *TINY, "--rows")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert any("comparison" in line for line in lines) and any("rows" in line for line in lines)
+    assert max(len(line) for line in lines) <= 80
+    assert not [line for line in lines if re.search(r"\w…|…\w", line)]

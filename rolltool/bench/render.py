@@ -8,6 +8,8 @@ error a failed ``--check`` is. Numbers through ``rolltool.numfmt`` (times in ms)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from pathlib import PurePath
 from typing import Any
 
 from rich.console import Group, RenderableType
@@ -16,6 +18,7 @@ from rich.table import Table
 from rolltool.bench.report import noise_warning, winner_warning
 from rolltool.errors import RolltoolError
 from rolltool.numfmt import big, count, ms, num, pct
+from rolltool.stats.render import Col, fit_table
 
 
 def header(doc: dict[str, Any]) -> list[str]:
@@ -33,18 +36,18 @@ def header(doc: dict[str, Any]) -> list[str]:
     ]
 
 
-def render(doc: dict[str, Any], *, rows: bool = False) -> RenderableType:
+def render(doc: dict[str, Any], *, rows: bool = False, width: int | None = None) -> RenderableType:
     """Every directory's step table (and row table with ``rows``) and summary, the comparison
-    of several directories, and the fit of a·L + b·L²."""
+    of several directories, and the fit of a·L + b·L²; tables fitted to ``width`` columns."""
     runs = doc.get("runs", [doc])
     parts: list[RenderableType] = []
     for run in runs:
         parts.append(steps_table(run))
         if rows:
-            parts.append(rows_table(run))
+            parts.append(rows_table(run, width))
         parts.append(summary(run, doc["config"]["what"]))
     if "comparison" in doc:
-        parts.append(comparison_table(doc["comparison"]))
+        parts.append(comparison_table(doc["comparison"], width))
     f = doc["fit"]
     pooled = " (all directories)" if len(runs) > 1 else ""
     parts.append(f"fit{pooled}: t ≈ {f['a']:.3e}·L + {f['b']:.3e}·L² s per segment, "
@@ -104,15 +107,28 @@ def steps_table(run: dict[str, Any]) -> Table:
     return table
 
 
-def rows_table(run: dict[str, Any]) -> Table:
+ROW_COLS = [
+    Col("step"),
+    Col("rank"),
+    Col("mb"),
+    Col("segments", "seg-\nments", keep=2),
+    Col("tokens"),
+    Col("Σ L²", keep=3),
+    Col("predicted", "pre-\ndicted", keep=1),
+    Col("ms"),
+    Col("TFLOP/s", "TFLOP\n/s", keep=4),
+]
+
+
+def rows_table(run: dict[str, Any], width: int | None = None) -> Table:
     """Every row: its segments and tokens, Σ L², the cost model's prediction, time, TFLOP/s."""
-    table = _table("rows", ("step", "rank", "mb", "segments", "tokens", "Σ L²", "predicted",
-                            "ms", "TFLOP/s"))  # fmt: skip
-    for r in run["rows"]:
-        table.add_row(str(r["step"]), str(r["rank"]), str(r["micro_batch"]), str(r["segments"]),
-                      count(r["tokens"]), num(r["sum_sq"], ".3g"), num(r["predicted"], ".3g"),
-                      ms(r["seconds"]), num(r["tflops"], ".2f"))  # fmt: skip
-    return table
+    rows: list[Sequence[str] | None] = [
+        [str(r["step"]), str(r["rank"]), str(r["micro_batch"]), str(r["segments"]),
+         count(r["tokens"]), num(r["sum_sq"], ".3g"), num(r["predicted"], ".3g"),
+         ms(r["seconds"]), num(r["tflops"], ".2f")]
+        for r in run["rows"]
+    ]  # fmt: skip
+    return fit_table("rows", ROW_COLS, rows, width)
 
 
 def summary(run: dict[str, Any], what: str) -> str:
@@ -141,15 +157,29 @@ def summary(run: dict[str, Any], what: str) -> str:
     return "\n".join(lines)
 
 
-def comparison_table(cmp: dict[str, Any]) -> Table:
+COMPARISON_COLS = [
+    Col("directory", left=True, wrap=True),
+    Col("balance", left=True),
+    Col("rows", keep=1),
+    Col("tokens", keep=2),
+    Col("dp time", "dp\ntime"),
+    Col("lockstep", "lock-\nstep"),
+    Col("ideal", keep=3),
+    Col("dp eff", "dp\neff"),
+    Col("lockstep eff", "lockstep\neff"),
+]
+
+
+def comparison_table(cmp: dict[str, Any], width: int | None = None) -> Table:
     """Several directories side by side; ``*`` marks the best dp and lockstep times."""
-    table = _table("comparison (ms; * best)", ("directory", "balance", "rows", "tokens",
-                   "dp time", "lockstep", "ideal", "dp eff", "lockstep eff"),
-                   left=("directory", "balance"))  # fmt: skip
-    for line in cmp["lines"]:
+    rows: list[Sequence[str] | None] = []
+    names = [PurePath(line["path"]).name for line in cmp["lines"]]  # each step table names its path
+    if len(set(names)) < len(names) or not all(names):
+        names = [line["path"] for line in cmp["lines"]]
+    for name, line in zip(names, cmp["lines"], strict=True):
         star = {key: " *" if key in line["best"] else "" for key in ("dp_time", "lockstep_time")}
-        table.add_row(line["path"], str(line["balance"]), str(line["rows"]), count(line["tokens"]),
-                      ms(line["dp_time"]) + star["dp_time"],
-                      ms(line["lockstep_time"]) + star["lockstep_time"], ms(line["ideal_time"]),
-                      pct(line["dp_efficiency"]), pct(line["lockstep_efficiency"]))  # fmt: skip
-    return table
+        rows.append([name, str(line["balance"]), str(line["rows"]), count(line["tokens"]),
+                     ms(line["dp_time"]) + star["dp_time"],
+                     ms(line["lockstep_time"]) + star["lockstep_time"], ms(line["ideal_time"]),
+                     pct(line["dp_efficiency"]), pct(line["lockstep_efficiency"])])  # fmt: skip
+    return fit_table("comparison (ms; * best)", COMPARISON_COLS, rows, width)

@@ -19,6 +19,7 @@ from rolltool.bench.config import (
 from rolltool.cli._common import err, handle_errors, out, print_json, progress, warn
 from rolltool.cli.options import POSITIVE, force_option, json_option, parsed
 from rolltool.cli.sections import SectionedCommand, opt, section
+from rolltool.cli.terminal import table_width
 from rolltool.workload import DEFAULT_PRESET, MODEL_PRESETS
 
 D = BenchConfig()
@@ -93,7 +94,8 @@ def bench(packed: tuple[str, ...], check: bool, check_rows: int, calibrate: str 
     else:
         for line in render.header(doc):
             err.print(line)
-        out.print(render.render(doc, rows=show_rows))
+        width = table_width()
+        out.print(render.render(doc, rows=show_rows, width=width), width=width)
     for w in render.warnings(doc):
         warn(w)
     if doc["calibration_file"]:

@@ -119,6 +119,14 @@ def _fit(
     return t
 
 
+def fit_table(
+    title: str, cols: Sequence[Col], rows: Sequence[Sequence[str] | None], width: int | None
+) -> Table:
+    """A table of ``cols`` and ``rows`` fitted to ``width`` (see the module docstring): the
+    one sizing rule of every command's tables (bench's too)."""
+    return _fit(title, cols, rows, width)
+
+
 # rollout Parquet: (label, getter, formatter); a None label starts a new section
 ROLLOUT_ROWS: list[tuple[str | None, str | tuple[str, ...], Any]] = [
     ("groups", "groups", count),
