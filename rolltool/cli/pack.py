@@ -71,7 +71,7 @@ BUDGET = (f"Hard token budget per micro-batch [default: --row-len when given, el
 @section(
     "Loss",
     opt("--loss-agg", LOSS_AGGS, D.loss_agg, "Loss aggregation the per-token loss weights implement."),
-    opt("--loss-scale-factor", float, None, "Constant of seq-mean-token-sum-norm."),
+    opt("--loss-scale-factor", float, None, "Constant of seq-mean-token-sum-norm (required with that --loss-agg, refused with any other)."),
 )  # fmt: skip
 @section("Advantages", *estimator_options(ESTIMATORS, D.advantages, " (without an input 'advantage' column)"))  # fmt: skip
 @section(
