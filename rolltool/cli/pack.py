@@ -106,9 +106,10 @@ def pack(inputs: tuple[str, ...], output: str, columns: dict[str, str], force: b
     if model_config is not None:
         settings["model"] = model_config
     config = PackConfig.from_options(**settings)
-    unreliable = config.workload().unreliable()  # before the run: a small JSON file at most
-    if unreliable is not None:
-        warn(unreliable)
+    if config.balance == "calibrated":  # said before the run (reads a small JSON file)
+        unreliable = config.workload().unreliable()
+        if unreliable is not None:
+            warn(unreliable)
     ctx = click.get_current_context()
     chosen = any(  # the user named an estimator (not click's default)
         ctx.get_parameter_source(p) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
