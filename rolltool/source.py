@@ -373,6 +373,25 @@ def read_row_group(
     return pa.Table.from_arrays(arrays, names=names)
 
 
+def read_row_groups(
+    file: InputFile,
+    rename: Mapping[str, str],
+    columns: Sequence[str] | None,
+    row_groups: Sequence[int],
+) -> list[pa.Table]:
+    """Several row groups of one file (in the order given) as tables with schema names, the
+    file opened once for all of them and closed before returning: a reader that needs many
+    row groups of a file asks for them together."""
+    try:
+        with _open(file.path) as pf:
+            wanted = _wanted(pf, rename, columns)
+            tables = [pf.read_row_group(rg, columns=wanted) for rg in row_groups]
+    except (pa.ArrowException, OSError) as e:
+        raise RolltoolError(f"{file.path}: could not be read ({e})") from None
+    named = [_named(t, file, rename, columns) for t in tables]
+    return [pa.Table.from_arrays(arrays, names=names) for names, arrays in named]
+
+
 def row_group_rows(file: InputFile) -> list[int]:
     """Rows in each row group of a file, from its footer."""
     try:

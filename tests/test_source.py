@@ -16,7 +16,7 @@ import pytest
 
 import rolltool.source as source
 from rolltool.schema import scan
-from rolltool.source import InputFile, read_row_group, resolve_inputs
+from rolltool.source import InputFile, read_row_group, read_row_groups, resolve_inputs
 
 
 def _rows(k: int, n: int = 4) -> dict[str, Any]:
@@ -167,3 +167,21 @@ def test_row_groups_read_one_at_a_time_parse_the_footer_once(
     assert read_row_group(file, {}, ["sample_id"], 1).column(0).to_pylist() == ["s1-2"]
     assert len(parses) == 2
     assert len(source._footers) <= source.FOOTERS_KEPT
+
+
+def test_row_groups_read_together_open_the_file_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "rg.parquet"
+    pq.write_table(pa.table(_rows(0, n=50)), path, row_group_size=5)
+    opened = []
+    real = source._open
+    monkeypatch.setattr(source, "_open", lambda p: opened.append(p) or real(p))
+    file = InputFile(str(path), 50, partitions={"env": "math"})
+    wanted = [7, 2, 9]
+    tables = read_row_groups(file, {"sample_id": "id"}, ["id", "env"], wanted)
+    assert len(opened) == 1 and _open_fds(path) == 0
+    for rg, t in zip(wanted, tables, strict=True):
+        assert t.column_names == ["id", "env"]
+        assert t.equals(read_row_group(file, {"sample_id": "id"}, ["id", "env"], rg))
+        assert t.column("id").to_pylist() == [f"s0-{i}" for i in range(5 * rg, 5 * rg + 5)]

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 from rolltool.errors import RolltoolError
 from rolltool.format import SAMPLES, STATUSES, InputRecord, Manifest
 from rolltool.problems import Problem
-from rolltool.source import InputFile, invert_mapping, iter_batches, resolve_inputs
+from rolltool.source import InputFile, footer, invert_mapping, iter_batches, resolve_inputs
 from rolltool.tokens import TokenReader
 from rolltool.verify.segments import Segments
 
@@ -214,7 +214,7 @@ def open_input(
         if missing:
             return InputState(None, "not found: " + ", ".join(missing)), []
         try:
-            files = [InputFile(str(p), pq.ParquetFile(p).metadata.num_rows) for p in paths]
+            files = [InputFile(str(p), footer(p).num_rows) for p in paths]
         except (pa.ArrowException, OSError) as e:
             return _failed("input.unreadable", f"not readable ({e})")
     have, want = [f.rows for f in files], [r.rows for r in manifest.inputs]
