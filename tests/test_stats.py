@@ -469,7 +469,7 @@ def _text(renderable: Any, width: int) -> str:
 
 @pytest.mark.parametrize("width", [80, 100, 120])
 def test_tables_fit_the_terminal(
-    run_cli: Any, packed: Path, write_parquet: Any, width: int
+    run_cli: Any, packed: Path, write_parquet: Any, width: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Narrower than the tables: short headers, fewer columns (named in a caption), env columns
     over several tables, never a cut number; piped output (160 columns) keeps every column."""
@@ -498,6 +498,7 @@ def test_tables_fit_the_terminal(
             return {w for w in t.replace("│", " ").split() if w[0].isdigit() and "," in w}
 
         assert numbers(text) and numbers(text) <= numbers(full)  # no number cut or wrapped
+    monkeypatch.delenv("COLUMNS", raising=False)  # COLUMNS, when set, is honoured piped too
     piped = run_cli("stats", packed, "--per-step", "--step", 1).stdout
     assert "hidden" not in piped  # every column of every table
     for header in ("(tokens)", "step time", "status", "uniform", "micro-batches"):
