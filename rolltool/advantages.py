@@ -366,7 +366,7 @@ def summarize(adv: Advantages, ro: AdvantageInput) -> tuple[list[dict], dict]:
             "samples": int(sel.sum()),
             "uniform_groups": uniform_groups,
             "uniform_share": uniform_groups / len(groups) if len(groups) else 0.0,
-            **_reward_moments(r),
+            **reward_moments(r),
             "advantage_mean": float(a.mean()) if len(a) else None,
             "advantage_std": float(a.std(ddof=1)) if len(a) > 1 else None,
             "advantage_min": float(a.min()) if len(a) else None,
@@ -377,7 +377,7 @@ def summarize(adv: Advantages, ro: AdvantageInput) -> tuple[list[dict], dict]:
     return rows, row(np.ones(len(env), dtype=bool), None)
 
 
-def _reward_moments(r: np.ndarray) -> dict[str, float | None]:
+def reward_moments(r: np.ndarray) -> dict[str, float | None]:
     """Mean and unbiased std of rewards, in units of the largest |reward| past `SAFE_REWARD`
     (as the group statistics are) so that finite rewards give a finite mean."""
     scale = float(np.abs(r).max()) if len(r) else 1.0

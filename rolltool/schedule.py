@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from rolltool.advantages import AdvantageInput, compute_advantages, group_stats
+from rolltool.advantages import AdvantageInput, compute_advantages, group_stats, reward_moments
 from rolltool.config import PackConfig
 from rolltool.errors import RolltoolError
 from rolltool.format import Denominators, PlanRecord, StepCounts, StepRecord
@@ -409,7 +409,7 @@ def step_counts(
         ov = overlong if env is None else overlong[ro.env[overlong] == env]
         _, first = np.unique(ro.rollout[m], return_index=True)
         a_mean, a_std = _moments(adv[sel].astype(np.float64))
-        r_mean, _ = _moments(ro.reward[m][first])
+        r_mean = reward_moments(ro.reward[m][first])["reward_mean"]
         return {
             "groups": len(groups_here),
             "rollouts": len(first),

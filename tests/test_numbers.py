@@ -108,14 +108,25 @@ def _groups(big: float) -> list[G]:
     return [G("math", [big, -big, 0.5, 0.0], [8, 9, 10, 11]), G("math", [0.0, 1.0], [12, 13])]
 
 
-# schedule.step_counts computes the step's reward std (unused) with plain float64 squares.
-@pytest.mark.filterwarnings("ignore:overflow encountered in square:RuntimeWarning")
 def test_pack_with_rewards_of_1e308_is_finite_and_verifies(tmp_path: Path) -> None:
     path = _write(tmp_path, rollouts(_groups(1e308)))
     manifest: dict[str, Any] = pack(path, tmp_path / "out", "--dp", 1, "--batch-size", 6)
     adv = pq.read_table(tmp_path / "out" / "samples.parquet").column("advantage").to_numpy()
     assert np.isfinite(adv).all() and np.abs(adv).max() < 2
     assert manifest["steps"]
+    assert verify(tmp_path / "out")["ok"]
+
+
+def test_a_step_reward_mean_of_huge_rewards_is_finite(tmp_path: Path) -> None:
+    # Plain float64 sums overflow: 1e308 + 1.5e308 = inf.
+    groups = [G("math", [1e308, 1.5e308], [8, 9]), G("math", [1.2e308, 1.7e308], [10, 11])]
+    path = _write(tmp_path, rollouts(groups))
+    manifest: dict[str, Any] = pack(path, tmp_path / "out", "--dp", 1, "--batch-size", 4)
+    means = [
+        manifest["steps"][0]["reward_mean"],
+        manifest["steps"][0]["envs"]["math"]["reward_mean"],
+    ]
+    assert means[0] == pytest.approx(1.35e308) and means[0] == means[1]
     assert verify(tmp_path / "out")["ok"]
 
 

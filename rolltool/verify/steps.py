@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from rolltool.advantages import reward_moments
 from rolltool.format import STATUSES, Denominators, StepCounts, StepRecord
 from rolltool.problems import Problem
 from rolltool.verify.context import Context, Samples
@@ -197,7 +198,7 @@ def figures(s: Samples, scope: Scope, uniform: np.ndarray | None) -> dict[str, A
     }
     if uniform is not None and s.reward is not None:
         found["uniform_groups_kept"] = int(uniform[groups].sum())
-        found["reward_mean"] = float(s.reward[sel][first].mean()) if len(first) else None
+        found["reward_mean"] = reward_moments(s.reward[sel][first])["reward_mean"]
     return found
 
 
