@@ -172,7 +172,8 @@ class PackConfig:
         `StepConfig`'s fields go to ``steps``, `AdvantageConfig`'s to ``advantages``, the rest to
         the PackConfig; anything not given (or None for ``batch_size``) takes its default.
         ``batch_unit="tokens"`` needs an explicit ``batch_size`` (`OptionConflict`): the
-        default counts rollouts.
+        default counts rollouts. ``model_config`` (a config.json path) is another way to give
+        ``model``, not both.
 
         >>> c = PackConfig.from_options(dp=8, batch_size=64, estimator="rloo", row_len=8192)
         >>> c.steps.batch_size, c.advantages.estimator, c.micro_batch_tokens
@@ -187,6 +188,11 @@ class PackConfig:
             )
         if options.get("batch_size", 0) is None:  # not given: the default
             del options["batch_size"]
+        model_config = options.pop("model_config", None)
+        if model_config is not None:
+            if options.get("model") is not None:
+                raise OptionConflict("give --model or --model-config, not both")
+            options["model"] = model_config
         parts: dict[str, Any] = {}
         for name, record in (("steps", _default_steps()), ("advantages", AdvantageConfig())):
             given = {k: options.pop(k) for k in _field_names(record) if k in options}

@@ -74,7 +74,12 @@ def run_pack(
             for st, tokens in wrap(prefetch(reader, plan.steps), len(plan.steps), "packing steps")
         ]
         writer.write_samples(samples_table(ro, plan))
-        warnings = [*ro.warnings, *_given_warning(ro.advantage, estimator_chosen), *plan.warnings]
+        warnings = [
+            *filter(None, [workload.unreliable()]),
+            *ro.warnings,
+            *_given_warning(ro.advantage, estimator_chosen),
+            *plan.warnings,
+        ]
         record = manifest_record(ro, plan, config, workload, steps, warnings, columns, command)
         return writer.finish(record)
 

@@ -39,6 +39,13 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 SYNTH_CONFIG = SynthConfig(groups=12, seed=0, max_len=4096)
 
 
+@pytest.fixture(autouse=True)
+def _no_terminal_width(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests expect piped output 160 columns wide, whatever COLUMNS the caller's shell sets
+    (tests of width set it themselves)."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+
+
 @pytest.fixture(scope="session")
 def synth_table() -> pa.Table:
     """A small synthetic dataset with every env and every optional column."""

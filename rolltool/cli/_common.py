@@ -24,8 +24,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 # Results go to stdout, everything else (progress, warnings) to stderr.
 out = Console(highlight=False)
-if not out.is_terminal:  # piped or captured: do not squeeze tables into 80 columns
-    out = Console(highlight=False, width=160)
+if not out.is_terminal and not os.environ.get("COLUMNS", "").isdigit():
+    out = Console(highlight=False, width=160)  # piped, no COLUMNS: do not squeeze into 80
 err = Console(stderr=True, highlight=False, soft_wrap=True)  # log lines: never wrapped
 
 

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import click
+from click.core import ParameterSource
 
 from rolltool.cli._common import parse_columns, parse_mapping
 from rolltool.cli.sections import opt
@@ -57,6 +58,14 @@ def estimator_options(estimators: Any, defaults: Any, note: str = "") -> list[di
             multiple=True, metavar="ENV=NAME", callback=mapping_callback("--env-estimator")),
         opt("--std-eps", float, defaults.std_eps, "Epsilon added to the group std (grpo)."),
     ]  # fmt: skip
+
+
+def given_by_user(*params: str) -> bool:
+    """Whether the user set any of these parameters (command line or environment), as opposed
+    to click's defaults."""
+    ctx = click.get_current_context()
+    sources = (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
+    return any(ctx.get_parameter_source(p) in sources for p in params)
 
 
 def column_option() -> dict[str, Any]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import sys
 
 import click
-from click.core import ParameterSource
 
 from rolltool.advantages import ESTIMATORS
 from rolltool.cli._common import err, handle_errors, out, print_json, progress, warn
@@ -18,6 +17,7 @@ from rolltool.cli.options import (
     column_option,
     estimator_options,
     force_option,
+    given_by_user,
     json_option,
     mapping_callback,
 )
@@ -89,8 +89,7 @@ BUDGET = (f"Hard token budget per micro-batch [default: --row-len when given, el
 )  # fmt: skip
 @handle_errors
 def pack(inputs: tuple[str, ...], output: str, columns: dict[str, str], force: bool, as_json: bool,
-         per_step: bool,
-         model_config: str | None, **settings: object) -> None:  # fmt: skip
+         per_step: bool, **settings: object) -> None:  # fmt: skip
     """Pack rollout Parquet INPUTS into sharded, balanced, pre-packed tensor files.
 
     Every optimizer step gives each of the --dp ranks the same number of micro-batches; each
@@ -98,31 +97,19 @@ def pack(inputs: tuple[str, ...], output: str, columns: dict[str, str], force: b
     that do not depend on the layout.
     """
     from rolltool.pack import run_pack
-    from rolltool.stats.packed import step_size_warning
     from rolltool.stats.render import pack_summary, render_pack
 
-    if settings["model"] is not None and model_config is not None:
-        raise click.UsageError("give --model or --model-config, not both")
-    if model_config is not None:
-        settings["model"] = model_config
     config = PackConfig.from_options(**settings)
-    if config.balance == "calibrated":  # said before the run (reads a small JSON file)
-        unreliable = config.workload().unreliable()
-        if unreliable is not None:
-            warn(unreliable)
-    ctx = click.get_current_context()
-    chosen = any(  # the user named an estimator (not click's default)
-        ctx.get_parameter_source(p) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
-        for p in ("estimator", "env_estimators")
-    )
+    # An unreliable calibration is said before the run too (it reads a small JSON file).
+    said = {config.workload().unreliable()} if config.balance == "calibrated" else set()
+    for w in said - {None}:
+        warn(str(w))
     manifest = run_pack(inputs, output, config, columns=columns, force=force,
                         command=["rolltool", *sys.argv[1:]], progress=progress,
-                        estimator_chosen=chosen)  # fmt: skip
+                        estimator_chosen=given_by_user("estimator", "env_estimators"))  # fmt: skip
     for w in manifest.warnings:  # to stderr, with --json too (the manifest also lists them)
-        warn(w)
-    sizes = step_size_warning(manifest.steps, config.steps.batch_unit)
-    if sizes is not None:
-        warn(sizes)
+        if w not in said:
+            warn(w)
     if as_json:
         print_json(manifest.to_json())
         return

@@ -53,6 +53,8 @@ def verify(
     report = run_verify(
         path, hashes=not no_hash, inputs=list(inputs) or None, recorded_inputs=not no_input
     )
+    for note in report.notes:
+        warn(note)
     if report.input.startswith("not found"):
         warn(
             f"tokens NOT compared with the input: the recorded input is {report.input} "

@@ -355,26 +355,3 @@ def _settings(manifest: Manifest) -> dict[str, Any]:
         "batch_unit": steps.get("batch_unit"),
         "batch_size": steps.get("batch_size"),
     }  # fmt: skip
-
-
-def step_size_warning(steps: Sequence[StepRecord], unit: str) -> str | None:
-    """A sentence when most steps (final partial step aside) hold less than half or more than
-    twice their nominal size: whole groups do not fit that step size (e.g. ``--batch-unit
-    tokens --batch-size 128``, every group a step of its own). None when the sizes are fine.
-
-    >>> from types import SimpleNamespace as S
-    >>> step_size_warning([S(status="oversize", actual=900, nominal=128)] * 3, "tokens")[:31]
-    '3 of 3 steps hold more than twi'
-    """
-    sized = [(s.actual, s.nominal) for s in steps if s.status != "partial" and s.nominal]
-    off = [a for a, n in sized if not 0.5 * n <= a <= 2 * n]
-    if not sized or 2 * len(off) <= len(sized):
-        return None
-    nominal = sized[0][1]
-    median = sorted(a for a, _ in sized)[len(sized) // 2]
-    side = "more than twice" if median > nominal else "less than half"
-    return (
-        f"{len(off):,} of {len(sized):,} steps hold {side} --batch-size {nominal:,} {unit} "
-        f"(median {median:,}): whole groups do not fit this step size; choose a --batch-size "
-        "of several groups"
-    )
