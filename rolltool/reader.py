@@ -21,6 +21,7 @@ micro_batch)`` is an index into it, e.g. with 3 micro-batches per step, (2, 1) i
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from glob import escape as glob_escape
@@ -30,9 +31,103 @@ from typing import Any
 import numpy as np
 
 from rolltool.errors import RolltoolError
-from rolltool.format import MANIFEST, Manifest, ShardRef, StepRecord
+from rolltool.format import (
+    MANIFEST,
+    PAD_SAMPLE,
+    ROW_ARRAYS,
+    SEGMENT_ARRAYS,
+    TOKEN_ARRAYS,
+    Manifest,
+    ShardRef,
+    StepRecord,
+)
 from rolltool.layout import check_rows, unpack_row
-from rolltool.shards import read_shard
+from rolltool.shards import file_record, read_shard, shard_header
+
+VERIFY_MODES = ("checks", "hash")
+"""``open_packed(verify=...)``: ``"checks"`` (default) runs the cheap checks on every shard it
+maps; ``"hash"`` also hashes each shard on its first read against the manifest's sha256."""
+
+_HINT = "run `rolltool verify` on the directory; pack again if files changed"
+_RANK_DIR = re.compile(r"rank-(\d{4,})")
+_DTYPES = {k: np.dtype(v) for k, v in {**TOKEN_ARRAYS, **SEGMENT_ARRAYS, **ROW_ARRAYS}.items()}
+
+
+@dataclass(frozen=True)
+class _Listed:
+    """Where the manifest lists a shard: (step, rank) and its ShardRef."""
+
+    step: int
+    rank: int
+    ref: ShardRef
+
+
+def _list_shards(m: Manifest, where: Path) -> dict[str, _Listed]:
+    """Every shard the manifest lists, by path; a path listed twice, a shard with no file
+    record or a file record no step lists is a `RolltoolError`."""
+    listed: dict[str, _Listed] = {}
+    for s, st in enumerate(m.steps):
+        if st.plan.dp != m.dp:
+            raise _bad(where, f"step {s}'s plan says dp = {st.plan.dp}, the manifest dp = {m.dp}")
+        for r, rank in enumerate(st.ranks):
+            for f in rank.files:
+                if f.path in listed:
+                    was = listed[f.path]
+                    raise _bad(
+                        where,
+                        f"{f.path} is listed for step {was.step} rank {was.rank} and again for "
+                        f"step {s} rank {r}",
+                    )
+                if f.path not in m.files:
+                    raise _bad(where, f"{f.path} (step {s} rank {r}) has no file record")
+                listed[f.path] = _Listed(s, r, f)
+    unlisted = sorted(k for k in m.files if k.endswith(".safetensors") and k not in listed)
+    if unlisted:
+        raise _bad(where, f"{unlisted[0]} has a file record but no step lists it")
+    return listed
+
+
+def _bad(where: Path, text: str) -> RolltoolError:
+    return RolltoolError(f"{where}: {text}", hint=_HINT)
+
+
+def _rank_dirs(root: Path) -> set[int]:
+    """The ranks whose ``rank-RRRR`` folder is in `root`."""
+    try:
+        names = os.listdir(root)
+    except OSError as e:
+        raise RolltoolError(f"{root}: unreadable directory ({e.strerror})") from None
+    return {int(m.group(1)) for n in names if (m := _RANK_DIR.fullmatch(n))}
+
+
+def value_problem(arrays: dict[str, np.ndarray]) -> str | None:
+    """Why a shard's stored values are out of range, or None (vectorized: one pass per array).
+
+    Expects arrays that passed `rolltool.layout.check_rows`. Checks the dtypes, token ids >= 0,
+    ``loss_mask`` 0/1, ``logprobs``, ``seg_advantage`` and ``seg_weight`` finite, ``seg_weight``
+    >= 0, ``sample_index`` >= -1 and padding segments (-1) weighing 0 with advantage 0.
+    """
+    wrong = [k for k, t in _DTYPES.items() if arrays[k].dtype != t]
+    if wrong:
+        return f"{wrong[0]} is {arrays[wrong[0]].dtype}, not {_DTYPES[wrong[0]]}"
+    if not len(arrays["input_ids"]):
+        return None
+    checks = (
+        (lambda: arrays["input_ids"].min() < 0, "a negative token id"),
+        (lambda: arrays["loss_mask"].max() > 1, "a loss_mask value other than 0/1"),
+        (lambda: not np.isfinite(arrays["logprobs"]).all(), "a non-finite logprob"),
+        (lambda: arrays["sample_index"].min() < PAD_SAMPLE, "a sample_index below -1"),
+        (lambda: not np.isfinite(arrays["seg_advantage"]).all(), "a non-finite advantage"),
+        (lambda: not (arrays["seg_weight"] >= 0).all(), "a negative or NaN loss weight"),
+        (lambda: not np.isfinite(arrays["seg_weight"]).all(), "an infinite loss weight"),
+        (lambda: _padding_weighs(arrays), "a padding segment with a weight or advantage"),
+    )
+    return next((text for failed, text in checks if failed()), None)
+
+
+def _padding_weighs(arrays: dict[str, np.ndarray]) -> bool:
+    pad = arrays["sample_index"] == PAD_SAMPLE
+    return bool(np.any(arrays["seg_weight"][pad] != 0) or np.any(arrays["seg_advantage"][pad] != 0))
 
 
 @dataclass(frozen=True)
@@ -48,7 +143,12 @@ class RowRef:
 class PackedDataset:
     """A packed directory written by `rolltool pack` (see the module docstring)."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, verify: str = "checks") -> None:
+        if verify not in VERIFY_MODES:
+            raise RolltoolError(
+                f"verify={verify!r}: not one of {', '.join(map(repr, VERIFY_MODES))}"
+            )
+        self.verify = verify
         self.path = Path(path)
         if not self.path.is_dir():
             aside = sorted(self.path.parent.glob(f".{glob_escape(self.path.name)}.old-*"))
@@ -68,6 +168,44 @@ class PackedDataset:
             )
         self.manifest: Manifest = Manifest.load(self.path)
         self._rank_rows: dict[int, tuple[RowRef, ...]] = {}
+        self._listed = _list_shards(self.manifest, self.path / MANIFEST)
+        self._at = {(x.step, x.rank, x.ref.first_row): p for p, x in self._listed.items()}
+        self._ranks_checked: set[int] = set()
+        self._hashed: set[str] = set()
+        self._check_rank_dirs()
+
+    def _check_rank_dirs(self) -> None:
+        """The rank-RRRR folders on disk are those of ranks 0..dp-1 that the manifest gives
+        files (cheap: one listing of the directory)."""
+        on_disk = _rank_dirs(self.path)
+        beyond = sorted(r for r in on_disk if r >= self.dp)
+        if beyond:
+            raise _bad(
+                self.path / MANIFEST,
+                f"dp = {self.dp} but the directory holds rank-{beyond[0]:04d}/",
+            )
+        missing = sorted({x.rank for x in self._listed.values()} - on_disk)
+        if missing:
+            raise _bad(self.path / MANIFEST, f"rank-{missing[0]:04d}/ is listed but missing")
+
+    def _check_rank_files(self, rank: int) -> None:
+        """The rank's folder holds exactly the shards the manifest lists for it (once per rank)."""
+        if rank in self._ranks_checked:
+            return
+        listed = {p for p, x in self._listed.items() if x.rank == rank}
+        folder = f"rank-{rank:04d}"
+        try:
+            names = os.listdir(self.path / folder) if (self.path / folder).exists() else []
+        except OSError as e:
+            raise RolltoolError(f"{self.path / folder}: unreadable ({e.strerror})") from None
+        present = {f"{folder}/{n}" for n in names if n.endswith(".safetensors")}
+        for text, paths in (
+            ("listed in the manifest but missing", listed - present),
+            ("present but not listed in the manifest", present - listed),
+        ):
+            if paths:
+                raise _bad(self.path / min(paths), f"{text} ({len(paths)} shard(s) of rank {rank})")
+        self._ranks_checked.add(rank)
 
     @property
     def num_steps(self) -> int:
@@ -95,6 +233,7 @@ class PackedDataset:
     def step_rows(self, step: int, rank: int) -> tuple[RowRef, ...]:
         """Where each of rank `rank`'s micro-batches of step `step` lies, in order."""
         self._check(step, rank)
+        self._check_rank_files(rank)
         rec = self.manifest.steps[step].ranks[rank]
         refs: list[RowRef] = []
         for f in rec.files:
@@ -146,16 +285,46 @@ class PackedDataset:
             yield to_tensors(row) if to_tensors is not None else row
 
     def _open_shard(self, f: ShardRef) -> dict[str, np.ndarray]:
-        arrays = read_shard(self.path / f.path)
+        """Map shard `f` after the cheap checks (its header names the (step, rank, first row)
+        the manifest lists it for, its size, rows and values); ``verify="hash"``: its sha256 on
+        the first read too."""
+        path = self.path / f.path
+        size, meta = shard_header(path)
+        self._check_identity(f, meta)
+        record = self.manifest.files[f.path]
+        if size != record.bytes:
+            raise _bad(path, f"{size} bytes, the manifest says {record.bytes}")
+        if self.verify == "hash" and f.path not in self._hashed:
+            if file_record(path).sha256 != record.sha256:
+                raise _bad(path, "sha256 differs from the manifest's (the file changed)")
+            self._hashed.add(f.path)
+        arrays = read_shard(path)
         broken = check_rows(arrays)
         if broken is None and len(arrays["row_offsets"]) - 1 != f.rows:
             broken = f"{len(arrays['row_offsets']) - 1} rows, the manifest says {f.rows}"
+        if broken is None:
+            broken = value_problem(arrays)
         if broken is not None:
-            raise RolltoolError(
-                f"{self.path / f.path}: corrupt shard ({broken})",
-                hint="run `rolltool verify` on the directory; pack again if files changed",
-            )
+            raise _bad(path, f"corrupt shard ({broken})")
         return arrays
+
+    def _check_identity(self, f: ShardRef, meta: dict[str, str]) -> None:
+        """The shard's own header (step, rank, first_row) against where the manifest lists it."""
+        want = self._listed[f.path]
+        try:
+            got = (int(meta["step"]), int(meta["rank"]), int(meta["first_row"]))
+        except (KeyError, ValueError):
+            where = self.path / f.path
+            raise _bad(where, "corrupt shard (no step/rank/first_row in its header)") from None
+        if got == (want.step, want.rank, f.first_row):
+            return
+        other = self._at.get(got)
+        raise _bad(
+            self.path / f.path,
+            f"holds step {got[0]} rank {got[1]} rows from {got[2]} (its header), but the manifest "
+            f"lists it as step {want.step} rank {want.rank} rows from {f.first_row}"
+            + (f"; those rows belong in {other} (shards swapped or renamed)" if other else ""),
+        )
 
     def micro_batches(self, step: int, rank: int, *, torch: bool = False) -> list[dict[str, Any]]:
         """Rank `rank`'s micro-batches of step `step`, in order (one dict per packed row)."""
@@ -196,6 +365,7 @@ class PackedDataset:
         )
 
 
-def open_packed(path: str | os.PathLike[str]) -> PackedDataset:
-    """Open a packed directory (see PackedDataset)."""
-    return PackedDataset(path)
+def open_packed(path: str | os.PathLike[str], *, verify: str = "checks") -> PackedDataset:
+    """Open a packed directory (see PackedDataset). ``verify="hash"``: also check each shard's
+    sha256 against the manifest on its first read (see `VERIFY_MODES`)."""
+    return PackedDataset(path, verify=verify)

@@ -123,6 +123,23 @@ def file_record(path: Path) -> FileRecord:
     return FileRecord(bytes=path.stat().st_size, sha256=h.hexdigest())
 
 
+def shard_header(path: Path) -> tuple[int, dict[str, str]]:
+    """A shard's size in bytes and its header metadata (``write_shard`` records ``step``,
+    ``rank`` and ``first_row`` there); reads only the header."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            n = int.from_bytes(f.read(8), "little")
+            if not 0 < n <= size - 8:
+                raise ValueError(f"header size {n} does not fit a file of {size} bytes")
+            meta = json.loads(f.read(n)).get("__metadata__", {})
+    except (OSError, ValueError, AttributeError) as e:
+        raise RolltoolError(f"{path}: not a readable safetensors shard ({e})") from None
+    if not isinstance(meta, dict):
+        raise RolltoolError(f"{path}: corrupt safetensors header (metadata is not an object)")
+    return size, {str(k): str(v) for k, v in meta.items()}
+
+
 def read_shard(path: Path) -> dict[str, np.ndarray]:
     """Memory-map a shard's tensors as read-only NumPy arrays (no copy)."""
     try:
