@@ -168,13 +168,21 @@ class PackedDataset:
             )
         self.manifest: Manifest = Manifest.load(self.path)
         self._rank_rows: dict[int, tuple[RowRef, ...]] = {}
-        self._listed = _list_shards(self.manifest, self.path / MANIFEST)
-        self._at = {(x.step, x.rank, x.ref.first_row): p for p, x in self._listed.items()}
+        self._listed_cache: dict[str, _Listed] | None = None
         self._ranks_checked: set[int] = set()
         self._hashed: set[str] = set()
-        self._check_rank_dirs()
 
-    def _check_rank_dirs(self) -> None:
+    @property
+    def _listed(self) -> dict[str, _Listed]:
+        """The shards the manifest lists, checked against the directory on the first read (not
+        on open: `rolltool verify` opens a directory to report such problems, not raise)."""
+        if self._listed_cache is None:
+            listed = _list_shards(self.manifest, self.path / MANIFEST)
+            self._check_rank_dirs(listed)
+            self._listed_cache = listed
+        return self._listed_cache
+
+    def _check_rank_dirs(self, listed: dict[str, _Listed]) -> None:
         """The rank-RRRR folders on disk are those of ranks 0..dp-1 that the manifest gives
         files (cheap: one listing of the directory)."""
         on_disk = _rank_dirs(self.path)
@@ -184,7 +192,7 @@ class PackedDataset:
                 self.path / MANIFEST,
                 f"dp = {self.dp} but the directory holds rank-{beyond[0]:04d}/",
             )
-        missing = sorted({x.rank for x in self._listed.values()} - on_disk)
+        missing = sorted({x.rank for x in listed.values()} - on_disk)
         if missing:
             raise _bad(self.path / MANIFEST, f"rank-{missing[0]:04d}/ is listed but missing")
 
@@ -318,7 +326,8 @@ class PackedDataset:
             raise _bad(where, "corrupt shard (no step/rank/first_row in its header)") from None
         if got == (want.step, want.rank, f.first_row):
             return
-        other = self._at.get(got)
+        at = {(x.step, x.rank, x.ref.first_row): p for p, x in self._listed.items()}
+        other = at.get(got)
         raise _bad(
             self.path / f.path,
             f"holds step {got[0]} rank {got[1]} rows from {got[2]} (its header), but the manifest "
