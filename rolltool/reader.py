@@ -67,8 +67,12 @@ def _list_shards(m: Manifest, where: Path) -> dict[str, _Listed]:
     record or a file record no step lists is a `RolltoolError`."""
     listed: dict[str, _Listed] = {}
     for s, st in enumerate(m.steps):
-        if st.plan.dp != m.dp:
-            raise _bad(where, f"step {s}'s plan says dp = {st.plan.dp}, the manifest dp = {m.dp}")
+        if st.plan.dp != m.dp or len(st.plan.samples_per_rank) != m.dp:
+            raise _bad(
+                where,
+                f"step {s}'s plan is for dp = {st.plan.dp} with {len(st.plan.samples_per_rank)} "
+                f"ranks' samples, the manifest's dp = {m.dp}",
+            )
         for r, rank in enumerate(st.ranks):
             for f in rank.files:
                 if f.path in listed:
