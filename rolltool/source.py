@@ -75,12 +75,28 @@ def _skipped(name: str) -> bool:
     return name.startswith((".", "_"))
 
 
+def _unlistable(e: OSError) -> None:
+    """os.walk's onerror: a folder it cannot list would drop its inputs silently; refuse."""
+    raise RolltoolError(
+        f"{e.filename}: cannot read this folder of the input ({e.strerror})",
+        hint="make it readable, or give the input files or folders without it",
+    ) from None
+
+
+def _packed(folder: Path) -> bool:
+    try:
+        return is_packed_dir(folder)
+    except OSError as e:  # a folder that cannot be entered (no x permission)
+        _unlistable(e)
+        raise  # not reached
+
+
 def _walk(root: Path) -> list[Path]:
     """The *.parquet files under `root`, sorted; hidden, `_`-prefixed and packed folders skipped."""
     files: list[Path] = []
-    for dirpath, dirnames, filenames in os.walk(root):
+    for dirpath, dirnames, filenames in os.walk(root, onerror=_unlistable):
         folder = Path(dirpath)
-        dirnames[:] = [d for d in dirnames if not _skipped(d) and not is_packed_dir(folder / d)]
+        dirnames[:] = [d for d in dirnames if not _skipped(d) and not _packed(folder / d)]
         files.extend(
             folder / f
             for f in filenames

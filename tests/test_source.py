@@ -82,6 +82,33 @@ def test_a_directory_named_twice_keeps_its_partitions(data: Path) -> None:
     assert scan(files).env_names == ["code", "math"]
 
 
+@pytest.mark.parametrize("fault", ["unlistable", "unenterable"])
+def test_a_folder_that_cannot_be_read_is_an_error_not_skipped(
+    data: Path, monkeypatch: pytest.MonkeyPatch, fault: str
+) -> None:
+    # tests run as root, who reads any folder: simulate a folder without r (listing fails)
+    # or without x (looking inside fails) for data/sub, the folder that holds c.parquet
+    assert [f.path for f in resolve_inputs(["data"])][-1] == "data/sub/c.parquet"
+    hits: list[str] = []
+
+    def refuse(real: Any) -> Any:
+        def call(path: Any, *args: Any) -> Any:
+            if Path(path).name == "sub" or Path(path).parent.name == "sub":
+                hits.append(str(path))
+                raise PermissionError(13, "Permission denied", str(path))
+            return real(path, *args)
+
+        return call
+
+    if fault == "unlistable":
+        monkeypatch.setattr(os, "scandir", refuse(os.scandir))
+    else:
+        monkeypatch.setattr(source, "is_packed_dir", refuse(source.is_packed_dir))
+    with pytest.raises(source.RolltoolError, match=r"data/sub: cannot read this folder") as e:
+        resolve_inputs(["data"])
+    assert hits and "Permission denied" in e.value.message
+
+
 def test_resolved_paths_are_absolute_and_work_from_elsewhere(
     data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
