@@ -127,16 +127,23 @@ class TokenReader:
             self._put(b, kept)
 
     def _put(self, b: int, block: _Block | pa.Table) -> None:
-        """Keep `block` as the most recently used; evict the least recent ones (`block` itself
-        last, when it alone is larger than the cache) until the cache fits."""
+        """Keep `block` as the most recently used and evict until the cache fits: first the
+        blocks already used (decoded), least recent first, then row groups the scan offered but
+        nobody used yet (the next steps' data when steps follow the input), `block` itself last
+        when it alone is larger than the cache."""
         old = self._cache.pop(b, None)
         if old is not None:
             self._cached -= old.nbytes
         self._cache[b] = block
         self._cached += block.nbytes
-        while self._cached > self.cache_bytes:
-            _, victim = self._cache.popitem(last=False)
-            self._cached -= victim.nbytes
+        if self._cached <= self.cache_bytes:
+            return
+        used = [k for k, v in self._cache.items() if isinstance(v, _Block) and k != b]
+        unused = [k for k, v in self._cache.items() if not isinstance(v, _Block) and k != b]
+        for k in [*used, *unused, b]:
+            if self._cached <= self.cache_bytes:
+                break
+            self._cached -= self._cache.pop(k).nbytes
 
     def _block(self, b: int) -> _Block:
         if self._last is not None and self._last[0] == b:
