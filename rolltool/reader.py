@@ -16,6 +16,29 @@ only its own files: ``ds.rank_rows(rank)`` lists where each of its rows lies.
 
 The rank's *stream* is its rows in (step, micro_batch) order; ``stream_position(rank, step,
 micro_batch)`` is an index into it, e.g. with 3 micro-batches per step, (2, 1) is index 7.
+
+**Integrity.** The reader never serves a row it can tell is wrong; whatever it refuses is a
+`RolltoolError` naming the file, with the hint to run ``rolltool verify``. Always (cheap):
+
+- on a rank's first read: the manifest lists each shard once, each with a file record, for the
+  manifest's ``dp`` (each step's plan agrees); the ``rank-RRRR/`` folders on disk are those of
+  ranks < dp; the rank's folder holds exactly the shards listed for it (none missing, none extra:
+  a manifest forged to another ``dp`` or ``num_steps`` is refused, never an IndexError);
+- on every shard it maps: the shard's own header (``step``, ``rank``, ``first_row``, written by
+  `rolltool.shards.write_shard`) is where the manifest lists it (two shards swapped between
+  ranks or steps: the error names both), its size is the recorded size, its rows hold together
+  (`rolltool.layout.check_rows`) and its values are in range (`value_problem`: dtypes, token ids
+  >= 0, loss_mask 0/1, finite logprobs/advantages/weights, weights >= 0, sample_index >= -1,
+  padding weighing 0). One vectorized pass over the mapped arrays: on the loading benchmark (102
+  small shards, 2.7 rows each) a rank's pass of NumPy views goes from ~9.1k to ~7.3-8.0k rows/s;
+  the torch paths, which copy every stored array, are within noise.
+
+A flipped bit that leaves values in range (a token id, a logprob, a weight) passes these checks;
+``open_packed(path, verify="hash")`` also hashes each shard on its first read through the
+dataset object against the manifest's sha256 and refuses a mismatch. sha256 runs at ~1.9 GB/s
+on one core of the development machine: the first pass over a rank takes ~2x the default's time
+(65 MB: 37 -> 75 ms), later passes cost nothing more. Each DataLoader worker hashes the shards it
+reads itself (workers share no state). ``rolltool verify`` checks everything, hashes included.
 """
 
 from __future__ import annotations
@@ -145,7 +168,10 @@ class RowRef:
 
 
 class PackedDataset:
-    """A packed directory written by `rolltool pack` (see the module docstring)."""
+    """A packed directory written by `rolltool pack` (see the module docstring).
+
+    ``verify``: one of `VERIFY_MODES`; ``"checks"`` (default) the cheap checks on every shard,
+    ``"hash"`` also each shard's sha256 on its first read."""
 
     def __init__(self, path: str | os.PathLike[str], *, verify: str = "checks") -> None:
         if verify not in VERIFY_MODES:
