@@ -49,7 +49,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from glob import escape as glob_escape
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 
@@ -67,7 +67,8 @@ from rolltool.format import (
 from rolltool.layout import check_rows, unpack_row
 from rolltool.shards import file_record, read_shard, shard_header
 
-VERIFY_MODES = ("checks", "hash")
+VerifyMode = Literal["checks", "hash"]
+VERIFY_MODES: tuple[VerifyMode, ...] = get_args(VerifyMode)
 """``open_packed(verify=...)``: ``"checks"`` (default) runs the cheap checks on every shard it
 maps; ``"hash"`` also hashes each shard on its first read against the manifest's sha256."""
 
@@ -173,12 +174,12 @@ class PackedDataset:
     ``verify``: one of `VERIFY_MODES`; ``"checks"`` (default) the cheap checks on every shard,
     ``"hash"`` also each shard's sha256 on its first read."""
 
-    def __init__(self, path: str | os.PathLike[str], *, verify: str = "checks") -> None:
+    def __init__(self, path: str | os.PathLike[str], *, verify: VerifyMode = "checks") -> None:
         if verify not in VERIFY_MODES:
             raise RolltoolError(
                 f"verify={verify!r}: not one of {', '.join(map(repr, VERIFY_MODES))}"
             )
-        self.verify = verify
+        self.verify: VerifyMode = verify
         self.path = Path(path)
         if not self.path.is_dir():
             aside = sorted(self.path.parent.glob(f".{glob_escape(self.path.name)}.old-*"))
@@ -404,7 +405,7 @@ class PackedDataset:
         )
 
 
-def open_packed(path: str | os.PathLike[str], *, verify: str = "checks") -> PackedDataset:
+def open_packed(path: str | os.PathLike[str], *, verify: VerifyMode = "checks") -> PackedDataset:
     """Open a packed directory (see PackedDataset). ``verify="hash"``: also check each shard's
     sha256 against the manifest on its first read (see `VERIFY_MODES`)."""
     return PackedDataset(path, verify=verify)

@@ -29,6 +29,7 @@ _TOKEN_BYTES = sum(np.dtype(t).itemsize for t in TOKEN_ARRAYS.values())
 _SEGMENT_BYTES = sum(np.dtype(t).itemsize for t in SEGMENT_ARRAYS.values())
 _ROW_BYTES = sum(np.dtype(t).itemsize for t in ROW_ARRAYS.values())
 
+_HINT = "run `rolltool verify` on the directory; pack again if files changed"
 _DTYPES = {"I32": np.int32, "I64": np.int64, "U8": np.uint8, "F32": np.float32, "F64": np.float64}
 _CODES = {np.dtype(v): k for k, v in _DTYPES.items()}
 
@@ -134,9 +135,11 @@ def shard_header(path: Path) -> tuple[int, dict[str, str]]:
                 raise ValueError(f"header size {n} does not fit a file of {size} bytes")
             meta = json.loads(f.read(n)).get("__metadata__", {})
     except (OSError, ValueError, AttributeError) as e:
-        raise RolltoolError(f"{path}: not a readable safetensors shard ({e})") from None
+        raise RolltoolError(f"{path}: not a readable safetensors shard ({e})", hint=_HINT) from None
     if not isinstance(meta, dict):
-        raise RolltoolError(f"{path}: corrupt safetensors header (metadata is not an object)")
+        raise RolltoolError(
+            f"{path}: corrupt safetensors header (metadata is not an object)", hint=_HINT
+        )
     return size, {str(k): str(v) for k, v in meta.items()}
 
 
@@ -151,7 +154,7 @@ def read_shard(path: Path) -> dict[str, np.ndarray]:
         # reader's per-row slicing and the integrity checks themselves
         mm = np.memmap(path, dtype=np.uint8, mode="r").view(np.ndarray)
     except (OSError, ValueError) as e:
-        raise RolltoolError(f"{path}: not a readable safetensors shard ({e})") from None
+        raise RolltoolError(f"{path}: not a readable safetensors shard ({e})", hint=_HINT) from None
     base = 8 + n
     out: dict[str, np.ndarray] = {}
     try:
@@ -164,5 +167,5 @@ def read_shard(path: Path) -> dict[str, np.ndarray]:
             dtype = _DTYPES[info["dtype"]]
             out[name] = mm[base + a : base + b].view(dtype).reshape(info["shape"])
     except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise RolltoolError(f"{path}: corrupt safetensors header ({e!r})") from None
+        raise RolltoolError(f"{path}: corrupt safetensors header ({e!r})", hint=_HINT) from None
     return out

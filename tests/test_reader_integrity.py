@@ -139,7 +139,7 @@ def test_an_untouched_pack_reads_the_reference_rows(pristine: Path, verify: str)
 
 def test_an_unknown_verify_mode_is_refused(pristine: Path) -> None:
     with pytest.raises(RolltoolError, match="verify='sha'"):
-        rolltool.open_packed(pristine, verify="sha")
+        reader.open_packed(pristine, verify="sha")  # type: ignore[arg-type]
 
 
 # -- shard bytes -----------------------------------------------------------------------------
@@ -206,6 +206,31 @@ def test_hash_mode_hashes_each_shard_once(pristine: Path, monkeypatch: pytest.Mo
     assert sorted(hashed) == sorted({pristine / r.file.path for r in ds.rank_rows(1)})
     rolltool.open_packed(pristine).micro_batches(0, 1)
     assert len(hashed) == len(set(hashed))  # the default mode hashes nothing
+
+
+def test_any_flipped_byte_is_refused_by_hash_and_never_a_traceback(out: Path) -> None:
+    # header (length prefix, JSON, metadata) and data alike; the default mode serves the flips
+    # it cannot tell from data (a token id, a logprob) and refuses the rest as RolltoolError
+    step, rank, f = _refs(out)[0]
+    path = out / f.path
+    good = path.read_bytes()
+    rng = np.random.default_rng(0)
+    positions = [*range(16), *rng.integers(0, len(good), 80)]
+    refused = 0
+    for pos in positions:
+        bad = bytearray(good)
+        bad[pos] ^= 1 << int(rng.integers(8))
+        path.write_bytes(bad)
+        with pytest.raises(RolltoolError, match=r"rolltool verify|sha256"):
+            rolltool.open_packed(out, verify="hash").micro_batches(step, rank)
+        try:
+            rolltool.open_packed(out).micro_batches(step, rank)
+        except RolltoolError:  # any other exception fails the test
+            refused += 1
+    path.write_bytes(good)
+    assert 0 < refused < len(positions)  # both outcomes were exercised
+    restored = rolltool.open_packed(out, verify="hash").micro_batches(step, rank)
+    assert len(restored) == len(_reference_rows(out, step, rank))
 
 
 def test_a_truncated_shard_is_refused(out: Path) -> None:
