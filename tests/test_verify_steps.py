@@ -149,6 +149,12 @@ def test_a_pack_without_rewards_uses_the_input_or_says_what_was_not_checked(copy
         ("samples_per_rank", lambda v: [v[0] + 1, *v[1:]]),
         ("tokens", lambda v: v + 7),
         ("empty_micro_batches", lambda v: v + 1),
+        ("imbalance_cost", lambda v: v * 0.999),
+        ("lockstep_overhead_cost", lambda v: v + 1e-6),
+        ("imbalance_tokens", lambda v: 1.0),
+        ("lockstep_overhead_tokens", lambda v: v * 1.01),
+        ("token_fill", lambda v: v / 2),
+        ("min_micro_batches", lambda v: v + 1),
     ],
 )
 def test_the_plan_record_is_checked(copy: Any, key: str, edit: Any) -> None:

@@ -15,9 +15,11 @@ from typing import Any
 import numpy as np
 
 from rolltool.advantages import reward_moments
-from rolltool.format import STATUSES, Denominators, StepCounts, StepRecord
+from rolltool.format import STATUSES, Denominators, PlanRecord, StepCounts, StepRecord
+from rolltool.partition import metrics
 from rolltool.problems import Problem
 from rolltool.verify.context import Context, Samples
+from rolltool.workload import Workload
 
 WEIGHT_RTOL = 2.0**-23
 """Weights are float32 roundings of exact values: at most half an ulp (2^-24 relative) off."""
@@ -298,10 +300,43 @@ def plan_figures(s: Samples, planned: np.ndarray, dp: int, m: int) -> dict[str, 
     }
 
 
+BALANCE_RTOL = 1e-9
+"""Balance figures are ratios of float64 sums: equal up to the summation order."""
+
+
+def balance_figures(s: Samples, planned: np.ndarray, dp: int, plan: PlanRecord) -> dict[str, Any]:
+    """The plan record's balance figures recomputed from samples.parquet: the ``[dp, M]`` grids
+    of tokens and of the recorded workload's cost per micro-batch (Σ over its samples), their
+    rank imbalance and lockstep overhead, the token fill and the micro-batch lower bound."""
+    m = plan.micro_batches_per_rank
+    if m == 0 or plan.workload is None:
+        return {}
+    cell = s.rank[planned] * m + s.micro_batch[planned]
+    lengths = s.length[planned]
+    tokens = np.bincount(cell, weights=lengths, minlength=dp * m).reshape(dp, m)
+    cost = Workload.from_dict(plan.workload).cost(lengths)
+    costs = np.bincount(cell, weights=cost, minlength=dp * m).reshape(dp, m)
+    found: dict[str, Any] = {}
+    for name, x in (("tokens", tokens), ("cost", costs)):
+        found[f"imbalance_{name}"] = metrics.imbalance(x)
+        found[f"lockstep_overhead_{name}"] = metrics.lockstep_overhead(x)
+    if plan.max_tokens and tokens.max() <= plan.max_tokens:  # else row.budget says so, once
+        found["token_fill"] = float(tokens.sum()) / (dp * m * plan.max_tokens)
+        found["min_micro_batches"] = -(-int(tokens.sum()) // (dp * plan.max_tokens))
+    return found
+
+
+def _differs(recorded: Any, value: Any) -> bool:
+    if isinstance(value, float) and isinstance(recorded, float):
+        return not _close(recorded, value, BALANCE_RTOL)
+    return bool(recorded != value)
+
+
 def step_plans(ctx: Context) -> Iterator[Problem]:
-    """Per step, the plan record's dp, samples, samples per rank, tokens and empty
-    micro-batches equal what samples.parquet gives (steps whose samples are all placed inside
-    the run; micro-batches per rank are the ranks' record, checked by `rank_files`)."""
+    """Per step, the plan record's dp, samples, samples per rank, tokens, empty micro-batches,
+    token fill, micro-batch lower bound, rank imbalance and lockstep overhead (tokens and cost)
+    equal what samples.parquet gives (steps whose samples are all placed inside the run;
+    micro-batches per rank are the ranks' record, checked by `rank_files`)."""
     m, s = ctx.manifest, ctx.samples
     inside = s.inside_run(m.num_steps, m.dp)
     for step, rec in enumerate(m.steps):
@@ -309,9 +344,10 @@ def step_plans(ctx: Context) -> Iterator[Problem]:
         if not inside[planned].all():
             continue  # samples.place says so
         found = plan_figures(s, planned, m.dp, rec.plan.micro_batches_per_rank)
+        found |= balance_figures(s, planned, m.dp, rec.plan)
         for key, value in found.items():
             recorded = getattr(rec.plan, key)
-            if recorded != value:
+            if _differs(recorded, value):
                 text = f"plan {key} is {recorded}, samples.parquet gives {value}"
                 yield Problem("step.plan", f"step {step}", text)
 
