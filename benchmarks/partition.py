@@ -402,6 +402,53 @@ def total_vs_pairwise_table(quick: bool) -> None:
     print(f"- lighter than KK alone: {wins} of {cases}; plan_step median {ms:.2f} ms")
 
 
+def verl_dropin_table(quick: bool) -> None:
+    """verl's pipeline (peer_pipeline) as is, with rolltool.integrations.verl's
+    get_seqlen_balanced_partitions patched in for its KK calls (what ``patch()`` does), and the
+    full drop-in (equal-size ranks, then get_micro_batch_partitions aligned to the DP max)."""
+    from rolltool.integrations import verl as rv
+
+    def dropin(lengths: np.ndarray, dp: int, cap: int) -> list[list[list[int]]]:
+        w = make_workload("verl").cost(lengths).tolist()
+        ranks = rv.get_seqlen_balanced_partitions(w, dp, True)
+        m = max(rv.num_micro_batches(lengths[r].tolist(), cap) for r in ranks)  # all_reduce MAX
+        mbs = [rv.get_micro_batch_partitions(lengths[r].tolist(), cap, m) for r in ranks]
+        return [[[r[i] for i in p] for p in row] for r, row in zip(ranks, mbs, strict=True)]
+
+    def patched(lengths: np.ndarray, dp: int, cap: int) -> list[list[list[int]]]:
+        saved = globals()["heap_of_lists_kk"]
+        globals()["heap_of_lists_kk"] = lambda w, k, equal_count: rv.get_seqlen_balanced_partitions(
+            w.tolist(), k, equal_count
+        )
+        try:
+            return peer_pipeline(lengths, dp, cap)
+        finally:
+            globals()["heap_of_lists_kk"] = saved
+
+    dp, cap = 8, 32768
+    wl = make_workload("flops", model="dense-7b")
+    print(f"\n## verl drop-in (dp={dp}, max_token_len={cap}, costs {wl.describe()}): lockstep "
+          "overhead with micro-batches heaviest first (verl's dynamic-bsz order)\n")  # fmt: skip
+    head = ["regime", "step", "pipeline", "ms", "M", "max tok", "lockstep", "rank imbalance"]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * 3 + "---:|" * (len(head) - 3))
+    for regime in ("synth", "agent"):
+        per_rank, _, first_seed = REGIMES[regime]
+        for seed in range(first_seed, first_seed + (1 if quick else 3)):
+            if regime == "agent":
+                lengths = agent_lengths(dp * per_rank, seed, cap)
+            else:
+                lengths = synth_lengths(dp * per_rank, seed=seed, max_len=cap)
+            for name, fn in (("verl (KK, KK micro)", peer_pipeline),
+                             ("verl + patch()", patched),
+                             ("rolltool drop-in", dropin)):  # fmt: skip
+                ms, grid = timed(partial(fn, lengths, dp, cap), 1 if quick else 3)
+                g = grid_numbers(grid, lengths, wl.cost(lengths), dp)
+                print(f"| {regime} | {seed} | {name} | {ms:.0f} | {g['m']} | "
+                      f"{int(g['max_tokens'])} | {g['aligned']:.4f} | {g['imbalance']:.4f} |",
+                      flush=True)  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats and steps (smoke run)")
@@ -413,6 +460,7 @@ def main() -> None:
     plan_table(args.quick, "synth")
     plan_table(args.quick, "agent")
     total_vs_pairwise_table(args.quick)
+    verl_dropin_table(args.quick)
 
 
 if __name__ == "__main__":
