@@ -6,6 +6,7 @@ from __future__ import annotations
 import heapq
 import inspect
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -132,12 +133,14 @@ def test_against_real_verl() -> None:
         ours = rv.get_seqlen_balanced_partitions(w, 8, eq)
         ref = sb.get_seqlen_balanced_partitions(w, 8, eq)
         assert max(sum(w[i] for i in p) for p in ours) <= max(sum(w[i] for i in p) for p in ref)
-    original = sb.get_seqlen_balanced_partitions
+    original, patched = sb.get_seqlen_balanced_partitions, []
     try:
-        assert VERL in rv.patch()
+        patched = rv.patch()
+        assert VERL in patched
         assert sb.get_seqlen_balanced_partitions is rv.get_seqlen_balanced_partitions
     finally:
-        sb.get_seqlen_balanced_partitions = original
+        for name in patched:
+            sys.modules[name].get_seqlen_balanced_partitions = original
 
 
 VERL = rv.VERL_MODULE
