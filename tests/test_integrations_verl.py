@@ -140,7 +140,7 @@ def test_against_real_verl() -> None:
         assert sb.get_seqlen_balanced_partitions is rv.get_seqlen_balanced_partitions
     finally:
         for name in patched:
-            sys.modules[name].get_seqlen_balanced_partitions = original
+            sys.modules[name].get_seqlen_balanced_partitions = original  # type: ignore[attr-defined]
 
 
 VERL = rv.VERL_MODULE
