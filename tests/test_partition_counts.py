@@ -3,11 +3,10 @@ pipeline's (issue 10, section 1), checked against slow, obvious references of bo
 
 from __future__ import annotations
 
-import heapq
-
 import numpy as np
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from partition_refs import reference_kk
 from test_partition_plan import check_plan
 
 from rolltool.partition import plan_step
@@ -20,29 +19,12 @@ ISSUE_LENGTHS = [79, 88, 86, 70, 88, 90, 89, 53, 68, 74, 61, 65, 75, 82, 73, 57,
 # ---------------------------------------------------------------- slow, obvious references
 
 
-def reference_kk_parts(weights: list[int], k: int) -> list[list[int]]:
-    """Textbook k-way Karmarkar-Karp (largest differencing) with lists of (sum, items) slots."""
-    idx = sorted(range(len(weights)), key=lambda i: -weights[i])
-    starts = [[(weights[i], [i])] + [(0, [])] * (k - 1) for i in idx]
-    heap = [(-(p[0][0] - p[-1][0]), seq, p) for seq, p in enumerate(starts)]
-    heapq.heapify(heap)
-    seq = len(heap)
-    while len(heap) > 1:
-        _, _, a = heapq.heappop(heap)
-        _, _, b = heapq.heappop(heap)
-        merged = [(a[t][0] + b[k - 1 - t][0], a[t][1] + b[k - 1 - t][1]) for t in range(k)]
-        merged.sort(key=lambda slot: -slot[0])
-        heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), seq, merged))
-        seq += 1
-    return [slot[1] for slot in heap[0][2]] if heap else [[] for _ in range(k)]
-
-
 def reference_kk_count(lengths: list[int], cap: int, dp: int) -> int:
     """verl's pipeline over dp ranks: KK by tokens into dp · ceil(total / (dp · cap)) parts, one
     more micro-batch per rank until every part fits the cap."""
     m = max(1, -(-sum(lengths) // (dp * cap)))
     while True:
-        parts = reference_kk_parts(lengths, dp * m)
+        parts = reference_kk(lengths, dp * m, equal_count=False)
         if all(sum(lengths[i] for i in p) <= cap for p in parts):
             return m
         m += 1

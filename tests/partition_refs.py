@@ -1,0 +1,39 @@
+"""Slow, obvious partition references shared by the partition tests; not a test module."""
+
+from __future__ import annotations
+
+import heapq
+
+
+def _sorted_padded(
+    weights: list[float], k: int, equal_count: bool
+) -> tuple[list[float], list[int]]:
+    """Weights heaviest first (ties by index) and their item indices; -1 marks zero padding."""
+    idx = sorted(range(len(weights)), key=lambda i: -weights[i])
+    ws = [float(weights[i]) for i in idx]
+    while equal_count and len(ws) % k:
+        ws.append(0.0)
+        idx.append(-1)
+    return ws, idx
+
+
+def reference_kk(weights: list[float], k: int, equal_count: bool) -> list[set[int]]:
+    """Textbook k-way largest differencing with lists of (sum, items) slots."""
+    ws, idx = _sorted_padded(weights, k, equal_count)
+    if not ws:
+        return [set() for _ in range(k)]
+    if equal_count:
+        starts = [[(ws[b + s], [idx[b + s]]) for s in range(k)] for b in range(0, len(ws), k)]
+    else:
+        starts = [[(ws[i], [idx[i]])] + [(0.0, [])] * (k - 1) for i in range(len(ws))]
+    heap = [(-(p[0][0] - p[-1][0]), seq, p) for seq, p in enumerate(starts)]
+    heapq.heapify(heap)
+    seq = len(heap)
+    while len(heap) > 1:
+        _, _, a = heapq.heappop(heap)
+        _, _, b = heapq.heappop(heap)
+        merged = [(a[t][0] + b[k - 1 - t][0], a[t][1] + b[k - 1 - t][1]) for t in range(k)]
+        merged.sort(key=lambda slot: -slot[0])
+        heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), seq, merged))
+        seq += 1
+    return [{i for i in slot[1] if i >= 0} for slot in heap[0][2]]
