@@ -106,6 +106,21 @@ def test_actual_is_checked_in_its_batch_unit(copy: Any) -> None:
     assert kinds(out, recorded_inputs=False) == {"step.counts": 1}
 
 
+@pytest.mark.parametrize(
+    ("edit", "want"),
+    [
+        (lambda st: st.update(nominal=st["nominal"] + 1), {"step.status": 1}),
+        (lambda st: st.update(status="bogus"), {"step.status": 1}),
+        (lambda st: st.update(status="partial"), {"step.status": 1}),
+        (lambda st: st.update(actual=st["actual"] - 1), {"step.counts": 1}),  # not also status
+    ],
+)
+def test_step_status_and_nominal_are_checked(copy: Any, edit: Any, want: dict) -> None:
+    out = copy("keep")
+    edit_manifest(out, lambda m: edit(m["steps"][0]))
+    assert kinds(out, recorded_inputs=False) == want
+
+
 def test_an_edited_reward_in_samples_parquet_is_caught(copy: Any) -> None:
     out = copy("keep")
     s = pq.read_table(out / "samples.parquet").to_pydict()

@@ -18,8 +18,10 @@ rank_files          step.ranks, rank.files
 denominators        loss.formula, step.denominators (T, S, scale factor, weight sum)
 weight_formula      sample.formula (token_loss_weight against the aggregation, float32 rounding)
 step_metadata       step.counts, step.reward, step.weight_sum, step.advantage (overall and
-                    per env: every figure of the step's record)
-step_plans          step.plan (dp, samples, samples per rank, tokens, empty micro-batches)
+                    per env: every figure of the step's record), step.status (nominal size,
+                    status, full = nominal, partial only last)
+step_plans          step.plan (dp, samples, samples per rank, tokens, empty micro-batches,
+                    token fill, lower bound, imbalance and lockstep overhead)
 rank_counts         rank.counts (samples, real tokens, tokens)
 shards_readable     shard.corrupt
 row_structure       row.budget, row.size, row.length, row.mask

@@ -252,9 +252,40 @@ def _actual(ctx: Context, step: int, rec: StepRecord, found: dict[str, Any]) -> 
     steps = ctx.manifest.config.get("steps")
     unit = str(steps.get("batch_unit")) if isinstance(steps, dict) else ""
     key = {"rollouts": "rollouts", "samples": "samples", "tokens": "sampled_tokens"}.get(unit)
-    if key is not None and rec.actual != found[key]:
-        text = f"actual is {rec.actual} {unit}, samples.parquet gives {found[key]}"
+    counted = found[key] if key is not None else rec.actual
+    actual_ok = rec.actual == counted
+    if not actual_ok:
+        text = f"actual is {rec.actual} {unit}, samples.parquet gives {counted}"
         yield Problem("step.counts", f"step {step}", text)
+    size = steps.get("batch_size") if isinstance(steps, dict) else None
+    yield from _status(ctx, step, rec, size, actual_ok)
+
+
+STEP_STATUSES = ("full", "short", "oversize", "partial")
+"""How a step was filled (`rolltool.steps`): every env's share met exactly, one closed short,
+one took a group larger than its share, or the input ran dry (only the last step)."""
+
+
+def _status(
+    ctx: Context, step: int, rec: StepRecord, batch_size: Any, actual_ok: bool
+) -> Iterator[Problem]:
+    """The step's nominal size is the configured --batch-size, its status one of
+    ``STEP_STATUSES``, a ``full`` step exactly its nominal size (unless --equal-count-trim left
+    samples out of it), and ``partial`` only the run's last step."""
+    where = f"step {step}"
+    # With --equal-count-trim `actual` counts what trains; a wrong actual is step.counts' finding.
+    judge_full = actual_ok and not ctx.manifest.config.get("equal_count_trim")
+    if batch_size is not None and rec.nominal != batch_size:
+        yield Problem(
+            "step.status", where, f"nominal is {rec.nominal}, --batch-size was {batch_size}"
+        )
+    if rec.status not in STEP_STATUSES:
+        yield Problem("step.status", where, f"status {rec.status!r} is not one of {STEP_STATUSES}")
+    elif rec.status == "full" and rec.actual != rec.nominal and judge_full:
+        text = f"status full but actual {rec.actual} is not the nominal {rec.nominal}"
+        yield Problem("step.status", where, text)
+    elif rec.status == "partial" and step != ctx.manifest.num_steps - 1:
+        yield Problem("step.status", where, "status partial, but only the last step can be")
 
 
 def step_metadata(ctx: Context) -> Iterator[Problem]:
