@@ -21,11 +21,13 @@ from pack_helpers import pack
 from verify_helpers import (
     ARGS,
     Arrays,
+    copier,
     edit_manifest,
     edit_samples,
     edit_segment,
     edit_shard,
     kinds,
+    pack_layouts,
     rehash,
     samples,
     shards,
@@ -33,7 +35,6 @@ from verify_helpers import (
 )
 
 from rolltool.shards import read_shard
-from rolltool.synth import SynthConfig, generate
 from rolltool.verify import verify
 
 LAYOUTS = {
@@ -45,26 +46,13 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def packs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    tmp = tmp_path_factory.mktemp("invariants")
-    inp = tmp / "in.parquet"
-    pq.write_table(generate(SynthConfig(groups=16, seed=3, max_len=4096)), inp)
-    made = {"input": inp}
-    for name, args in LAYOUTS.items():
-        pack(inp, tmp / name, *args)
-        made[name] = tmp / name
-    return made
+    return pack_layouts(tmp_path_factory.mktemp("invariants"), LAYOUTS, groups=16, seed=3)
 
 
 @pytest.fixture
 def copy(packs: dict[str, Path], tmp_path: Path) -> Any:
     """copy(layout) -> a fresh copy of that pack to tamper with."""
-
-    def make(layout: str = "base") -> Path:
-        dst = tmp_path / f"{layout}-{len(list(tmp_path.iterdir()))}"
-        shutil.copytree(packs[layout], dst)
-        return dst
-
-    return make
+    return copier(packs, tmp_path, default="base")
 
 
 def _segments(out: Path) -> list[tuple[str, int, int, int]]:

@@ -10,18 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from pack_helpers import pack
-from verify_helpers import edit_manifest, edit_samples, kinds, rehash
+from verify_helpers import copier, edit_manifest, edit_samples, kinds, pack_layouts, rehash
 
 from rolltool.format import StepCounts
-from rolltool.synth import SynthConfig, generate
 from rolltool.verify import verify
 
 BASE = ("--dp", 2, "--batch-size", 32, "--micro-batch-tokens", 3000, "--overlong", "drop")
@@ -37,24 +34,12 @@ FIGURES = [f.name for f in dataclasses.fields(StepCounts)]
 
 @pytest.fixture(scope="module")
 def packs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    tmp = tmp_path_factory.mktemp("verify_steps")
-    inp = tmp / "in.parquet"
-    pq.write_table(generate(SynthConfig(groups=24, seed=5, max_len=4096)), inp)
-    made = {"input": inp}
-    for name, args in PACKS.items():
-        pack(inp, tmp / name, *args)
-        made[name] = tmp / name
-    return made
+    return pack_layouts(tmp_path_factory.mktemp("verify_steps"), PACKS, groups=24, seed=5)
 
 
 @pytest.fixture
 def copy(packs: dict[str, Path], tmp_path: Path) -> Any:
-    def make(name: str) -> Path:
-        dst = tmp_path / f"{name}-{len(list(tmp_path.iterdir()))}"
-        shutil.copytree(packs[name], dst)
-        return dst
-
-    return make
+    return copier(packs, tmp_path)
 
 
 def _steps(out: Path) -> list[dict[str, Any]]:

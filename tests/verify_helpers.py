@@ -13,6 +13,7 @@ manifest's sha256 and size for the edited file, so hashes cannot tell: only the 
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,35 @@ ARGS = ("--dp", 2, "--batch-size", 16, "--micro-batch-tokens", 8192)
 """The base pack of the verify tests (16 synthetic groups, several steps, some leftover)."""
 
 Arrays = dict[str, np.ndarray]
+
+
+def pack_layouts(
+    tmp: Path, layouts: dict[str, tuple], *, groups: int, seed: int
+) -> dict[str, Path]:
+    """One synth input in `tmp` packed once per layout: {"input": path, layout name: pack}."""
+    from pack_helpers import pack
+
+    from rolltool.synth import SynthConfig, generate
+
+    inp = tmp / "in.parquet"
+    pq.write_table(generate(SynthConfig(groups=groups, seed=seed, max_len=4096)), inp)
+    made = {"input": inp}
+    for name, args in layouts.items():
+        pack(inp, tmp / name, *args)
+        made[name] = tmp / name
+    return made
+
+
+def copier(packs: dict[str, Path], tmp: Path, default: str | None = None) -> Callable[..., Path]:
+    """copy(layout) -> a fresh copy of that pack in `tmp` to tamper with."""
+
+    def copy(layout: str | None = default) -> Path:
+        assert layout is not None
+        dst = tmp / f"{layout}-{len(list(tmp.iterdir()))}"
+        shutil.copytree(packs[layout], dst)
+        return dst
+
+    return copy
 
 
 def kinds(out: Path, **kwargs: Any) -> dict[str, int]:
