@@ -150,12 +150,11 @@ def manifest_record(
 ) -> Manifest:
     """The manifest (without its file list, which the writer adds) of a planned, written run."""
     counts = {s: int((plan.status == s).sum()) for s in STATUSES}
+    notes = list(warnings)  # the caller's list stays as it was
     if counts["leftover"]:
-        warnings.append(
-            f"{counts['leftover']} sample(s) left over: not enough to fill another step"
-        )
+        notes.append(f"{counts['leftover']} sample(s) left over: not enough to fill another step")
     if counts["env_unweighted"]:
-        warnings.append(
+        notes.append(
             f"{counts['env_unweighted']} sample(s) of envs without --env-weight were not used"
         )
     a = config.advantages
@@ -180,7 +179,7 @@ def manifest_record(
         partial_step_dropped=None
         if partial is None
         else PartialStep(groups=len(partial.groups), actual=partial.actual),
-        warnings=tuple(warnings),
+        warnings=tuple(notes),
         steps=tuple(steps),
     )
 
