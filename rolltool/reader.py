@@ -65,7 +65,7 @@ from rolltool.format import (
     StepRecord,
 )
 from rolltool.layout import check_rows, unpack_row
-from rolltool.shards import file_record, read_shard, shard_header
+from rolltool.shards import file_record, map_tensors, read_header
 
 VerifyMode = Literal["checks", "hash"]
 VERIFY_MODES: tuple[VerifyMode, ...] = get_args(VerifyMode)
@@ -328,16 +328,16 @@ class PackedDataset:
         the manifest lists it for, its size, rows and values); ``verify="hash"``: its sha256 on
         the first read too."""
         path = self.path / f.path
-        size, meta = shard_header(path)
-        self._check_identity(f, meta)
+        head = read_header(path)
+        self._check_identity(f, head.meta)
         record = self.manifest.files[f.path]
-        if size != record.bytes:
-            raise _bad(path, f"{size} bytes, the manifest says {record.bytes}")
+        if head.size != record.bytes:
+            raise _bad(path, f"{head.size} bytes, the manifest says {record.bytes}")
         if self.verify == "hash" and f.path not in self._hashed:
             if file_record(path).sha256 != record.sha256:
                 raise _bad(path, "sha256 differs from the manifest's (the file changed)")
             self._hashed.add(f.path)
-        arrays = read_shard(path)
+        arrays = map_tensors(path, head)
         broken = check_rows(arrays)
         if broken is None and len(arrays["row_offsets"]) - 1 != f.rows:
             broken = f"{len(arrays['row_offsets']) - 1} rows, the manifest says {f.rows}"
@@ -347,12 +347,14 @@ class PackedDataset:
             raise _bad(path, f"corrupt shard ({broken})")
         return arrays
 
-    def _check_identity(self, f: ShardRef, meta: dict[str, str]) -> None:
+    def _check_identity(self, f: ShardRef, meta: Any) -> None:
         """The shard's own header (step, rank, first_row) against where the manifest lists it."""
         want = self._listed[f.path]
+        if not isinstance(meta, dict):
+            raise _bad(self.path / f.path, "corrupt safetensors header (metadata is not an object)")
         try:
             got = (int(meta["step"]), int(meta["rank"]), int(meta["first_row"]))
-        except (KeyError, ValueError):
+        except (KeyError, ValueError, TypeError):
             where = self.path / f.path
             raise _bad(where, "corrupt shard (no step/rank/first_row in its header)") from None
         if got == (want.step, want.rank, f.first_row):

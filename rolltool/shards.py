@@ -17,7 +17,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -124,48 +126,59 @@ def file_record(path: Path) -> FileRecord:
     return FileRecord(bytes=path.stat().st_size, sha256=h.hexdigest())
 
 
-def shard_header(path: Path) -> tuple[int, dict[str, str]]:
-    """A shard's size in bytes and its header metadata (``write_shard`` records ``step``,
-    ``rank`` and ``first_row`` there); reads only the header."""
+@dataclass(frozen=True)
+class ShardHeader:
+    """A shard's safetensors header, read without mapping its data."""
+
+    size: int
+    """The file's size in bytes."""
+    meta: Any
+    """``__metadata__`` as stored (``write_shard`` records ``step``, ``rank`` and ``first_row``)."""
+    tensors: dict[str, Any]
+    """Tensor name -> {dtype, shape, data_offsets}."""
+    base: int
+    """Byte offset of the data (8 + header length)."""
+
+
+def read_header(path: Path) -> ShardHeader:
+    """Parse a shard's header (one small read); `map_tensors` then maps its data."""
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             n = int.from_bytes(f.read(8), "little")
             if not 0 < n <= size - 8:
                 raise ValueError(f"header size {n} does not fit a file of {size} bytes")
-            meta = json.loads(f.read(n)).get("__metadata__", {})
-    except (OSError, ValueError, AttributeError) as e:
-        raise RolltoolError(f"{path}: not a readable safetensors shard ({e})", hint=_HINT) from None
-    if not isinstance(meta, dict):
-        raise RolltoolError(
-            f"{path}: corrupt safetensors header (metadata is not an object)", hint=_HINT
-        )
-    return size, {str(k): str(v) for k, v in meta.items()}
-
-
-def read_shard(path: Path) -> dict[str, np.ndarray]:
-    """Memory-map a shard's tensors as read-only NumPy arrays (plain ndarray views of the map,
-    no copy)."""
-    try:
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
             header = json.loads(f.read(n))
+    except (OSError, ValueError) as e:
+        raise RolltoolError(f"{path}: not a readable safetensors shard ({e})", hint=_HINT) from None
+    if not isinstance(header, dict):
+        raise RolltoolError(f"{path}: corrupt safetensors header (not a JSON object)", hint=_HINT)
+    meta = header.pop("__metadata__", {})
+    return ShardHeader(size=size, meta=meta, tensors=header, base=8 + n)
+
+
+def map_tensors(path: Path, head: ShardHeader) -> dict[str, np.ndarray]:
+    """Memory-map the tensors `head` describes as read-only NumPy arrays (plain ndarray views
+    of the map, no copy)."""
+    try:
         # plain ndarray views of the map: np.memmap's subclass hooks cost more than the
         # reader's per-row slicing and the integrity checks themselves
         mm = np.memmap(path, dtype=np.uint8, mode="r").view(np.ndarray)
     except (OSError, ValueError) as e:
         raise RolltoolError(f"{path}: not a readable safetensors shard ({e})", hint=_HINT) from None
-    base = 8 + n
     out: dict[str, np.ndarray] = {}
     try:
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
+        for name, info in head.tensors.items():
             a, b = info["data_offsets"]
-            if not 0 <= a <= b <= len(mm) - base:
+            if not 0 <= a <= b <= len(mm) - head.base:
                 raise ValueError(f"tensor {name!r} lies outside the file")
             dtype = _DTYPES[info["dtype"]]
-            out[name] = mm[base + a : base + b].view(dtype).reshape(info["shape"])
+            out[name] = mm[head.base + a : head.base + b].view(dtype).reshape(info["shape"])
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise RolltoolError(f"{path}: corrupt safetensors header ({e!r})", hint=_HINT) from None
     return out
+
+
+def read_shard(path: Path) -> dict[str, np.ndarray]:
+    """Memory-map a shard's tensors as read-only NumPy arrays (no copy)."""
+    return map_tensors(path, read_header(path))

@@ -212,13 +212,13 @@ def test_a_rank_reads_only_its_own_files(out: Path, monkeypatch: pytest.MonkeyPa
     import rolltool.reader as reader
 
     opened: list[Path] = []
-    real = reader.read_shard
+    real = reader.map_tensors
 
-    def spy(path: Path) -> dict[str, np.ndarray]:
+    def spy(path: Path, head: Any) -> dict[str, np.ndarray]:
         opened.append(path)
-        return real(path)
+        return real(path, head)
 
-    monkeypatch.setattr(reader, "read_shard", spy)
+    monkeypatch.setattr(reader, "map_tensors", spy)
     ds = rolltool.open_packed(out)
     rows = sum(1 for _ in ds.torch_dataset(2))
     assert rows == len(_stream(ds, 2)) > len(set(opened))  # a shard is mapped once, not per row
