@@ -11,6 +11,7 @@ from rolltool.errors import RolltoolError
 from rolltool.format import MAX_TOKEN_ID
 from rolltool.loss import check_loss_agg
 from rolltool.partition import ALIGNS
+from rolltool.split import GroupSplit
 from rolltool.steps import StepConfig
 from rolltool.workload import WORKLOADS, Workload, make_workload
 
@@ -57,21 +58,29 @@ class PackConfig:
     """
 
     dp: int
-    """Data-parallel ranks."""
+    """Data-parallel ranks (groups of GPUs with ``sp`` or ``cp``: what the partition balances)."""
+    sp: int = 1
+    """Sequence-parallel (Ulysses) GPUs per data-parallel group: each micro-batch's row is
+    split into ``sp`` contiguous parts (`rolltool.split`)."""
+    cp: int = 1
+    """Context-parallel GPUs per data-parallel group: every sample is split into 2 x ``cp``
+    chunks, zigzag (`rolltool.split`). Not with ``sp``."""
     steps: StepConfig = field(default_factory=_default_steps)
     """How optimizer steps are assembled (batch semantics); default: ``DEFAULT_BATCH_SIZE``
     rollouts per step."""
     advantages: AdvantageConfig = field(default_factory=AdvantageConfig)
     """Estimator used when the input has no 'advantage' column."""
     micro_batch_tokens: int | None = None
-    """Hard token budget per micro-batch. None resolves to: no budget with ``micro_batch_size``
+    """Hard token budget per micro-batch and GPU (a group's micro-batch holds up to this x sp,
+    or x cp, tokens: ``group_tokens``). None resolves to: no budget with ``micro_batch_size``
     (fixed mode); else ``row_len`` when given (a row holds one micro-batch: fill it); else
     ``DEFAULT_MICRO_BATCH_TOKENS``. ``dataclasses.replace`` keeps the resolved value: pass
     ``micro_batch_tokens=None`` to resolve it again."""
     micro_batch_size: int | None = None
     """Fixed number of samples per micro-batch instead of a token budget."""
     row_len: int | None = None
-    """Pad every row to this many tokens (static shapes); must be >= micro_batch_tokens."""
+    """Pad every row to this many tokens per GPU (static shapes; the group's row holds this x
+    sp, or x cp); must be >= micro_batch_tokens."""
     pad_id: int = 0
     """Token id written into padding: 0 <= pad_id <= 2**31 - 1 (packed as int32)."""
     balance: str = "flops"
@@ -126,6 +135,12 @@ class PackConfig:
                 "micro-batches are laid out the same way whatever the alignment",
                 hint="drop --align total, or balance with a token budget (--micro-batch-tokens)",
             )
+        if self.sp > 1 and self.cp > 1:
+            raise OptionConflict(
+                "give --sp or --cp, not both",
+                hint="a data-parallel group splits its micro-batches one way: Ulysses (--sp) "
+                "or ring attention (--cp)",
+            )
         if self.loss_scale_factor is not None and self.loss_agg != "seq-mean-token-sum-norm":
             raise OptionConflict(
                 f"--loss-scale-factor applies to --loss-agg seq-mean-token-sum-norm only, "
@@ -140,8 +155,9 @@ class PackConfig:
         ):
             if value is not None and value < 1:
                 raise RolltoolError(f"{name} must be positive, got {value}")
-        if self.dp < 1:
-            raise RolltoolError(f"--dp must be at least 1, got {self.dp}")
+        for name, value in (("--dp", self.dp), ("--sp", self.sp), ("--cp", self.cp)):
+            if value < 1:
+                raise RolltoolError(f"{name} must be at least 1, got {value}")
         budget = self.micro_batch_tokens
         if self.row_len is not None and budget is not None and self.row_len < budget:
             raise RolltoolError(
@@ -200,9 +216,28 @@ class PackConfig:
         return cls(**parts, **options)
 
     @property
+    def split(self) -> GroupSplit:
+        """How each data-parallel group's micro-batches are shared by its sp or cp GPUs."""
+        return GroupSplit(sp=self.sp, cp=self.cp)
+
+    @property
+    def group_tokens(self) -> int | None:
+        """A group's micro-batch budget: ``micro_batch_tokens`` x sp (or x cp), None in fixed
+        mode. With cp it counts padded tokens (`GroupSplit.padded`)."""
+        return (
+            None if self.micro_batch_tokens is None else self.micro_batch_tokens * self.split.size
+        )
+
+    @property
+    def group_row_len(self) -> int | None:
+        """The stored (group) row length: ``row_len`` x sp (or x cp), None without --row-len."""
+        return None if self.row_len is None else self.row_len * self.split.size
+
+    @property
     def token_cap(self) -> int | None:
-        """Most tokens one sample may have: the budget, or the row length in count mode."""
-        return self.micro_batch_tokens if self.micro_batch_tokens is not None else self.row_len
+        """Most tokens one sample may occupy in a group's row (padded with cp): the group's
+        budget, or its row length in count mode."""
+        return self.group_tokens if self.group_tokens is not None else self.group_row_len
 
     def workload(self) -> Workload:
         return make_workload(self.balance, model=self.model, calibration=self.calibration)
@@ -210,6 +245,8 @@ class PackConfig:
     def to_dict(self) -> dict[str, Any]:
         return {
             "dp": self.dp,
+            "sp": self.sp,
+            "cp": self.cp,
             "steps": self.steps.to_dict(),
             "advantages": self.advantages.to_dict(),
             "micro_batch_tokens": self.micro_batch_tokens,

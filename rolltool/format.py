@@ -134,6 +134,8 @@ class StepCounts:
     uniform_groups_kept: int
     uniform_groups_dropped: int
     overlong_dropped: int
+    over_gpu_budget: int = 0
+    """Trained samples longer than the per-GPU budget: trained because --sp or --cp split them."""
     reward_mean: float | None
     advantage_mean: float | None
     advantage_std: float | None

@@ -9,7 +9,9 @@ token without a fixed length) so that every rank runs the same number of micro-b
 
 Worked example: samples of 3 and 2 tokens in a row of length 8 give
 ``cu_seqlens = [0, 3, 5, 8]``, ``position_ids = [0 1 2 0 1 0 1 2]``,
-``sample_index = [i, j, -1]``.
+``sample_index = [i, j, -1]``. With context or sequence parallelism the row is the group's
+(`rolltool.split` derives each GPU's view): each sample padded for the CP split, the row to a
+multiple of the group's size.
 
 Rows of one (step, rank) are stored flat and compact (`PackedRows`): the per-token columns that
 carry information (``input_ids``, ``loss_mask``, ``logprobs``) concatenated over rows with
@@ -70,12 +72,17 @@ def pack_rows(
     weight: np.ndarray,
     row_len: int | None = None,
     pad_id: int = 0,
+    sample_multiple: int = 1,
+    row_multiple: int = 1,
 ) -> PackedRows:
     """Lay out `rows` (each an array of positions k into `tokens`) as packed rows.
 
     `sample_index`, `advantage` (float32) and `weight` (per trainable token, float) are indexed
     by k like `tokens`. Raises AssertionError if a row does not fit `row_len`: the plan must have
-    guaranteed it.
+    guaranteed it. Context parallelism (`rolltool.split`): ``sample_multiple`` (2C) pads each
+    sample with a padding segment right after it to a multiple of it, ``row_multiple`` (C, or S
+    with sequence parallelism) pads each row without a ``row_len`` to a multiple of it (an empty
+    row holds ``row_multiple`` padding tokens).
     """
     lengths = tokens.lengths()
     seg_len: list[np.ndarray] = []
@@ -83,12 +90,14 @@ def pack_rows(
     for members in rows:
         members = np.asarray(members, dtype=np.int64)
         lens = lengths[members]
+        if sample_multiple > 1:
+            lens, members = _pad_samples(lens, members, sample_multiple)
         used = int(lens.sum())
         if row_len is not None:
             assert used <= row_len, f"row of {used} tokens exceeds row_len {row_len}"
             pad = row_len - used
         else:
-            pad = 0 if len(members) else 1
+            pad = -(-used // row_multiple) * row_multiple - used if len(members) else row_multiple
         if pad:
             lens = np.append(lens, pad)
             members = np.append(members, PAD_SAMPLE)
@@ -139,6 +148,18 @@ def pack_rows(
     )
 
 
+def _pad_samples(
+    lens: np.ndarray, members: np.ndarray, multiple: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each sample followed by a padding segment up to a multiple of `multiple` (none where it
+    is one already): (segment lengths, segment sources, -1 for padding)."""
+    pad = -(-lens // multiple) * multiple - lens
+    seg = np.stack([lens, pad], axis=1).ravel()
+    src = np.stack([members, np.full_like(members, PAD_SAMPLE)], axis=1).ravel()
+    keep = (src != PAD_SAMPLE) | (seg > 0)
+    return seg[keep], src[keep]
+
+
 def step_rows(
     tokens: SampleTokens,
     micro_batches: Sequence[Sequence[np.ndarray]],
@@ -148,6 +169,8 @@ def step_rows(
     weight: np.ndarray,
     row_len: int | None = None,
     pad_id: int = 0,
+    sample_multiple: int = 1,
+    row_multiple: int = 1,
 ) -> Iterator[PackedRows]:
     """Each rank's rows of one step: `micro_batches[r][j]` lists the samples of rank r's j-th
     micro-batch; `tokens` and the per-sample arrays hold the step's samples in row order (rank
@@ -170,6 +193,8 @@ def step_rows(
             weight=weight,
             row_len=row_len,
             pad_id=pad_id,
+            sample_multiple=sample_multiple,
+            row_multiple=row_multiple,
         )
 
 

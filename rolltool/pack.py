@@ -121,8 +121,10 @@ def _write_step(
             sample_index=st.members[order],
             advantage=st.advantage[order],
             weight=st.weight[order],
-            row_len=config.row_len,
+            row_len=config.group_row_len,
             pad_id=config.pad_id,
+            sample_multiple=config.split.sample_multiple,
+            row_multiple=config.split.row_multiple,
         )
     ):
         ranks.append(writer.write_rank(st.index, r, rows))

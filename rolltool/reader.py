@@ -7,6 +7,7 @@
 ...     mb["loss_weight"]     # per token; loss = sum(loss_weight * token_loss), see manifest "loss"
 ...     mb["cu_seqlens"]      # int32 segment boundaries, first 0, last = row length
 ...     mb["sample_index"]    # int64 per segment, -1 for padding
+>>> ds.micro_batches(0, 3, cp_rank=1)             # one GPU's view (packed with --cp / --sp)
 
 Arrays are read-only NumPy views of memory-mapped shard files; ``torch=True`` gives torch
 tensors (each stored array copied once, derived ones wrapped). ``ds.rank_iter(rank)`` walks a
@@ -43,6 +44,7 @@ reads itself (workers share no state). ``rolltool verify`` checks everything, ha
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Callable, Iterable, Iterator
@@ -66,6 +68,7 @@ from rolltool.format import (
 )
 from rolltool.layout import check_rows, unpack_row
 from rolltool.shards import file_record, map_tensors, read_header
+from rolltool.split import GroupSplit, cp_view, recorded_split, sp_view
 
 VerifyMode = Literal["checks", "hash"]
 VERIFY_MODES: tuple[VerifyMode, ...] = get_args(VerifyMode)
@@ -198,6 +201,8 @@ class PackedDataset:
                 hint="an interrupted `rolltool pack` leaves no manifest; run it again",
             )
         self.manifest: Manifest = Manifest.load(self.path)
+        self.split: GroupSplit = recorded_split(self.manifest.config, str(self.path / MANIFEST))
+        """How each rank's rows are shared by its sp or cp GPUs (`rolltool.split`)."""
         self._rank_rows: dict[int, tuple[RowRef, ...]] = {}
         self._listed_cache: dict[str, _Listed] | None = None
         self._ranks_checked: set[int] = set()
@@ -309,19 +314,58 @@ class PackedDataset:
         before = sum(self.manifest.steps[s].ranks[rank].micro_batches for s in range(step))
         return before + micro_batch
 
-    def read_rows(self, refs: Iterable[RowRef], *, torch: bool = False) -> Iterator[dict[str, Any]]:
+    def read_rows(
+        self,
+        refs: Iterable[RowRef],
+        *,
+        torch: bool = False,
+        sp_rank: int | None = None,
+        cp_rank: int | None = None,
+    ) -> Iterator[dict[str, Any]]:
         """The rows `refs` point to, in order; a shard is mapped (and checked) once while
-        consecutive refs stay in it. ``torch=True``: tensors (see `rolltool.torch_data`)."""
+        consecutive refs stay in it. ``torch=True``: tensors (see `rolltool.torch_data`).
+        ``sp_rank`` / ``cp_rank``: that GPU's view of each row (see `gpu_view`)."""
         to_tensors: Callable[[dict[str, np.ndarray]], dict[str, Any]] | None = None
         if torch:
             from rolltool.torch_data import to_tensors
+        view = self.gpu_view(sp_rank=sp_rank, cp_rank=cp_rank)
         path, arrays = None, None
         for ref in refs:
             if ref.file.path != path:
                 path, arrays = ref.file.path, self._open_shard(ref.file)
             assert arrays is not None
             row = unpack_row(arrays, ref.row)
+            if view is not None:
+                try:
+                    row = view(row)
+                except RolltoolError as e:
+                    raise _bad(self.path / ref.file.path, f"row {ref.row}: {e.message}") from None
             yield to_tensors(row) if to_tensors is not None else row
+
+    def gpu_view(
+        self, *, sp_rank: int | None = None, cp_rank: int | None = None
+    ) -> Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None:
+        """The function from a rank's (group's) row to one GPU's view of it: ``sp_rank`` with a
+        pack made with ``--sp``, ``cp_rank`` with ``--cp`` (`rolltool.split.sp_view`,
+        `rolltool.split.cp_view`); None when neither is given (the whole row). Naming the
+        other kind, or a rank outside the group, is a RolltoolError."""
+        split = self.split
+        for name, given, size in (("sp_rank", sp_rank, split.sp), ("cp_rank", cp_rank, split.cp)):
+            if given is None:
+                continue
+            if size == 1:
+                made = f"--{split.kind} {split.size}" if split.kind else "neither --sp nor --cp"
+                raise RolltoolError(
+                    f"{name}={given}: {self.path} was packed with {made}",
+                    hint="pass the rank kind the pack was made for, or none for the whole row",
+                )
+            if not isinstance(given, int | np.integer) or not 0 <= given < size:
+                raise RolltoolError(f"{name} {given} out of range (the group has {size} GPUs)")
+        if sp_rank is not None and split.sp > 1:
+            return functools.partial(sp_view, sp=split.sp, rank=int(sp_rank))
+        if cp_rank is not None and split.cp > 1:
+            return functools.partial(cp_view, cp=split.cp, rank=int(cp_rank))
+        return None
 
     def _open_shard(self, f: ShardRef) -> dict[str, np.ndarray]:
         """Map shard `f` after the cheap checks (its header names the (step, rank, first row)
@@ -368,18 +412,35 @@ class PackedDataset:
             + (f"; those rows belong in {other} (shards swapped or renamed)" if other else ""),
         )
 
-    def micro_batches(self, step: int, rank: int, *, torch: bool = False) -> list[dict[str, Any]]:
-        """Rank `rank`'s micro-batches of step `step`, in order (one dict per packed row)."""
-        return list(self.read_rows(self.step_rows(step, rank), torch=torch))
+    def micro_batches(
+        self,
+        step: int,
+        rank: int,
+        *,
+        torch: bool = False,
+        sp_rank: int | None = None,
+        cp_rank: int | None = None,
+    ) -> list[dict[str, Any]]:
+        """Rank `rank`'s micro-batches of step `step`, in order (one dict per packed row): the
+        whole group's row, or with ``sp_rank`` / ``cp_rank`` that GPU's view (`gpu_view`)."""
+        refs = self.step_rows(step, rank)
+        return list(self.read_rows(refs, torch=torch, sp_rank=sp_rank, cp_rank=cp_rank))
 
     def rank_iter(
-        self, rank: int, *, torch: bool = False, start_step: int = 0, start_micro_batch: int = 0
+        self,
+        rank: int,
+        *,
+        torch: bool = False,
+        start_step: int = 0,
+        start_micro_batch: int = 0,
+        sp_rank: int | None = None,
+        cp_rank: int | None = None,
     ) -> Iterator[tuple[int, int, dict[str, Any]]]:
         """(step, micro_batch, row) for every row of `rank` from (start_step, start_micro_batch)
-        on, step after step."""
+        on, step after step (one GPU's view with ``sp_rank`` / ``cp_rank``)."""
         refs = self.rank_rows(rank)
         first = self.stream_position(rank, start_step, start_micro_batch)
-        rows = self.read_rows(refs[first:], torch=torch)
+        rows = self.read_rows(refs[first:], torch=torch, sp_rank=sp_rank, cp_rank=cp_rank)
         for ref, row in zip(refs[first:], rows, strict=True):
             yield ref.step, ref.micro_batch, row
 
@@ -390,20 +451,25 @@ class PackedDataset:
         start_step: int = 0,
         start_micro_batch: int = 0,
         pin_memory: bool = False,
+        sp_rank: int | None = None,
+        cp_rank: int | None = None,
     ) -> Any:
         """Rank `rank`'s rows from (start_step, start_micro_batch) on as a torch
         ``IterableDataset`` of `rolltool.torch_data.MicroBatch` dicts (tensors, plus ints
         ``step`` and ``micro_batch``): use ``DataLoader(..., batch_size=None)``; any
         ``num_workers`` gives the same order; ``state_dict``/``load_state_dict`` resume it
-        (see `rolltool.torch_data.RankRows`)."""
+        (see `rolltool.torch_data.RankRows`). ``sp_rank`` / ``cp_rank``: one GPU's view."""
         from rolltool.torch_data import RankRows
 
+        self.gpu_view(sp_rank=sp_rank, cp_rank=cp_rank)  # refuse a wrong one now, not in a worker
         return RankRows(
             self,
             rank,
             start_step=start_step,
             start_micro_batch=start_micro_batch,
             pin_memory=pin_memory,
+            sp_rank=sp_rank,
+            cp_rank=cp_rank,
         )
 
 

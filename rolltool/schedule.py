@@ -143,15 +143,34 @@ def group_advantages(ro: Rollouts, config: PackConfig, given: np.ndarray | None)
 def over_budget(ro: Rollouts, config: PackConfig) -> np.ndarray:
     """[n] bool: samples longer than the token cap; an error unless --overlong drop."""
     cap = config.token_cap
-    too_long = ro.length > cap if cap is not None else np.zeros(ro.num_samples, dtype=bool)
+    occupied = config.split.padded(ro.length)
+    too_long = occupied > cap if cap is not None else np.zeros(ro.num_samples, dtype=bool)
     if too_long.any() and config.overlong == "error":
         i = int(np.flatnonzero(too_long)[0])
         raise RolltoolError(
-            f"{ro.label(i)} has {int(ro.length[i]):,} tokens, over the {cap:,}-token budget "
+            f"{ro.label(i)} has {int(ro.length[i]):,} tokens"
+            + (f" ({int(occupied[i]):,} padded for --cp {config.cp})" if config.cp > 1 else "")
+            + f", over the {cap:,}-token budget{_budget_terms(config)} "
             f"({int(too_long.sum())} sample(s) are)",
-            hint="raise --micro-batch-tokens, or pass --overlong drop to leave such samples out",
+            hint="raise --micro-batch-tokens"
+            + (
+                ", or split long samples over more GPUs (--cp, --sp)"
+                if cap == config.group_tokens
+                else ""
+            )
+            + ", or pass --overlong drop to leave such samples out",
         )
     return too_long
+
+
+def _budget_terms(config: PackConfig) -> str:
+    """How the group's cap came about, e.g. `` (--micro-batch-tokens 8,192 x --cp 4)``."""
+    kind = config.split.kind
+    if kind is None:
+        return ""
+    what = "--micro-batch-tokens" if config.micro_batch_tokens is not None else "--row-len"
+    per_gpu = config.micro_batch_tokens if config.micro_batch_tokens is not None else config.row_len
+    return f" ({what} {per_gpu:,} x --{kind} {config.split.size})"
 
 
 def plan_one_step(
@@ -177,17 +196,21 @@ def plan_one_step(
     )
     advantage = _step_advantages(ro, config, adv, all_members, kept)
     weight = sample_weights(config.loss_agg, ro.trainable[members], config.loss_scale_factor)
+    occupied = config.split.padded(ro.length[members])
     plan = plan_step(
-        ro.length[members],
+        occupied,
         dp=config.dp,
-        max_tokens=config.micro_batch_tokens,
+        max_tokens=config.group_tokens,
         micro_batch_size=config.micro_batch_size,
-        workload=workload,
+        workload=per_gpu(workload, config.split.size),
         equal_count=config.equal_count,
         align=config.align,
     )
-    _check_rows_fit(plan, ro.length[members], config, step.index)
-    counts = step_counts(ro, step, members, overlong, advantage, weight, adv.uniform, group_env)
+    _check_rows_fit(plan, occupied, config, step.index)
+    counts = step_counts(
+        ro, step, members, overlong, advantage, weight, adv.uniform, group_env,
+        gpu_budget=config.micro_batch_tokens if config.split.size > 1 else None,
+    )  # fmt: skip
     record = StepRecord(
         step=step.index,
         status=step.status,
@@ -210,6 +233,21 @@ def plan_one_step(
         uniform_dropped=_samples_of(step.dropped, in_group),
         overlong_dropped=overlong,
         count_trimmed=trimmed,
+    )
+
+
+def per_gpu(workload: Workload, gpus: int) -> Workload:
+    """The cost one GPU of a group of `gpus` pays for a micro-batch: each SP or CP GPU does
+    1/gpus of every sample's linear and attention work (Ulysses splits the heads, the zigzag CP
+    split evens out causal attention), so the coefficients are divided by `gpus`."""
+    if gpus == 1:
+        return workload
+    return dataclasses.replace(
+        workload,
+        a=workload.a / gpus,
+        b=workload.b / gpus,
+        c=workload.c / gpus,
+        notes={**workload.notes, "per_gpu_of": gpus},
     )
 
 
@@ -422,12 +460,15 @@ def step_counts(
     weight: np.ndarray,
     uniform: np.ndarray,
     group_env: np.ndarray,
+    *,
+    gpu_budget: int | None = None,
 ) -> dict[int | None, dict[str, Any]]:
     """`StepCounts` fields of a step, overall (key None) and per env code present in it.
 
     `members`: sample indices trained in the step; `overlong`: its dropped over-long samples;
     `adv`/`weight`: per member, advantage and per-trainable-token loss weight; `uniform` and
-    `group_env`: per group code.
+    `group_env`: per group code; `gpu_budget`: the per-GPU budget when sp or cp split a
+    group's rows (samples over it count in ``over_gpu_budget``).
     """
 
     def counts(sel: np.ndarray, env: int | None) -> dict[str, Any]:
@@ -447,6 +488,7 @@ def step_counts(
             "uniform_groups_kept": int(uniform[groups_here].sum()),
             "uniform_groups_dropped": len(dropped),
             "overlong_dropped": len(ov),
+            "over_gpu_budget": int((ro.length[m] > gpu_budget).sum()) if gpu_budget else 0,
             "reward_mean": r_mean,
             "advantage_mean": a_mean,
             "advantage_std": a_std,
@@ -471,13 +513,15 @@ def _by_group(ro: Rollouts) -> list[np.ndarray]:
 
 
 def _check_rows_fit(plan: Any, lengths: np.ndarray, config: PackConfig, step: int) -> None:
-    """With --micro-batch-size, nothing bounds a micro-batch's tokens: it must fit --row-len."""
-    if config.micro_batch_size is None or config.row_len is None:
+    """With --micro-batch-size, nothing bounds a micro-batch's tokens: it must fit --row-len
+    (x sp or cp: the group's row; `lengths` are padded for cp)."""
+    row_len = config.group_row_len
+    if config.micro_batch_size is None or row_len is None:
         return
     worst = max((int(lengths[m].sum()) for mbs in plan.micro_batches for m in mbs), default=0)
-    if worst > config.row_len:
+    if worst > row_len:
         raise RolltoolError(
             f"step {step}: a micro-batch of --micro-batch-size {config.micro_batch_size} samples "
-            f"holds {worst:,} tokens, more than --row-len {config.row_len:,}",
+            f"holds {worst:,} tokens, more than the row's {row_len:,}{_budget_terms(config)}",
             hint="raise --row-len, lower --micro-batch-size, or give --micro-batch-tokens instead",
         )

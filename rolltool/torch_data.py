@@ -128,9 +128,12 @@ class RankRows(IterableDataset[MicroBatch]):
         start_step: int = 0,
         start_micro_batch: int = 0,
         pin_memory: bool = False,
+        sp_rank: int | None = None,
+        cp_rank: int | None = None,
     ) -> None:
         super().__init__()
         self.ds, self.rank, self.pin_memory = ds, rank, pin_memory
+        self.gpu: dict[str, int | None] = {"sp_rank": sp_rank, "cp_rank": cp_rank}
         self.start = ds.stream_position(rank, start_step, start_micro_batch)
         if pin_memory and not torch.accelerator.is_available():
             raise RolltoolError(
@@ -163,7 +166,8 @@ class RankRows(IterableDataset[MicroBatch]):
 
     def _rows(self, first: int, stride: int, *, shared: bool) -> Iterator[MicroBatch]:
         refs = self.ds.rank_rows(self.rank)[first::stride]
-        for ref, row in zip(refs, self.ds.read_rows(refs), strict=True):
+        rows = self.ds.read_rows(refs, sp_rank=self.gpu["sp_rank"], cp_rank=self.gpu["cp_rank"])
+        for ref, row in zip(refs, rows, strict=True):
             item = MicroBatch(step=ref.step, micro_batch=ref.micro_batch)
             item.update(to_tensors(row, pin_memory=self.pin_memory, shared=shared))
             self._next += stride  # before yielding: state_dict() now names the next row
@@ -181,6 +185,7 @@ class RankRows(IterableDataset[MicroBatch]):
         step, micro_batch = self._position(self._next)
         return {
             "rank": self.rank,
+            **{k: v for k, v in self.gpu.items() if v is not None},
             "step": step,
             "micro_batch": micro_batch,
             "num_workers": self._stride,
@@ -194,6 +199,12 @@ class RankRows(IterableDataset[MicroBatch]):
                 f"the saved loader state is rank {state.get('rank')}'s, this dataset is rank "
                 f"{self.rank}'s"
             )
+        for key, mine in self.gpu.items():
+            if state.get(key) != mine:
+                raise RolltoolError(
+                    f"the saved loader state is {key} {state.get(key)}'s, this dataset is "
+                    f"{key} {mine}'s"
+                )
         self._loaded = dict(state)
 
     def _resume_position(self, state: dict[str, Any], stride: int, worker: int) -> int:

@@ -31,7 +31,7 @@ from rolltool.workload import DEFAULT_PRESET, MODEL_PRESETS, WORKLOADS
 
 D = PackConfig(dp=1)
 """Every default, as the API resolves it."""
-BUDGET = (f"Hard token budget per micro-batch [default: --row-len when given, else "
+BUDGET = (f"Hard token budget per micro-batch and GPU [default: --row-len when given, else "
           f"{DEFAULT_MICRO_BATCH_TOKENS}; none with --micro-batch-size].")  # fmt: skip
 
 
@@ -51,7 +51,9 @@ BUDGET = (f"Hard token budget per micro-batch [default: --row-len when given, el
 )  # fmt: skip
 @section(
     "Partition",
-    opt("--dp", POSITIVE, None, "Data-parallel ranks.", required=True),
+    opt("--dp", POSITIVE, None, "Data-parallel ranks (groups of GPUs with --sp/--cp).", required=True),
+    opt("--sp", POSITIVE, D.sp, "Sequence-parallel (Ulysses) GPUs per rank: a micro-batch holds --micro-batch-tokens x sp, each GPU a contiguous 1/sp of the row."),
+    opt("--cp", POSITIVE, D.cp, "Context-parallel GPUs per rank: samples up to --micro-batch-tokens x cp long, split zigzag into 2 x cp chunks."),
     opt("--balance", tuple(sorted(WORKLOADS)), D.balance, "Cost model ranks and micro-batches are balanced on."),
     opt("--model", str, None, f"Model preset for --balance flops ({', '.join(MODEL_PRESETS)}) [default: {DEFAULT_PRESET}]."),
     opt("--model-config", click.Path(dir_okay=False), None, "A model config.json for --balance flops."),
@@ -64,7 +66,7 @@ BUDGET = (f"Hard token budget per micro-batch [default: --row-len when given, el
     "Rows",
     opt("--micro-batch-tokens", POSITIVE, None, BUDGET),
     opt("--micro-batch-size", POSITIVE, None, "Fixed samples per micro-batch instead of a token budget."),
-    opt("--row-len", POSITIVE, None, "Pad every row to this length."),
+    opt("--row-len", POSITIVE, None, "Pad every row to this length (per GPU)."),
     opt("--pad-id", int, D.pad_id, "Token id used for padding."),
     opt("--overlong", OVERLONG, D.overlong, "A sample longer than the budget: error, or leave it out of training."),
 )  # fmt: skip

@@ -25,6 +25,7 @@ step_plans          step.plan (dp, samples, samples per rank, tokens, empty micr
 rank_counts         rank.counts (samples, real tokens, tokens)
 shards_readable     shard.corrupt
 row_structure       row.budget, row.size, row.length, row.mask
+group_split         row.split (--sp/--cp: rows split evenly, samples padded for the CP split)
 padding             row.padding
 placement           segment.index, sample.placement, sample.repeated, sample.missing
 sample_fields       sample.length, sample.trainable, sample.advantage, sample.weight
@@ -70,6 +71,7 @@ from rolltool.verify.context import (
 )
 from rolltool.verify.records import files_and_hashes, rank_files, samples_table
 from rolltool.verify.rows import (
+    group_split,
     padding,
     placement,
     row_structure,
@@ -97,6 +99,7 @@ INVARIANTS: tuple[Invariant, ...] = (
     rank_counts,
     shards_readable,
     row_structure,
+    group_split,
     padding,
     placement,
     sample_fields,
@@ -148,7 +151,7 @@ def run_verify(
     checked = {"files": sum((ds.path / name).is_file() for name in m.files)}
     if problems:
         return VerifyReport(problems, checked, "not compared: see problems")
-    row_len, pad_id = layout_settings(m)
+    row_len, pad_id, split = layout_settings(m)
     state, found = open_input(m, ds.path, inputs, recorded_inputs)
     problems.extend(found)
     try:
@@ -158,7 +161,7 @@ def run_verify(
         return VerifyReport(problems, checked, state.status)
     samples, notes = _with_rewards(samples, state.reader)
     segments = read_segments(ds.path, m, pad_id)
-    ctx = Context(ds.path, m, samples, segments, row_len, pad_id, state.reader)
+    ctx = Context(ds.path, m, samples, segments, row_len, pad_id, state.reader, split)
     for invariant in INVARIANTS:
         problems.extend(invariant(ctx))
     checked |= {

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +22,7 @@ from rolltool.errors import RolltoolError
 from rolltool.format import SAMPLES, STATUSES, InputRecord, Manifest
 from rolltool.problems import Problem
 from rolltool.source import InputFile, footer, invert_mapping, iter_batches, resolve_inputs
+from rolltool.split import GroupSplit, recorded_split
 from rolltool.tokens import TokenReader
 from rolltool.verify.segments import Segments
 
@@ -142,20 +143,25 @@ class Context:
     samples: Samples
     segments: Segments
     row_len: int | None
-    """Every row's length when the pack pads rows to a fixed length."""
+    """Every (group) row's length when the pack pads rows to a fixed length: --row-len x sp
+    or x cp."""
     pad_id: int
     """Token id of padding."""
     reader: TokenReader | None
     """The input's tokens by sample_index; None when the input is not compared."""
+    split: GroupSplit = field(default_factory=GroupSplit)
+    """How the pack splits each group's rows over its sp or cp GPUs."""
 
 
-def layout_settings(manifest: Manifest) -> tuple[int | None, int]:
-    """(row_len, pad_id) of the recorded pack config (the manifest types it only as a mapping)."""
+def layout_settings(manifest: Manifest) -> tuple[int | None, int, GroupSplit]:
+    """(group row_len, pad_id, split) of the recorded pack config (the manifest types it only
+    as a mapping)."""
     row_len, pad_id = manifest.config.get("row_len"), manifest.config.get("pad_id", 0)
     for key, value in (("row_len", row_len), ("pad_id", pad_id)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise RolltoolError(f"manifest.json: 'config.{key}' must be an integer, got {value!r}")
-    return row_len, pad_id or 0
+    split = recorded_split(manifest.config)
+    return None if row_len is None else row_len * split.size, pad_id or 0, split
 
 
 # -- the input ----------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import numpy as np
 from rolltool.format import PAD_SAMPLE
 from rolltool.problems import Problem
 from rolltool.verify.context import Context
+from rolltool.verify.segments import Segments
 
 
 def shards_readable(ctx: Context) -> Iterator[Problem]:
@@ -26,12 +27,18 @@ def shards_readable(ctx: Context) -> Iterator[Problem]:
 
 
 def row_structure(ctx: Context) -> Iterator[Problem]:
-    """No row holds more sample tokens than the step's budget or more samples than its
-    micro-batch size; with a fixed row length every row has it; loss_mask values are 0 or 1."""
+    """No row holds more sample tokens (padded for cp) than the step's budget or more samples
+    than its micro-batch size; with a fixed row length every row has it; loss_mask values are
+    0 or 1."""
     seg, steps = ctx.segments, ctx.manifest.steps
     budget = np.array([st.plan.max_tokens or -1 for st in steps], dtype=np.int64)[seg.row_step]
-    for r in np.flatnonzero((budget >= 0) & (seg.row_real_tokens > budget)):
-        text = f"{seg.row_real_tokens[r]} tokens, over the {budget[r]}-token budget"
+    used = seg.row_real_tokens
+    if ctx.split.cp > 1:  # the budget counts each sample padded for the CP split
+        occupied = np.where(seg.sample >= 0, ctx.split.padded(seg.length), 0)
+        used = np.bincount(row_ids(seg), weights=occupied, minlength=len(used)).astype(np.int64)
+    for r in np.flatnonzero((budget >= 0) & (used > budget)):
+        padded = " (padded for --cp)" if ctx.split.cp > 1 else ""
+        text = f"{used[r]} tokens{padded}, over the {budget[r]}-token budget"
         yield Problem("row.budget", seg.row_where(r), text)
     size = np.array([st.plan.micro_batch_size or -1 for st in steps], dtype=np.int64)
     size = size[seg.row_step]
@@ -150,3 +157,47 @@ def sample_fields(ctx: Context) -> Iterator[Problem]:
 
 def _num(x: np.generic) -> str:
     return f"{x:.9g}" if isinstance(x, np.floating) else str(x)
+
+
+def row_ids(seg: Segments) -> np.ndarray:
+    """[K] int64: each segment's row (an index into the ``row_*`` arrays)."""
+    if not len(seg.sample):
+        return np.zeros(0, np.int64)
+    change = np.ones(len(seg.sample), dtype=bool)
+    change[1:] = (np.diff(seg.step) != 0) | (np.diff(seg.rank) != 0) | (np.diff(seg.row) != 0)
+    return np.cumsum(change) - 1
+
+
+def group_split(ctx: Context) -> Iterator[Problem]:
+    """With --sp or --cp, every row splits evenly over the group's GPUs: its length is a
+    multiple of sp (or cp); with cp every sample is followed by exactly the padding that brings
+    it to a multiple of 2 x cp, and every other padding segment is a multiple of cp."""
+    split, seg = ctx.split, ctx.segments
+    if split.size == 1:
+        return
+    for r in np.flatnonzero(seg.row_tokens % split.size):
+        text = f"row of {seg.row_tokens[r]} tokens does not split over --{split.kind} {split.size}"
+        yield Problem("row.split", seg.row_where(r), text)
+    if split.cp == 1:
+        return
+    row = row_ids(seg)
+    real = seg.sample >= 0
+    want = np.where(real, split.padded(seg.length) - seg.length, 0)
+    nxt = np.append(np.arange(1, len(row)), len(row) - 1) if len(row) else row
+    follows = (
+        (nxt != np.arange(len(row)))
+        & (row[nxt] == row)
+        & (seg.sample[nxt] == PAD_SAMPLE)
+        & (seg.length[nxt] == want)
+    )
+    for k in np.flatnonzero(real & (want > 0) & ~follows):
+        text = (
+            f"sample {seg.sample[k]} ({seg.length[k]} tokens) is not followed by its {want[k]} "
+            f"padding tokens (to a multiple of 2 x cp = {split.sample_multiple})"
+        )
+        yield Problem("row.split", seg.where(k), text)
+    own = np.zeros(len(row), dtype=bool)  # a sample's CP padding
+    own[1:] = (want[:-1] > 0) & follows[:-1]
+    for k in np.flatnonzero((seg.sample == PAD_SAMPLE) & ~own & (seg.length % split.cp != 0)):
+        text = f"{seg.length[k]} padding tokens do not split over --cp {split.cp}"
+        yield Problem("row.split", seg.where(k), text)

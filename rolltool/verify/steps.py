@@ -18,6 +18,7 @@ from rolltool.advantages import reward_moments
 from rolltool.format import STATUSES, Denominators, PlanRecord, StepCounts, StepRecord
 from rolltool.partition import metrics
 from rolltool.problems import Problem
+from rolltool.split import GroupSplit
 from rolltool.verify.context import Context, Samples
 from rolltool.workload import Workload
 
@@ -183,9 +184,12 @@ def uniform_groups(s: Samples) -> np.ndarray | None:
     return (size >= 2) & (lo == hi)
 
 
-def figures(s: Samples, scope: Scope, uniform: np.ndarray | None) -> dict[str, Any]:
+def figures(
+    s: Samples, scope: Scope, uniform: np.ndarray | None, gpu_budget: int | None = None
+) -> dict[str, Any]:
     """The StepCounts figures samples.parquet gives for a scope (reward ones only with
-    ``uniform``, i.e. when samples.parquet has rewards)."""
+    ``uniform``, i.e. when samples.parquet has rewards; ``over_gpu_budget`` with the per-GPU
+    budget of a pack that splits rows over sp or cp GPUs)."""
     sel = scope.trained
     groups = np.unique(s.group[sel])
     _, first = np.unique(s.rollout[sel], return_index=True)
@@ -197,6 +201,7 @@ def figures(s: Samples, scope: Scope, uniform: np.ndarray | None) -> dict[str, A
         "trainable_tokens": int(s.trainable[sel].sum()),
         "uniform_groups_dropped": len(np.unique(s.group[scope.dropped])),
         "overlong_dropped": len(scope.overlong),
+        "over_gpu_budget": int((s.length[sel] > gpu_budget).sum()) if gpu_budget else 0,
     }
     if uniform is not None and s.reward is not None:
         found["uniform_groups_kept"] = int(uniform[groups].sum())
@@ -291,17 +296,19 @@ def _status(
 def step_metadata(ctx: Context) -> Iterator[Problem]:
     """Per step, overall and per env, every StepCounts figure equals what samples.parquet gives:
     groups, rollouts, samples, sampled and trainable tokens, uniform groups kept and dropped,
-    over-long samples dropped, the reward mean (when samples.parquet has rewards), the
-    loss-weight sum and the advantage mean/std of the trained samples; and the step's actual
-    size in its batch unit."""
+    over-long samples dropped, samples over the per-GPU budget (--sp/--cp), the reward mean
+    (when samples.parquet has rewards), the loss-weight sum and the advantage mean/std of the
+    trained samples; and the step's actual size in its batch unit."""
     s, m = ctx.samples, ctx.manifest
     sound = set(_sound_steps(ctx)) if _formula_error(ctx) is None else set()
     dropped = _by_step(s, "uniform_dropped", m.num_steps)
     overlong = _by_step(s, "overlong_dropped", m.num_steps)
     uniform = uniform_groups(s)
+    budget = m.config.get("micro_batch_tokens") if ctx.split.size > 1 else None
+    gpu_budget = budget if isinstance(budget, int) else None
     for step, rec in enumerate(m.steps):
         scope = Scope(f"step {step}", s.planned(step), dropped[step], overlong[step])
-        weights, found = step in sound, figures(s, scope, uniform)
+        weights, found = step in sound, figures(s, scope, uniform, gpu_budget)
         yield from _scope_problems(ctx, scope, rec, weights, found)
         yield from _actual(ctx, step, rec, found)
         present = np.concatenate([scope.trained, scope.dropped, scope.overlong])
@@ -313,20 +320,23 @@ def step_metadata(ctx: Context) -> Iterator[Problem]:
                 text = f"no record for env {name!r} ({len(part.trained)} samples)"
                 yield Problem("step.counts", f"step {step}", text)
                 continue
-            found = figures(s, part, uniform)
+            found = figures(s, part, uniform, gpu_budget)
             yield from _scope_problems(ctx, part, rec.envs[name], weights, found)
 
 
-def plan_figures(s: Samples, planned: np.ndarray, dp: int, m: int) -> dict[str, Any]:
+def plan_figures(
+    s: Samples, planned: np.ndarray, dp: int, m: int, split: GroupSplit
+) -> dict[str, Any]:
     """The figures of a step's plan record samples.parquet gives (its trained samples
-    `planned`, placed inside a run of `dp` ranks; `m` micro-batches per rank)."""
+    `planned`, placed inside a run of `dp` ranks; `m` micro-batches per rank; tokens as the
+    group's rows hold them, padded for cp)."""
     rank, mb = s.rank[planned], s.micro_batch[planned]
     used = len(np.unique(rank * (int(mb.max()) + 1 if len(mb) else 1) + mb))
     return {
         "dp": dp,
         "samples": len(planned),
         "samples_per_rank": tuple(int(x) for x in np.bincount(rank, minlength=dp)),
-        "tokens": int(s.length[planned].sum()),
+        "tokens": int(split.padded(s.length[planned]).sum()),
         "empty_micro_batches": dp * m - used,
     }
 
@@ -335,15 +345,18 @@ BALANCE_RTOL = 1e-9
 """Balance figures are ratios of float64 sums: equal up to the summation order."""
 
 
-def balance_figures(s: Samples, planned: np.ndarray, dp: int, plan: PlanRecord) -> dict[str, Any]:
+def balance_figures(
+    s: Samples, planned: np.ndarray, dp: int, plan: PlanRecord, split: GroupSplit
+) -> dict[str, Any]:
     """The plan record's balance figures recomputed from samples.parquet: the ``[dp, M]`` grids
-    of tokens and of the recorded workload's cost per micro-batch (Σ over its samples), their
-    rank imbalance and lockstep overhead, the token fill and the micro-batch lower bound."""
+    of tokens (padded for cp) and of the recorded workload's cost per micro-batch (Σ over its
+    samples), their rank imbalance and lockstep overhead, the token fill and the micro-batch
+    lower bound."""
     m = plan.micro_batches_per_rank
     if m == 0 or plan.workload is None:
         return {}
     cell = s.rank[planned] * m + s.micro_batch[planned]
-    lengths = s.length[planned]
+    lengths = split.padded(s.length[planned])
     tokens = np.bincount(cell, weights=lengths, minlength=dp * m).reshape(dp, m)
     cost = Workload.from_dict(plan.workload).cost(lengths)
     costs = np.bincount(cell, weights=cost, minlength=dp * m).reshape(dp, m)
@@ -374,8 +387,8 @@ def step_plans(ctx: Context) -> Iterator[Problem]:
         planned = s.planned(step)
         if not inside[planned].all():
             continue  # samples.place says so
-        found = plan_figures(s, planned, m.dp, rec.plan.micro_batches_per_rank)
-        found |= balance_figures(s, planned, m.dp, rec.plan)
+        found = plan_figures(s, planned, m.dp, rec.plan.micro_batches_per_rank, ctx.split)
+        found |= balance_figures(s, planned, m.dp, rec.plan, ctx.split)
         for key, value in found.items():
             recorded = getattr(rec.plan, key)
             if _differs(recorded, value):
