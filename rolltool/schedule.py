@@ -149,7 +149,11 @@ def over_budget(ro: Rollouts, config: PackConfig) -> np.ndarray:
         i = int(np.flatnonzero(too_long)[0])
         raise RolltoolError(
             f"{ro.label(i)} has {int(ro.length[i]):,} tokens"
-            + (f" ({int(occupied[i]):,} padded for --cp {config.cp})" if config.cp > 1 else "")
+            + (
+                f" ({int(occupied[i]):,} padded for --cp {config.cp})"
+                if occupied[i] > ro.length[i]
+                else ""
+            )
             + f", over the {cap:,}-token budget{_budget_terms(config)} "
             f"({int(too_long.sum())} sample(s) are)",
             hint="raise --micro-batch-tokens"
