@@ -488,3 +488,26 @@ def test_verify_catches_a_manifest_that_claims_another_cp(long_input: Path, tmp_
     assert r.exit_code == 1 and "row.split" in kinds
     with pytest.raises(RolltoolError, match="safetensors"):
         rolltool.open_packed(out).micro_batches(0, 0, cp_rank=3)
+
+
+def test_torch_dataset_serves_one_gpu_view_and_resumes_it(long_input: Path, tmp_path: Path) -> None:
+    out = tmp_path / "cp"
+    pk(long_input, out, "--dp", 2, "--cp", 2, "--micro-batch-tokens", 36)
+    ds = rolltool.open_packed(out)
+    want = [row for _s, _j, row in ds.rank_iter(1, cp_rank=1)]
+    data = ds.torch_dataset(1, cp_rank=1)
+    got = list(data)
+    assert len(got) == len(want)
+    for item, row in zip(got, want, strict=True):
+        for key in (*PER_TOKEN, "cu_seqlens", "cu_seqlens_padded", "sample_index"):
+            assert item[key].tolist() == row[key].tolist()
+    it = iter(ds.torch_dataset(1, cp_rank=1))
+    next(it)
+    state = ds.torch_dataset(1, cp_rank=1)
+    state.load_state_dict({**data.state_dict(), "step": 0, "micro_batch": 1})
+    assert [x["input_ids"].tolist() for x in state] == [r["input_ids"].tolist() for r in want[1:]]
+    other = ds.torch_dataset(1, cp_rank=0)
+    with pytest.raises(RolltoolError, match="cp_rank 1"):
+        other.load_state_dict(data.state_dict())
+    with pytest.raises(RolltoolError, match="packed with --cp 2"):
+        ds.torch_dataset(1, sp_rank=0)
