@@ -16,6 +16,14 @@ name               kernel                                             where
 ``torch-varlen``   ``torch.nn.attention.varlen.varlen_attn`` (2.10+)  CUDA, fp16/bf16
 ``sdpa``           ``scaled_dot_product_attention`` per segment       anywhere; the exact reference
 =================  =================================================  ===========================
+
+Packs made with ``--cp`` also need *block* attention (``Backend.attend_blocks``): query block i
+(``q[q_cu[i]:q_cu[i+1]]``, m tokens) attends to key block i (``k[k_cu[i]:k_cu[i+1]]``, n >= m
+tokens) causally, **aligned bottom-right**: query j sees keys 0 .. n - m + j, as a chunk of a
+sample sees the sample's prefix up to its own end (`rolltool.bench.shares`). flash-attn (2.1+)
+and ``varlen_attn``'s ``window_size`` align a causal mask that way; sdpa's ``is_causal`` aligns
+it top-left, so the sdpa backend passes the bottom-right mask explicitly. ``--check`` compares
+every CP rank's output with each sample run alone, so a kernel aligned the other way fails it.
 """
 
 from __future__ import annotations
@@ -31,6 +39,10 @@ from rolltool.errors import RolltoolError
 Attend = Callable[[Any, Any, Any, Any, int, Sequence[int]], Any]
 """``(q, k, v, cu, max_len, bounds) -> out`` (torch tensors; see the module docstring)."""
 
+AttendBlocks = Callable[[Any, Any, Any, Any, Any, int, int, Sequence[int], Sequence[int]], Any]
+"""``(q, k, v, q_cu, k_cu, max_q, max_k, q_bounds, k_bounds) -> out [Tq, H, D]``: query block i
+against key block i, causal, bottom-right aligned (see the module docstring)."""
+
 
 @dataclass(frozen=True)
 class Backend:
@@ -44,6 +56,8 @@ class Backend:
     """Whether k/v may have fewer heads than q; if not, the caller repeats them beforehand."""
     detail: str
     """What exactly runs (function, signature variant), for the report."""
+    attend_blocks: AttendBlocks | None = None
+    """Block attention for ``--cp`` packs (None: the backend cannot run them)."""
 
 
 def _sdpa(torch: Any) -> Backend:
@@ -66,8 +80,31 @@ def _sdpa(torch: Any) -> Backend:
             outs.append(o.squeeze(0).transpose(0, 1))
         return torch.cat(outs, dim=0)
 
+    def blocks(q: Any, k: Any, v: Any, q_cu: Any, k_cu: Any, max_q: int, max_k: int,
+               q_bounds: Sequence[int], k_bounds: Sequence[int]) -> Any:  # fmt: skip
+        gqa = k.shape[1] != q.shape[1]
+        outs = []
+        for (qs, qe), (ks, ke) in zip(pairwise(q_bounds), pairwise(k_bounds), strict=True):
+            m, n = qe - qs, ke - ks
+            if m == 0:
+                continue
+            mask = torch.ones(m, n, dtype=torch.bool, device=q.device).tril(n - m)
+            o = sdpa(
+                q[qs:qe].transpose(0, 1).unsqueeze(0),
+                k[ks:ke].transpose(0, 1).unsqueeze(0),
+                v[ks:ke].transpose(0, 1).unsqueeze(0),
+                attn_mask=mask,
+                enable_gqa=gqa,
+            )
+            outs.append(o.squeeze(0).transpose(0, 1))
+        return torch.cat(outs, dim=0)
+
     return Backend(
-        "sdpa", attend, True, "torch.nn.functional.scaled_dot_product_attention per segment"
+        "sdpa",
+        attend,
+        True,
+        "torch.nn.functional.scaled_dot_product_attention per segment",
+        blocks,
     )
 
 
@@ -98,7 +135,13 @@ def _torch_varlen(torch: Any) -> Backend:
         extra: dict[str, Any] = {"enable_gqa": True} if gqa and k.shape[1] != q.shape[1] else {}
         return call(q, k, v, cu, cu, max_len, max_len, **causal, **extra)
 
-    return Backend("torch-varlen", attend, gqa, f"torch.nn.attention.varlen.varlen_attn({variant})")
+    def blocks(q: Any, k: Any, v: Any, q_cu: Any, k_cu: Any, max_q: int, max_k: int,
+               q_bounds: Sequence[int], k_bounds: Sequence[int]) -> Any:  # fmt: skip
+        extra: dict[str, Any] = {"enable_gqa": True} if gqa and k.shape[1] != q.shape[1] else {}
+        return call(q, k, v, q_cu, k_cu, max_q, max_k, **causal, **extra)
+
+    return Backend("torch-varlen", attend, gqa,
+                   f"torch.nn.attention.varlen.varlen_attn({variant})", blocks)  # fmt: skip
 
 
 def _flash_attn(torch: Any) -> Backend:
@@ -112,7 +155,12 @@ def _flash_attn(torch: Any) -> Backend:
     def attend(q: Any, k: Any, v: Any, cu: Any, max_len: int, bounds: Sequence[int]) -> Any:
         return flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, causal=True)
 
-    return Backend("flash-attn", attend, True, "flash_attn.flash_attn_varlen_func(causal=True)")
+    def blocks(q: Any, k: Any, v: Any, q_cu: Any, k_cu: Any, max_q: int, max_k: int,
+               q_bounds: Sequence[int], k_bounds: Sequence[int]) -> Any:  # fmt: skip
+        return flash_attn_varlen_func(q, k, v, q_cu, k_cu, max_q, max_k, causal=True)
+
+    return Backend("flash-attn", attend, True,
+                   "flash_attn.flash_attn_varlen_func(causal=True)", blocks)  # fmt: skip
 
 
 BACKENDS: dict[str, Callable[[Any], Backend]] = {

@@ -21,7 +21,7 @@ repetitions (the output of one repetition is the input of the next, as in a real
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,6 +89,25 @@ def layer_forward(
     ``attend`` is a backend's call (``rolltool.bench.backends``); ``gqa=False`` repeats k and v
     heads up to ``heads`` first, for a backend that cannot group them.
     """
+    s = w.shape
+
+    def mix(q: Any, k: Any, v: Any) -> Any:
+        if not gqa and s.kv_heads != s.heads:
+            group = s.heads // s.kv_heads
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        return attend(q, k, v, cu, max_len, bounds).reshape(q.shape[0], s.heads * s.head_dim)
+
+    return layer_with(torch, w, x, mix)
+
+
+Mix = Callable[[Any, Any, Any], Any]
+"""``(q [t, heads, head_dim], k, v [t, kv_heads, head_dim]) -> [t, heads·head_dim]``: the
+attention of a layer's local tokens, however it is shared (`rolltool.bench.split_work`)."""
+
+
+def layer_with(torch: Any, w: LayerWeights, x: Any, mix: Mix) -> Any:
+    """The layer of the module docstring over ``x [t, hidden]``, its attention done by ``mix``
+    (one packed row's varlen attention, or a GPU's share of a split row's)."""
     F = torch.nn.functional
     s = w.shape
     t = x.shape[0]
@@ -97,10 +116,6 @@ def layer_forward(
     q = F.linear(h, wq).view(t, s.heads, s.head_dim)
     k = F.linear(h, wk).view(t, s.kv_heads, s.head_dim)
     v = F.linear(h, wv).view(t, s.kv_heads, s.head_dim)
-    if not gqa and s.kv_heads != s.heads:
-        group = s.heads // s.kv_heads
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    a = attend(q, k, v, cu, max_len, bounds)
-    x = x + F.linear(a.reshape(t, s.heads * s.head_dim), wo)
+    x = x + F.linear(mix(q, k, v), wo)
     h = F.rms_norm(x, (s.hidden,), w.norms[1])
     return x + F.linear(F.silu(F.linear(h, wgate)) * F.linear(h, wup), wdown)
