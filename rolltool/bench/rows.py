@@ -1,19 +1,23 @@
-"""Read a packed directory into the rows bench replays: one per (step, rank, micro-batch).
+"""Read a packed directory into the rows bench replays: one per (step, rank, micro-batch), and
+with ``--cp C`` / ``--sp S`` packs one per GPU of the group: (step, rank, micro-batch, gpu),
+each with its `GpuShare` derived from that GPU's view (``ds.micro_batches(..., cp_rank=i)``).
 
-Only ``cu_seqlens`` and ``sample_index`` are read; the token values do not matter to the timing
-(the layer input, or q, k, v, are random).
+Only ``cu_seqlens`` and ``sample_index`` (and a view's boundaries) are read; the token values do
+not matter to the timing (the layer input, or q, k, v, are random).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
+from rolltool.bench.shares import GpuShare, cp_share, sp_share
 from rolltool.errors import RolltoolError
-from rolltool.reader import open_packed
+from rolltool.reader import PackedDataset, open_packed
+from rolltool.split import GroupSplit
 from rolltool.workload import Workload
 
 
@@ -26,11 +30,17 @@ class Row:
     micro_batch: int
     """Index of the micro-batch within the rank's step."""
     cu_seqlens: np.ndarray
-    """[S+1] int32 segment boundaries, first 0, last = row length (padding segments included)."""
+    """[S+1] int32 segment boundaries, first 0, last = row length (padding segments included);
+    with a split, the group's row."""
     sample_index: np.ndarray
     """[S] int64 input row of each segment, -1 for padding."""
     predicted: float
-    """The manifest workload's cost of the row's real samples (its units: FLOPs, tokens...)."""
+    """The manifest workload's cost of the row's real samples (its units: FLOPs, tokens...;
+    with a split the workload is per GPU, so this is each GPU's predicted share)."""
+    gpu: int = 0
+    """The GPU within the data-parallel rank's group (CP or SP rank; 0 without a split)."""
+    share: GpuShare | None = None
+    """With ``--cp``/``--sp``: this GPU's work on the group row (None: the whole row, one GPU)."""
 
     @property
     def lengths(self) -> np.ndarray:
@@ -45,6 +55,18 @@ class Row:
     def max_len(self) -> int:
         return int(self.lengths.max(initial=0))
 
+    @property
+    def work_tokens(self) -> int:
+        """Tokens the GPU's linear part processes: the row's, or its share's."""
+        return self.tokens if self.share is None else self.share.tokens
+
+    @property
+    def work_sum_sq(self) -> float:
+        """The GPU's attention work in Σ L² units (`GpuShare.sum_sq`; the row's Σ L²)."""
+        if self.share is None:
+            return float(np.sum(self.lengths.astype(np.float64) ** 2))
+        return self.share.sum_sq
+
 
 @dataclass(frozen=True, kw_only=True)
 class ReplayRows:
@@ -56,6 +78,8 @@ class ReplayRows:
     workload: Workload
     """The cost model the directory was balanced on (the manifest's)."""
     rows: list[Row]
+    split: GroupSplit = field(default_factory=GroupSplit)
+    """How each rank's rows are shared by its GPUs (``--sp``/``--cp``; none: one row each)."""
 
 
 def load_rows(path: str | Path, steps: Sequence[int] | None = None) -> ReplayRows:
@@ -83,4 +107,28 @@ def load_rows(path: str | Path, steps: Sequence[int] | None = None) -> ReplayRow
                 )  # fmt: skip
     if not rows:
         raise RolltoolError(f"{path}: no rows to replay in the chosen steps")
-    return ReplayRows(path=Path(path), dp=ds.dp, workload=workload, rows=rows)
+    if ds.split.size > 1:
+        rows = gpu_rows(ds, rows)
+    return ReplayRows(path=Path(path), dp=ds.dp, workload=workload, rows=rows, split=ds.split)
+
+
+def gpu_rows(ds: PackedDataset, rows: Sequence[Row]) -> list[Row]:
+    """Each group row once per GPU of its group, in (step, rank, micro-batch, gpu) order, with
+    the GPU's `GpuShare` made from its view (the reader's, as a trainer reads it)."""
+    split = ds.split
+    out: list[Row] = []
+    views: dict[tuple[int, int, int], list[dict[str, np.ndarray]]] = {}
+    for r in rows:
+        for gpu in range(split.size):
+            key = (r.step, r.rank, gpu)
+            if key not in views:
+                cp = split.kind == "cp"
+                views[key] = ds.micro_batches(r.step, r.rank, sp_rank=None if cp else gpu,
+                                              cp_rank=gpu if cp else None)  # fmt: skip
+            view = views[key][r.micro_batch]
+            if split.kind == "cp":
+                share = cp_share(view, split.cp, gpu)
+            else:
+                share = sp_share(view, split.sp, gpu)
+            out.append(replace(r, gpu=gpu, share=share))
+    return out

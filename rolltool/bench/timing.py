@@ -128,6 +128,34 @@ def run_row(torch: Any, backend: Backend, st: Staged, i: int, setup: BenchSetup)
         torch.autograd.grad(out, (q, k, v), st.grad_out[:t])
 
 
+def runner(
+    torch: Any, backend: Backend, rows: Sequence[Row], setup: BenchSetup
+) -> Callable[[int], None]:
+    """Stage every row and return ``run(i)``, row i's work: `run_row` for a whole row,
+    `rolltool.bench.split_work.run_share` for one GPU's share of a split row (``--cp``/``--sp``
+    packs; several directories may mix both). The layer's weights are made once."""
+    plain = [i for i, r in enumerate(rows) if r.share is None]
+    shared = [i for i, r in enumerate(rows) if r.share is not None]
+    where = {i: j for j, i in enumerate(plain)} | {i: j for j, i in enumerate(shared)}
+    st = stage(torch, backend, [rows[i] for i in plain], setup) if plain else None
+    if not shared:
+        assert st is not None
+        return lambda i: run_row(torch, backend, st, where[i], setup)
+    from rolltool.bench.split_work import run_share, stage_shares
+
+    weights = st.weights if st is not None else None
+    sh = stage_shares(torch, backend, [rows[i] for i in shared], setup, weights)
+
+    def run(i: int) -> None:
+        if rows[i].share is None:
+            assert st is not None
+            run_row(torch, backend, st, where[i], setup)
+        else:
+            run_share(torch, backend, sh, where[i], setup)
+
+    return run
+
+
 def time_rows(
     torch: Any,
     backend: Backend,
@@ -138,7 +166,7 @@ def time_rows(
     label: str = "bench",
 ) -> np.ndarray:
     """Seconds per row: ``[repeats, n_rows]`` float64, in the rows' order (not the run order)."""
-    st = stage(torch, backend, rows, setup)
+    run_one = runner(torch, backend, rows, setup)
     n = len(rows)
     cuda = setup.device.startswith("cuda")
     flush = (
@@ -171,7 +199,7 @@ def time_rows(
             if cuda:
                 start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
                 start.record()
-                run_row(torch, backend, st, i, setup)
+                run_one(i)
                 end.record()
                 if timed:
                     pending.append((r, i, start, end))
@@ -182,7 +210,7 @@ def time_rows(
                     pending.clear()
             else:
                 t0 = time.perf_counter()
-                run_row(torch, backend, st, i, setup)
+                run_one(i)
                 if timed:
                     times[r, i] = time.perf_counter() - t0
     return times
