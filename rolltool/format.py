@@ -34,7 +34,9 @@ from rolltool.errors import RolltoolError
 
 FORMAT = "rolltool-packed"
 FORMAT_VERSION = 1
-SUPPORTED_VERSIONS = (1,)
+SUPPORTED_VERSIONS = (1, 2)
+"""2: samples.parquet holds one row per (sample, epoch), with an ``epoch`` column (--epochs > 1);
+1: one row per sample."""
 MANIFEST = "manifest.json"
 SAMPLES = "samples.parquet"
 
@@ -187,6 +189,15 @@ class StepRecord(StepCounts):
     status: str
     nominal: int | None
     actual: int
+    """The batch's status, nominal and actual size (in its batch unit; with --mini-batches the
+    whole batch's, not this step's)."""
+    batch: int | None = None
+    """The batch (generation batch, `rolltool.steps`) this optimizer step is cut from; None in
+    manifests written before mini-batches (then the step is its own batch)."""
+    epoch: int = 0
+    """Pass over the batch (--epochs)."""
+    mini_batch: int = 0
+    """Mini-batch of the batch in this epoch (--mini-batches)."""
     envs: Mapping[str, StepCounts]
     denominators: Denominators
     plan: PlanRecord
@@ -204,7 +215,8 @@ class InputRecord:
 
 @dataclass(frozen=True, kw_only=True)
 class SampleCounts:
-    """Input samples by status (`STATUSES`)."""
+    """samples.parquet's rows by status (`STATUSES`): one per input sample, or with --epochs
+    one per (sample, epoch)."""
 
     total: int
     trained: int

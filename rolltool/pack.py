@@ -151,17 +151,19 @@ def manifest_record(
     command: Sequence[str] | None,
 ) -> Manifest:
     """The manifest (without its file list, which the writer adds) of a planned, written run."""
-    counts = {s: int((plan.status == s).sum()) for s in STATUSES}
+    counts = {s: int((plan.status == s).sum()) for s in STATUSES}  # samples.parquet's rows
+    once = {s: int((plan.status[: ro.num_samples] == s).sum()) for s in STATUSES}  # epoch 0
     notes = list(warnings)  # the caller's list stays as it was
-    if counts["leftover"]:
-        notes.append(f"{counts['leftover']} sample(s) left over: not enough to fill another step")
-    if counts["env_unweighted"]:
+    if once["leftover"]:
+        notes.append(f"{once['leftover']} sample(s) left over: not enough to fill another step")
+    if once["env_unweighted"]:
         notes.append(
-            f"{counts['env_unweighted']} sample(s) of envs without --env-weight were not used"
+            f"{once['env_unweighted']} sample(s) of envs without --env-weight were not used"
         )
     a = config.advantages
     partial = plan.assembly.partial_dropped
     return Manifest(
+        format_version=2 if plan.epochs > 1 else 1,
         rolltool_version=__version__,
         created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         command=tuple(command if command is not None else sys.argv),
@@ -176,7 +178,7 @@ def manifest_record(
         inputs=tuple(InputRecord(path=f.resolved, rows=f.rows, given=f.path) for f in ro.files),
         columns=dict(columns or {}),
         dp=config.dp,
-        samples=SampleCounts(total=ro.num_samples, **counts),
+        samples=SampleCounts(total=len(plan.status), **counts),
         leftover_groups=len(plan.assembly.leftover),
         partial_step_dropped=None
         if partial is None
@@ -187,18 +189,26 @@ def manifest_record(
 
 
 def samples_table(ro: Rollouts, plan: Schedule) -> pa.Table:
-    """One row per input sample: where it went, or why it was not trained."""
-    n = ro.num_samples
+    """One row per input sample: where it went, or why it was not trained; with --epochs E > 1
+    one row per (epoch, sample), epoch by epoch, with an ``epoch`` column (format version 2)."""
+    n, e = ro.num_samples, plan.epochs
+    index = np.arange(n, dtype=np.int64)
+
+    def tiled(values: pa.Array | pa.ChunkedArray) -> pa.Array | pa.ChunkedArray:
+        return values if e == 1 else values.take(pa.array(np.tile(index, e)))
+
+    epoch = {} if e == 1 else {"epoch": pa.array(np.repeat(np.arange(e, dtype=np.int64), n))}
     return pa.table(
         {
-            "sample_index": pa.array(np.arange(n, dtype=np.int64)),
-            "sample_id": ro.sample_id,
-            "group_id": ro.group_ids.take(pa.array(ro.group)),
-            "rollout_id": ro.rollout_ids.take(pa.array(ro.rollout)),
-            "env": pa.array([ro.env_names[e] for e in ro.env], pa.string()),
-            "length": pa.array(ro.length),
-            "trainable_tokens": pa.array(ro.trainable),
-            "reward": pa.array(ro.reward, pa.float64()),
+            **epoch,
+            "sample_index": pa.array(np.tile(index, e)),
+            "sample_id": tiled(ro.sample_id),
+            "group_id": tiled(ro.group_ids.take(pa.array(ro.group))),
+            "rollout_id": tiled(ro.rollout_ids.take(pa.array(ro.rollout))),
+            "env": pa.array([ro.env_names[k] for k in ro.env] * e, pa.string()),
+            "length": pa.array(np.tile(ro.length, e)),
+            "trainable_tokens": pa.array(np.tile(ro.trainable, e)),
+            "reward": pa.array(np.tile(ro.reward, e), pa.float64()),
             "advantage": pa.array(plan.advantage.astype(np.float32)),
             "token_loss_weight": pa.array(plan.weight.astype(np.float32)),
             "step": pa.array(plan.step),

@@ -29,6 +29,7 @@ from rolltool.config import PackConfig
 from rolltool.errors import RolltoolError
 from rolltool.format import Denominators, PlanRecord, StepCounts, StepRecord
 from rolltool.loss import sample_weights, step_denominators
+from rolltool.minibatches import epoch_groups, sample_units, split_epoch
 from rolltool.partition import StepPlan, plan_step
 from rolltool.schema import Rollouts
 from rolltool.steps import Assembly, Groups, Step, assemble
@@ -65,6 +66,12 @@ class PlannedStep:
     overlong_dropped: np.ndarray  # [o] int64 samples of its groups over the token budget
     count_trimmed: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     """[t] int64 samples left out so that --dp divides the step's samples (--equal-count-trim)"""
+    cut: str = "groups"
+    """Where its mini-batch's cuts lie (`rolltool.minibatches`): groups, rollouts or samples."""
+
+    @property
+    def epoch(self) -> int:
+        return self.record.epoch
 
     @property
     def order(self) -> np.ndarray:
@@ -75,17 +82,20 @@ class PlannedStep:
 
 @dataclass(frozen=True)
 class Schedule:
-    """The whole run's plan; arrays of length n are indexed by sample_index."""
+    """The whole run's plan. Arrays have one entry per samples.parquet row: E x n for E
+    ``epochs`` (row ``e * n + i`` is sample i in epoch e), so n without --epochs, indexed by
+    sample_index."""
 
     steps: list[PlannedStep]  # the kept steps, in order
-    assembly: Assembly  # how groups formed the steps (leftovers, dropped partial step)
-    status: np.ndarray  # [n] object: one of STATUSES
-    step: np.ndarray  # [n] int64 step a sample went to (or was dropped in), -1 if none
-    rank: np.ndarray  # [n] int64, -1 if not trained
-    micro_batch: np.ndarray  # [n] int64, -1 if not trained
-    advantage: np.ndarray  # [n] float32 (per-step whitened where the estimator whitens)
-    weight: np.ndarray  # [n] float64 loss weight of each trainable token, 0 if not trained
+    assembly: Assembly  # how groups formed the batches (leftovers, dropped partial batch)
+    status: np.ndarray  # [E*n] object: one of STATUSES
+    step: np.ndarray  # [E*n] int64 step a sample went to (or was dropped in), -1 if none
+    rank: np.ndarray  # [E*n] int64, -1 if not trained
+    micro_batch: np.ndarray  # [E*n] int64, -1 if not trained
+    advantage: np.ndarray  # [E*n] float32 (whitened over the batch where the estimator whitens)
+    weight: np.ndarray  # [E*n] float64 loss weight of each trainable token, 0 if not trained
     advantages: GroupAdvantages
+    epochs: int = 1
     warnings: list[str] = field(default_factory=list)  # for people: what the plan had to do
 
 
@@ -104,20 +114,26 @@ def schedule(
             hint="lower --batch-size, or pass --keep-last to keep a partial step",
         )
     in_group = _by_group(ro)
-    steps = [
-        plan_one_step(ro, config, workload, adv, step, in_group, too_long, groups.env)
-        for step in assembly.steps
-    ]
+    steps: list[PlannedStep] = []
+    for batch in assembly.steps:
+        if config.steps.per_batch == 1:  # the batch is the optimizer step
+            steps.append(plan_one_step(ro, config, workload, adv, batch, in_group, too_long,
+                                       groups.env))  # fmt: skip
+        else:
+            steps += plan_batch(ro, config, workload, adv, batch, in_group, too_long, groups.env,
+                                first=len(steps))  # fmt: skip
     return Schedule(
         steps=steps,
         assembly=assembly,
         advantages=adv,
+        epochs=config.steps.epochs,
         warnings=[
             *_thin_steps(steps, config.dp),
             *_trim_warning(steps, config.dp),
+            *_cut_warning(steps, config.steps.mini_batches),
             *filter(None, [step_size_warning([s.record for s in steps], config.steps.batch_unit)]),
         ],
-        **placement(ro, assembly, in_group, too_long, steps, adv.value),
+        **placement(ro, assembly, in_group, too_long, steps, adv.value, config.steps.epochs),
     )
 
 
@@ -187,18 +203,119 @@ def plan_one_step(
     too_long: np.ndarray,
     group_env: np.ndarray,
 ) -> PlannedStep:
-    """The step's trained samples, their advantages and loss weights, its partition plan and
-    the record that explains its cost and gradient scale."""
+    """A batch that is one optimizer step: its trained samples, their advantages and loss
+    weights, its partition plan and the record that explains its cost and gradient scale."""
     all_members = _samples_of(step.groups, in_group)
     kept = _equal_counts(~too_long[all_members], config, step.index)
-    members = all_members[kept]
-    trimmed = all_members[~too_long[all_members] & ~kept]
-    if len(trimmed):
-        step = _trimmed(ro, step, members, config.steps.batch_unit)
     overlong = np.concatenate(
         [all_members[too_long[all_members]], _samples_of(step.skipped, in_group)]
     )
     advantage = _step_advantages(ro, config, adv, all_members, kept)
+    trimmed = all_members[~too_long[all_members] & ~kept]
+    if len(trimmed):
+        step = _trimmed(ro, step, all_members[kept], config.steps.batch_unit)
+    return _planned(
+        ro, config, workload, step, all_members[kept], advantage, overlong, trimmed,
+        uniform=adv.uniform, dropped=_samples_of(step.dropped, in_group), group_env=group_env,
+        place=(step.index, 0, 0),
+    )  # fmt: skip
+
+
+def plan_batch(
+    ro: Rollouts,
+    config: PackConfig,
+    workload: Workload,
+    adv: GroupAdvantages,
+    batch: Step,
+    in_group: list[np.ndarray],
+    too_long: np.ndarray,
+    group_env: np.ndarray,
+    first: int,
+) -> list[PlannedStep]:
+    """A batch as epochs x mini-batches optimizer steps, numbered from `first`
+    (`rolltool.minibatches`): advantages once over the batch (whitening over its samples), then
+    per optimizer step its own loss weights, equal-count trim, plan and record. The batch's
+    dropped and over-long samples are counted at each epoch's first mini-batch."""
+    sc = config.steps
+    all_members = _samples_of(batch.groups, in_group)
+    fits = ~too_long[all_members]
+    advantage_of = np.zeros(ro.num_samples, dtype=np.float32)
+    advantage_of[all_members[fits]] = _step_advantages(ro, config, adv, all_members, fits)
+    overlong = np.concatenate([all_members[~fits], _samples_of(batch.skipped, in_group)])
+    dropped, none = _samples_of(batch.dropped, in_group), np.zeros(0, np.int64)
+    out: list[PlannedStep] = []
+    for epoch in range(sc.epochs):
+        groups = epoch_groups(batch.groups, batch.index, epoch, sc.seed)
+        order = np.concatenate([_by_rollout(ro, in_group[g]) for g in groups])
+        order = order[~too_long[order]]
+        units = sample_units(sc.batch_unit, ro.rollout[order], ro.length[order])
+        parts = split_epoch(order, ro.group[order], ro.rollout[order], units, sc.mini_batches,
+                            epoch=epoch, where=f"batch {batch.index}")  # fmt: skip
+        for mb in parts:
+            head = mb.index == 0
+            step = dataclasses.replace(
+                batch,
+                index=first + len(out),
+                groups=_in_order(ro.group[mb.samples]),
+                dropped=batch.dropped if head else none,
+                skipped=batch.skipped if head else none,
+            )
+            kept = _equal_counts(np.ones(len(mb.samples), dtype=bool), config, step.index)
+            members = mb.samples[kept]
+            out.append(_planned(
+                ro, config, workload, step, members, advantage_of[members],
+                overlong if head else none, mb.samples[~kept], uniform=adv.uniform,
+                dropped=dropped if head else none, group_env=group_env,
+                place=(batch.index, epoch, mb.index), cut=mb.level,
+            ))  # fmt: skip
+    return _batch_actual(ro, out, batch, sc.batch_unit)
+
+
+def _by_rollout(ro: Rollouts, samples: np.ndarray) -> np.ndarray:
+    """A group's samples with each rollout's branches together (rollouts in first-seen order)."""
+    return samples[np.argsort(ro.rollout[samples], kind="stable")]
+
+
+def _in_order(codes: np.ndarray) -> np.ndarray:
+    """The distinct values of `codes` in order of first appearance."""
+    _, first = np.unique(codes, return_index=True)
+    return codes[np.sort(first)].astype(np.int64)
+
+
+def _batch_actual(
+    ro: Rollouts, steps: list[PlannedStep], batch: Step, unit: str
+) -> list[PlannedStep]:
+    """Every step of a batch records the batch's actual size: what its first epoch trains
+    (the assembled size unless --equal-count-trim left samples out)."""
+    first = [st for st in steps if st.record.epoch == 0]
+    if not any(len(st.count_trimmed) for st in first):
+        return steps
+    members = np.concatenate([st.members for st in first])
+    actual = _trimmed(ro, batch, members, unit).actual
+    return [
+        dataclasses.replace(st, record=dataclasses.replace(st.record, actual=actual))
+        for st in steps
+    ]
+
+
+def _planned(
+    ro: Rollouts,
+    config: PackConfig,
+    workload: Workload,
+    step: Step,
+    members: np.ndarray,
+    advantage: np.ndarray,
+    overlong: np.ndarray,
+    trimmed: np.ndarray,
+    *,
+    uniform: np.ndarray,
+    dropped: np.ndarray,
+    group_env: np.ndarray,
+    place: tuple[int, int, int],
+    cut: str = "groups",
+) -> PlannedStep:
+    """One optimizer step from its trained samples (`members`, with their `advantage`): loss
+    weights, plan and record; `place` is its (batch, epoch, mini-batch)."""
     weight = sample_weights(config.loss_agg, ro.trainable[members], config.loss_scale_factor)
     occupied = config.split.padded(ro.length[members])
     plan = plan_step(
@@ -212,14 +329,18 @@ def plan_one_step(
     )
     _check_rows_fit(plan, occupied, config, step.index)
     counts = step_counts(
-        ro, step, members, overlong, advantage, weight, adv.uniform, group_env,
+        ro, step, members, overlong, advantage, weight, uniform, group_env,
         gpu_budget=config.micro_batch_tokens if config.split.size > 1 else None,
     )  # fmt: skip
+    batch, epoch, mini_batch = place
     record = StepRecord(
         step=step.index,
         status=step.status,
         nominal=step.nominal,
         actual=step.actual,
+        batch=batch,
+        epoch=epoch,
+        mini_batch=mini_batch,
         **counts.pop(None),
         envs={ro.env_names[e]: StepCounts(**c) for e, c in counts.items() if e is not None},
         denominators=Denominators(
@@ -234,9 +355,10 @@ def plan_one_step(
         weight=weight,
         plan=plan,
         record=record,
-        uniform_dropped=_samples_of(step.dropped, in_group),
+        uniform_dropped=dropped,
         overlong_dropped=overlong,
         count_trimmed=trimmed,
+        cut=cut,
     )
 
 
@@ -324,38 +446,41 @@ def placement(
     too_long: np.ndarray,
     steps: list[PlannedStep],
     advantage: np.ndarray,
+    epochs: int = 1,
 ) -> dict[str, np.ndarray]:
-    """Where every sample went (step, rank, micro-batch, advantage, weight), or why it did not
-    train (``status``): arrays of length n, indexed by sample_index."""
+    """Where every sample went in every epoch (step, rank, micro-batch, advantage, weight), or
+    why it did not train (``status``): arrays of length epochs x n (see `Schedule`)."""
     n = ro.num_samples
     status = np.full(n, "leftover", dtype=object)
-    step_of = np.full(n, -1, dtype=np.int64)
-    rank_of = np.full(n, -1, dtype=np.int64)
-    mb_of = np.full(n, -1, dtype=np.int64)
-    weight = np.zeros(n, dtype=np.float64)
-    advantage = advantage.copy()
     status[_samples_of(assembly.unweighted, in_group)] = "env_unweighted"
     # Outside kept steps, a sample that could never train says why rather than "leftover":
     # over-long anywhere, or in a uniform group the dropped partial step skipped.
     if assembly.partial_dropped is not None:
         status[_samples_of(assembly.partial_dropped.dropped, in_group)] = "uniform_dropped"
     status[too_long & (status == "leftover")] = "overlong_dropped"
+    status = np.tile(status, epochs)
+    step_of = np.full(epochs * n, -1, dtype=np.int64)
+    rank_of = np.full(epochs * n, -1, dtype=np.int64)
+    mb_of = np.full(epochs * n, -1, dtype=np.int64)
+    weight = np.zeros(epochs * n, dtype=np.float64)
+    advantage = np.tile(advantage, epochs)
     for st in steps:
+        at = st.epoch * n  # this epoch's rows
         for fate, idx in (
             ("uniform_dropped", st.uniform_dropped),
             ("overlong_dropped", st.overlong_dropped),
             ("count_trimmed", st.count_trimmed),
         ):
-            status[idx] = fate
-            step_of[idx] = st.index
+            status[at + idx] = fate
+            step_of[at + idx] = st.index
         for r, mbs in enumerate(st.plan.micro_batches):
             for j, m in enumerate(mbs):
-                rank_of[st.members[m]] = r
-                mb_of[st.members[m]] = j
-        status[st.members] = "trained"
-        step_of[st.members] = st.index
-        weight[st.members] = st.weight
-        advantage[st.members] = st.advantage
+                rank_of[at + st.members[m]] = r
+                mb_of[at + st.members[m]] = j
+        status[at + st.members] = "trained"
+        step_of[at + st.members] = st.index
+        weight[at + st.members] = st.weight
+        advantage[at + st.members] = st.advantage
     return {
         "status": status,
         "step": step_of,
@@ -364,6 +489,18 @@ def placement(
         "advantage": advantage,
         "weight": weight,
     }
+
+
+def _cut_warning(steps: list[PlannedStep], mini_batches: int) -> list[str]:
+    """Batches with fewer groups than --mini-batches: their groups span mini-batches."""
+    split = sorted({st.record.batch or 0 for st in steps if st.cut != "groups"})
+    if not split:
+        return []
+    shown = ", ".join(map(str, split[:8])) + (", ..." if len(split) > 8 else "")
+    return [
+        f"{len(split)} batch(es) ({shown}) have fewer groups than --mini-batches {mini_batches}: "
+        "their mini-batches are cut inside groups (at rollout boundaries where there are enough)"
+    ]
 
 
 def _thin_steps(steps: list[PlannedStep], dp: int) -> list[str]:

@@ -54,6 +54,12 @@ class StepConfig:
     """Each env's share of every step, in batch units; empty: envs pooled in one queue."""
     keep_last: bool = False
     """Keep a final step that the input could not fill."""
+    mini_batches: int = 1
+    """Optimizer steps per batch and epoch (`rolltool.minibatches`): the batch is cut into this
+    many mini-batches, whole groups where it can be."""
+    epochs: int = 1
+    """Passes over each batch (PPO epochs); every pass after the first in a seeded shuffled
+    group order."""
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -67,6 +73,9 @@ class StepConfig:
                 raise RolltoolError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
         if self.seed < 0:
             raise RolltoolError(f"--seed must be >= 0, got {self.seed}")
+        for flag, count in (("--mini-batches", self.mini_batches), ("--epochs", self.epochs)):
+            if count < 1:
+                raise RolltoolError(f"{flag} must be at least 1, got {count}")
         for env, w in self.env_weights.items():
             if not (np.isfinite(w) and w > 0):
                 raise RolltoolError(f"--env-weight {env}={w}: weights must be positive numbers")
@@ -81,7 +90,14 @@ class StepConfig:
             "seed": self.seed,
             "env_weights": dict(self.env_weights),
             "keep_last": self.keep_last,
+            "mini_batches": self.mini_batches,
+            "epochs": self.epochs,
         }
+
+    @property
+    def per_batch(self) -> int:
+        """Optimizer steps per batch: epochs x mini-batches."""
+        return self.epochs * self.mini_batches
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,8 @@ BUDGET = (f"Hard token budget per micro-batch and GPU [default: --row-len when g
     opt("--env-weight env_weights", str, (), "Env share of every step (repeatable).", multiple=True,
         metavar="ENV=W", callback=mapping_callback("--env-weight", float, "the weight must be a number")),
     opt("--keep-last", bool, D.steps.keep_last, "Keep a final step the input could not fill."),
+    opt("--mini-batches", POSITIVE, D.steps.mini_batches, "Optimizer steps per batch: cut each batch into M mini-batches (whole groups where it can), advantages once over the batch."),
+    opt("--epochs", POSITIVE, D.steps.epochs, "Passes over each batch (PPO epochs), each after the first in a seeded shuffled group order."),
 )  # fmt: skip
 @section(
     "Partition",

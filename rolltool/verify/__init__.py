@@ -17,6 +17,7 @@ samples_table       samples.order, samples.tokens, samples.total, samples.status
 rank_files          step.ranks, rank.files
 denominators        loss.formula, step.denominators (T, S, scale factor, weight sum)
 weight_formula      sample.formula (token_loss_weight against the aggregation, float32 rounding)
+step_structure      step.structure (batch -> epoch -> mini-batch numbering, --mini-batches/--epochs)
 step_metadata       step.counts, step.reward, step.weight_sum, step.advantage (overall and
                     per env: every figure of the step's record), step.status (nominal size,
                     status, full = nominal, partial only last)
@@ -64,6 +65,7 @@ from rolltool.verify.content import compared, content
 from rolltool.verify.context import (
     Context,
     Samples,
+    by_epoch,
     input_rewards,
     layout_settings,
     load_samples,
@@ -84,6 +86,7 @@ from rolltool.verify.steps import (
     rank_counts,
     step_metadata,
     step_plans,
+    step_structure,
     weight_formula,
 )
 
@@ -94,6 +97,7 @@ INVARIANTS: tuple[Invariant, ...] = (
     rank_files,
     denominators,
     weight_formula,
+    step_structure,
     step_metadata,
     step_plans,
     rank_counts,
@@ -152,16 +156,17 @@ def run_verify(
     if problems:
         return VerifyReport(problems, checked, "not compared: see problems")
     row_len, pad_id, split = layout_settings(m)
+    input_rows = sum(r.rows for r in m.inputs)
     state, found = open_input(m, ds.path, inputs, recorded_inputs)
     problems.extend(found)
     try:
-        samples = load_samples(ds.path / SAMPLES, m.num_steps)
+        samples = load_samples(ds.path / SAMPLES, m.num_steps, input_rows)
     except RolltoolError as e:
         problems.add("samples.unreadable", SAMPLES, e.message)
         return VerifyReport(problems, checked, state.status)
     samples, notes = _with_rewards(samples, state.reader)
-    segments = read_segments(ds.path, m, pad_id)
-    ctx = Context(ds.path, m, samples, segments, row_len, pad_id, state.reader, split)
+    segments = by_epoch(m, read_segments(ds.path, m, pad_id), input_rows)
+    ctx = Context(ds.path, m, samples, segments, row_len, pad_id, state.reader, split, input_rows)
     for invariant in INVARIANTS:
         problems.extend(invariant(ctx))
     checked |= {

@@ -38,7 +38,7 @@ def content(ctx: Context) -> Iterator[Problem]:
         if not len(local):
             continue
         try:
-            src = ctx.reader.fetch(seg.sample[part.first + local])
+            src = ctx.reader.fetch(ctx.input_index(seg.sample[part.first + local]))
         except (RolltoolError, pa.ArrowException, OSError, IndexError, KeyError) as e:
             text = e.message if isinstance(e, RolltoolError) else f"could not be read ({e})"
             yield Problem("input.unreadable", "input", text)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -82,21 +82,29 @@ def _codes(column: pa.ChunkedArray) -> np.ndarray:
 
 
 def _read(path: Path) -> pa.Table:
-    """samples.parquet's columns that verify judges (``reward`` only when written)."""
+    """samples.parquet's columns that verify judges (``reward`` and ``epoch`` when written)."""
     names = set(pq.read_schema(path).names)
     wanted = [*_INT_COLUMNS, *_FLOAT_COLUMNS, "status", "env", "group_id", "rollout_id"]
-    t = pq.read_table(path, columns=wanted + ["reward"] * ("reward" in names))
+    optional = [c for c in ("reward", "epoch") if c in names]
+    t = pq.read_table(path, columns=wanted + optional)
     nulls = [c for c in t.column_names if t.column(c).null_count]
     if nulls:
         raise RolltoolError(f"{SAMPLES}: null values in {', '.join(nulls)}")
     return t
 
 
-def load_samples(path: Path, num_steps: int) -> Samples:
-    """Read samples.parquet; a `RolltoolError` when it cannot be read or lacks a column."""
+def load_samples(path: Path, num_steps: int, input_rows: int | None = None) -> Samples:
+    """Read samples.parquet; a `RolltoolError` when it cannot be read or lacks a column.
+
+    With an ``epoch`` column (format 2, --epochs) row ``e * n + i`` is sample i in epoch e:
+    ``index`` is then that row number as the columns give it (``epoch * input_rows +
+    sample_index``), so every check indexes (sample, epoch) pairs as it would samples."""
     try:
         t = _read(path)
         ints = {c: t.column(c).to_numpy().astype(np.int64) for c in _INT_COLUMNS}
+        if "epoch" in t.column_names and input_rows is not None:
+            epoch = t.column("epoch").to_numpy().astype(np.int64)
+            ints["sample_index"] = ints["sample_index"] + epoch * input_rows
         adv, weight = (t.column(c).to_numpy().astype(np.float32) for c in _FLOAT_COLUMNS)
         status = pc.cast(t.column("status"), pa.string()).combine_chunks()
         env = pc.cast(t.column("env"), pa.string()).combine_chunks().dictionary_encode()
@@ -151,6 +159,23 @@ class Context:
     """The input's tokens by sample_index; None when the input is not compared."""
     split: GroupSplit = field(default_factory=GroupSplit)
     """How the pack splits each group's rows over its sp or cp GPUs."""
+    input_rows: int = 0
+    """Input samples (the manifest's inputs): with --epochs, samples.parquet row and segment
+    ``sample`` ``e * input_rows + i`` are sample i in epoch e (`by_epoch`)."""
+
+    def input_index(self, sample: np.ndarray) -> np.ndarray:
+        """The input sample_index of samples.parquet rows (or segments) `sample`."""
+        return sample % self.input_rows if self.input_rows else sample
+
+
+def by_epoch(manifest: Manifest, segments: Segments, input_rows: int) -> Segments:
+    """Segments whose ``sample`` is their samples.parquet row: ``epoch * input_rows + i`` for
+    sample i in a step of that epoch (unchanged without --epochs; padding stays -1)."""
+    epoch = np.array([st.epoch for st in manifest.steps], dtype=np.int64)
+    if not epoch.any() or not len(segments.sample):
+        return segments
+    at = np.where(segments.sample >= 0, epoch[segments.step] * input_rows, 0)
+    return replace(segments, sample=segments.sample + at)
 
 
 def layout_settings(manifest: Manifest) -> tuple[int | None, int, GroupSplit]:

@@ -253,10 +253,17 @@ def _scope_problems(
 
 def _actual(ctx: Context, step: int, rec: StepRecord, found: dict[str, Any]) -> Iterator[Problem]:
     """The step's ``actual`` size in its batch unit (rollouts, samples or sampled tokens) as
-    samples.parquet gives it (``found``: the step's `figures`)."""
+    samples.parquet gives it (``found``: the step's `figures`; with --mini-batches or --epochs
+    the whole batch's, its first epoch's samples)."""
     steps = ctx.manifest.config.get("steps")
     unit = str(steps.get("batch_unit")) if isinstance(steps, dict) else ""
     key = {"rollouts": "rollouts", "samples": "samples", "tokens": "sampled_tokens"}.get(unit)
+    if key is not None and _per_batch(ctx) > 1:
+        first = [
+            k for k, r in enumerate(ctx.manifest.steps) if r.batch == rec.batch and r.epoch == 0
+        ]
+        members = np.concatenate([ctx.samples.planned(k) for k in first] or [np.zeros(0, np.int64)])
+        found = figures(ctx.samples, Scope("", members, members[:0], members[:0]), None)
     counted = found[key] if key is not None else rec.actual
     actual_ok = rec.actual == counted
     if not actual_ok:
@@ -264,6 +271,35 @@ def _actual(ctx: Context, step: int, rec: StepRecord, found: dict[str, Any]) -> 
         yield Problem("step.counts", f"step {step}", text)
     size = steps.get("batch_size") if isinstance(steps, dict) else None
     yield from _status(ctx, step, rec, size, actual_ok)
+
+
+def _per_batch(ctx: Context) -> int:
+    """Optimizer steps per batch the pack config records (epochs x mini-batches; 1 before)."""
+    steps = ctx.manifest.config.get("steps")
+    if not isinstance(steps, dict):
+        return 1
+    e, m = steps.get("epochs", 1), steps.get("mini_batches", 1)
+    return e * m if isinstance(e, int) and isinstance(m, int) else 1
+
+
+def step_structure(ctx: Context) -> Iterator[Problem]:
+    """Batches -> epochs -> mini-batches: each batch's optimizer steps are consecutive, epoch
+    after epoch, each epoch its mini-batches 0..M-1 in order, batches numbered 0, 1, ...
+    (manifests written before mini-batches have no batch: each step is its own)."""
+    steps = ctx.manifest.config.get("steps")
+    cfg = steps if isinstance(steps, dict) else {}
+    e, m = cfg.get("epochs", 1), cfg.get("mini_batches", 1)
+    if not (isinstance(e, int) and isinstance(m, int) and e >= 1 and m >= 1):
+        yield Problem("step.structure", "config", f"epochs {e!r} and mini_batches {m!r}")
+        return
+    for k, rec in enumerate(ctx.manifest.steps):
+        if rec.batch is None and e * m == 1:
+            continue
+        want = (k // (e * m), k % (e * m) // m, k % m)
+        got = (rec.batch, rec.epoch, rec.mini_batch)
+        if got != want:
+            text = f"(batch, epoch, mini-batch) is {got}, the run's structure gives {want}"
+            yield Problem("step.structure", f"step {k}", text)
 
 
 STEP_STATUSES = ("full", "short", "oversize", "partial")
