@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +22,7 @@ import pyarrow as pa
 from rolltool import __version__
 from rolltool.advantages import ESTIMATORS
 from rolltool.config import OVERLONG, PackConfig
+from rolltool.errors import RolltoolError
 from rolltool.format import (
     STATUSES,
     AdvantagesRecord,
@@ -61,6 +63,7 @@ def run_pack(
     the estimator is not used.
     """
     check_target(output, force, inputs=inputs)
+    created_at()  # a bad SOURCE_DATE_EPOCH stops the run before any work
     workload = config.workload()
     rename = invert_mapping(columns or {})
     files = resolve_inputs(inputs)
@@ -165,7 +168,7 @@ def manifest_record(
     return Manifest(
         format_version=2 if plan.epochs > 1 else 1,
         rolltool_version=__version__,
-        created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        created_at=created_at(),
         command=tuple(command if command is not None else sys.argv),
         config=config.to_dict(),
         workload=workload.to_dict(),
@@ -186,6 +189,24 @@ def manifest_record(
         warnings=tuple(notes),
         steps=tuple(steps),
     )
+
+
+def created_at() -> str:
+    """The manifest's creation time, UTC to the second: ``SOURCE_DATE_EPOCH`` when set (the
+    reproducible-builds convention: the same command then writes the same manifest bytes),
+    else now. A value that is not a whole number of seconds is an error naming it."""
+    epoch = os.environ.get("SOURCE_DATE_EPOCH")
+    if epoch is None:
+        when = dt.datetime.now(dt.timezone.utc)
+    else:
+        try:
+            when = dt.datetime.fromtimestamp(int(epoch), dt.timezone.utc)
+        except (ValueError, OverflowError, OSError):
+            raise RolltoolError(
+                f"SOURCE_DATE_EPOCH={epoch!r} is not a time (whole seconds since 1970-01-01 UTC)",
+                hint="unset it, or give e.g. SOURCE_DATE_EPOCH=$(date +%s)",
+            ) from None
+    return when.isoformat(timespec="seconds")
 
 
 def samples_table(ro: Rollouts, plan: Schedule) -> pa.Table:

@@ -18,11 +18,11 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from pack_helpers import G, cli, pack, rollouts
 
 import rolltool
 from rolltool.errors import RolltoolError
 from rolltool.minibatches import cut_points, epoch_groups, sample_units, split_epoch
-from tests.pack_helpers import G, cli, pack, rollouts
 
 # -- the cuts ---------------------------------------------------------------------------------
 

@@ -269,3 +269,18 @@ def test_example_train_loop_runs_on_packed_example(tmp_path: Path) -> None:
     lines = [x for x in proc.stdout.splitlines() if x.startswith("step ")]
     assert len(lines) == manifest["num_steps"]
     assert all("nan" not in x for x in lines)
+
+
+def test_source_date_epoch_fixes_created_at(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SOURCE_DATE_EPOCH (reproducible builds) sets the manifest's created_at; a value that is
+    not whole seconds stops the run before it writes anything."""
+    src = Path(__file__).parent.parent / "examples" / "rollouts.parquet"
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
+    m = pack(src, tmp_path / "a", "--dp", 2)
+    assert m["created_at"] == "2023-11-14T22:13:20+00:00"
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "soon")
+    r = cli("pack", src, "-o", tmp_path / "b", "--dp", 2)
+    assert r.exit_code == 1 and "SOURCE_DATE_EPOCH='soon'" in r.stderr
+    assert not (tmp_path / "b").exists()

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from pack_helpers import G, cli, input_samples, pack, rollouts, samples
 
 import rolltool
 from rolltool.errors import RolltoolError
@@ -27,7 +28,6 @@ from rolltool.split import (
     cp_view,
     sp_view,
 )
-from tests.pack_helpers import G, cli, input_samples, pack, rollouts, samples
 
 PER_TOKEN = ("input_ids", "position_ids", "loss_mask", "advantages", "logprobs", "loss_weight")
 
