@@ -39,25 +39,30 @@ COMPLETION_KEYS = {
     "group_wait_s",
 }  # fmt: skip
 PACKED_TOP = {
-    "kind", "path", "dp", "num_steps", "steps_read", "config", "workload", "samples", "totals",
-    "across_steps", "selected_step", "steps",
+    "kind", "path", "dp", "world", "num_steps", "steps_read", "config", "workload", "samples",
+    "totals", "across_steps", "selected_step", "steps",
 }  # fmt: skip
 STEP_KEYS = {
     "step", "status", "nominal", "actual", "groups", "rollouts", "samples", "sampled_tokens",
     "trainable_tokens", "uniform_groups_kept", "uniform_groups_dropped", "overlong_dropped",
-    "reward_mean", "advantage_mean", "advantage_std", "envs", "micro_batches_per_rank",
-    "ffd_micro_batches", "empty_micro_batches", "rows", "row_tokens", "real_tokens",
-    "padding_tokens", "padding_fraction", "row_capacity", "packing_efficiency", "fill_histogram",
+    "over_gpu_budget", "reward_mean", "advantage_mean", "advantage_std", "envs",
+    "micro_batches_per_rank", "ffd_micro_batches", "empty_micro_batches", "rows", "row_tokens",
+    "real_tokens", "padding_tokens", "padding_fraction", "cp_padding_tokens",
+    "cp_padding_fraction", "row_capacity", "packing_efficiency", "fill_histogram",
     "rank_imbalance", "lockstep_overhead", "step_cost", "alternatives", "ranks",
 }  # fmt: skip
 STEP_ENV_KEYS = {
     "groups", "rollouts", "samples", "sampled_tokens", "trainable_tokens", "uniform_groups_kept",
-    "uniform_groups_dropped", "overlong_dropped", "reward_mean", "token_share", "loss_weight_sum",
-    "loss_weight_share",
+    "uniform_groups_dropped", "overlong_dropped", "over_gpu_budget", "reward_mean", "token_share",
+    "loss_weight_sum", "loss_weight_share",
 }  # fmt: skip
 ALT_KEYS = {
     "micro_batches_per_rank", "rank_imbalance", "lockstep_overhead", "step_cost",
     "step_cost_vs_chosen",
+}  # fmt: skip
+WORLD_KEYS = {
+    "dp", "sp", "cp", "group_size", "gpus", "gpu_budget", "group_budget", "row_len",
+    "group_row_len",
 }  # fmt: skip
 RANK_KEYS = {
     "rank", "micro_batches", "samples", "row_tokens", "real_tokens", "cost", "micro_batch_tokens",
@@ -387,6 +392,7 @@ def test_packed_json_schema_is_pinned(run_cli: Any, packed: Path) -> None:
     report = _json(run_cli, packed)
     assert set(report) == PACKED_TOP
     assert report["kind"] == "packed"
+    assert set(report["world"]) == WORLD_KEYS
     for s in report["steps"]:
         assert set(s) == STEP_KEYS
         assert set(s["rank_imbalance"]) == set(s["lockstep_overhead"]) == {"tokens", "cost"}

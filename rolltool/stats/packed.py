@@ -4,14 +4,24 @@ Everything comes from ``manifest.json`` (per-step counts, per-env counts, the pl
 row tokens) and ``samples.parquet`` (which rank and micro-batch each trained sample went to, and
 its length); the safetensors shards are never opened.
 
-Per step, with R ranks, M micro-batches per rank and x(r, j) the tokens (or the workload's cost)
-of rank r's micro-batch j:
+The world (``world``): R = ``dp`` data-parallel ranks, each a group of k = ``sp`` or ``cp``
+GPUs (k = 1 without either; ``gpus`` = R·k); ``gpu_budget`` is ``--micro-batch-tokens`` (per GPU),
+``group_budget`` = k · gpu_budget what a group's micro-batch (a stored row) may hold, counting the
+CP padding. With cp every sample occupies its length padded to a multiple of 2·cp
+(`rolltool.split.GroupSplit.padded`): the plan balanced those occupied tokens, and so does every
+figure below; costs are per GPU (the plan's recorded workload: the run's divided by k).
+
+Per step, with R ranks, M micro-batches per rank and x(r, j) the occupied tokens (or the per-GPU
+cost) of rank r's micro-batch j:
 
 - ``rows`` = R·M packed rows; ``row_tokens`` their tokens with padding, ``real_tokens`` without;
-- ``row_capacity`` = rows · (``--row-len``, else the micro-batch token budget, else the step's
-  longest row): what the rows could hold; ``packing_efficiency`` = real_tokens / row_capacity;
-  ``padding_fraction`` = (row_tokens - real_tokens) / row_tokens;
-- ``fill_histogram``: micro-batches by real tokens / per-row capacity, in ten bins of 10%;
+- ``row_capacity`` = rows · (the group's row: ``--row-len`` · k, else the group's budget, else
+  the step's longest row): what the rows could hold; ``packing_efficiency`` = real_tokens /
+  row_capacity; ``padding_fraction`` = (row_tokens - real_tokens) / row_tokens, of which
+  ``cp_padding_tokens`` (``cp_padding_fraction`` of row_tokens) are the samples' CP padding;
+- ``over_gpu_budget`` (overall and per env): trained samples longer than ``gpu_budget``, trained
+  only because sp or cp split them (0 without either);
+- ``fill_histogram``: micro-batches by occupied tokens / per-row capacity, in ten bins of 10%;
 - ``rank_imbalance`` = max_r Σ_j x(r, j) / (Σ x / R) and ``lockstep_overhead`` =
   Σ_j max_r x(r, j) / (Σ x / R), each ``{"tokens": ..., "cost": ...}``, 1.0 when perfect;
 - ``step_cost``: the step's time in workload units: Σ_j max_r cost(r, j) with ``--align
@@ -35,6 +45,7 @@ from rolltool.errors import RolltoolError
 from rolltool.format import Manifest, StepRecord
 from rolltool.partition import metrics, plan_step
 from rolltool.reader import open_packed
+from rolltool.split import GroupSplit, recorded_split
 from rolltool.stats.accumulate import Stats, ValueCounts, percentiles
 from rolltool.workload import Workload, make_workload
 
@@ -53,16 +64,19 @@ COUNTS = (
     "uniform_groups_kept",
     "uniform_groups_dropped",
     "overlong_dropped",
+    "over_gpu_budget",
 )
 """Per-step counts copied from the manifest (overall and per env)."""
 
 ACROSS = (
     "samples",
+    "over_gpu_budget",
     "sampled_tokens",
     "trainable_tokens",
     "micro_batches_per_rank",
     "packing_efficiency",
     "padding_fraction",
+    "cp_padding_fraction",
     "rank_imbalance.cost",
     "rank_imbalance.tokens",
     "lockstep_overhead.cost",
@@ -81,16 +95,19 @@ def balance_figures(tokens: np.ndarray, costs: np.ndarray, align: str) -> dict[s
     }
 
 
-def _grid(frame: pl.DataFrame, dp: int, m: int, workload: Workload) -> tuple[np.ndarray, ...]:
-    """``[dp, m]`` real tokens and cost per micro-batch from a step's trained samples."""
+def _grid(
+    frame: pl.DataFrame, dp: int, m: int, workload: Workload, split: GroupSplit
+) -> tuple[np.ndarray, ...]:
+    """``[dp, m]`` occupied tokens (padded for cp) and cost per micro-batch from a step's trained
+    samples."""
     tokens = np.zeros((dp, m), dtype=np.int64)
     costs = np.zeros((dp, m))
     if len(frame) and m:
         r = frame["rank"].to_numpy()
         j = frame["micro_batch"].to_numpy()
-        length = frame["length"].to_numpy()
-        np.add.at(tokens, (r, j), length)
-        np.add.at(costs, (r, j), workload.cost(length))
+        occupied = split.padded(frame["length"].to_numpy())
+        np.add.at(tokens, (r, j), occupied)
+        np.add.at(costs, (r, j), workload.cost(occupied))
     return tokens, costs
 
 
@@ -142,7 +159,7 @@ def _counts(step: StepRecord) -> dict[str, Any]:
     return out
 
 
-def _rows(step: StepRecord, tokens: np.ndarray, per_row: int) -> dict[str, Any]:
+def _rows(step: StepRecord, tokens: np.ndarray, per_row: int, cp_padding: int) -> dict[str, Any]:
     """Rows, their tokens with and without padding, capacity and fill (see the module doc)."""
     rows = sum(f.rows for r in step.ranks for f in r.files)
     row_tokens = sum(r.tokens for r in step.ranks)
@@ -158,6 +175,8 @@ def _rows(step: StepRecord, tokens: np.ndarray, per_row: int) -> dict[str, Any]:
         "real_tokens": real_tokens,
         "padding_tokens": row_tokens - real_tokens,
         "padding_fraction": (row_tokens - real_tokens) / row_tokens if row_tokens else 0.0,
+        "cp_padding_tokens": cp_padding,
+        "cp_padding_fraction": cp_padding / row_tokens if row_tokens else 0.0,
         "row_capacity": capacity,
         "packing_efficiency": real_tokens / capacity if capacity else None,
         "fill_histogram": np.histogram(np.clip(fill, 0.0, 1.0), bins=FILL_BINS)[0].tolist(),
@@ -171,21 +190,26 @@ def step_stats(
     row_len: int | None,
     workload: Workload,
     alternatives: bool = True,
+    split: GroupSplit | None = None,
 ) -> dict[str, Any]:
     """One step's figures from its manifest record and its trained samples (``frame``).
 
-    ``row_len``: the run's ``--row-len`` (None without); a row's capacity is that, else the
-    micro-batch token budget, else the step's longest micro-batch.
+    ``row_len``: the group's row length (``--row-len`` x sp or cp; None without); a row's
+    capacity is that, else the group's micro-batch budget, else the step's longest micro-batch.
+    ``workload``: the per-GPU cost the plan balanced; ``split``: the pack's sp or cp.
     """
+    split = split or GroupSplit()
     dp, m = len(step.ranks), step.plan.micro_batches_per_rank
-    tokens, costs = _grid(frame, dp, m, workload)
+    tokens, costs = _grid(frame, dp, m, workload, split)
     per_row = row_len or step.plan.max_tokens or int(tokens.max(initial=0))
+    lengths = frame["length"].to_numpy()
+    occupied = split.padded(lengths)
+    cp_padding = int((occupied - lengths).sum())
     fig = balance_figures(tokens, costs, step.plan.align)
-    out = {**_counts(step), **_rows(step, tokens, per_row), **fig}
+    out = {**_counts(step), **_rows(step, tokens, per_row, cp_padding), **fig}
     if alternatives:
-        lengths = frame["length"].to_numpy()
         out["alternatives"] = {
-            kind: _alternative(lengths, kind, step, workload, fig["step_cost"])
+            kind: _alternative(occupied, kind, step, workload, fig["step_cost"])
             for kind in ALTERNATIVES
         }
     out["ranks"] = [
@@ -235,10 +259,13 @@ def _totals(steps: list[dict[str, Any]], records: Sequence[StepRecord]) -> dict[
     """Sums over steps (``steps``: their figures, ``records``: the same steps' manifest
     records), overall and per env, with run-wide ratios."""
     t: dict[str, Any] = {k: sum(int(s[k] or 0) for s in steps) for k in COUNTS}
-    for k in ("rows", "row_tokens", "real_tokens", "padding_tokens", "row_capacity"):
+    for k in ("rows", "row_tokens", "real_tokens", "padding_tokens", "cp_padding_tokens",
+              "row_capacity"):  # fmt: skip
         t[k] = sum(int(s[k]) for s in steps)
     t["packing_efficiency"] = t["real_tokens"] / t["row_capacity"] if t["row_capacity"] else None
-    t["padding_fraction"] = t["padding_tokens"] / t["row_tokens"] if t["row_tokens"] else 0.0
+    row_tokens = t["row_tokens"]
+    t["padding_fraction"] = t["padding_tokens"] / row_tokens if row_tokens else 0.0
+    t["cp_padding_fraction"] = t["cp_padding_tokens"] / row_tokens if row_tokens else 0.0
     t["step_cost"] = sum(s["step_cost"] for s in steps)
     t["fill_histogram"] = np.sum([s["fill_histogram"] for s in steps], axis=0).tolist()
     t["balance"] = {"chosen": _balance_totals(steps, t["step_cost"])}
@@ -303,10 +330,11 @@ def packed_stats(
     by_step = samples.partition_by("step", as_dict=True)
     empty = samples.clear()
     records = manifest.steps[:n_steps]
-    row_len = manifest.config.get("row_len")
+    world = world_layout(manifest)
+    split = GroupSplit(sp=world["sp"], cp=world["cp"])
     steps = [
-        step_stats(r, by_step.get((r.step,), empty), row_len=row_len, workload=workload,
-                   alternatives=alternatives)
+        step_stats(r, by_step.get((r.step,), empty), row_len=world["group_row_len"],
+                   workload=_gpu_workload(r, workload), alternatives=alternatives, split=split)
         for r in records
     ]  # fmt: skip
     across = {k: percentiles(np.array([_get(s, k) for s in steps], dtype=object)) for k in ACROSS}
@@ -314,6 +342,7 @@ def packed_stats(
         "kind": "packed",
         "path": str(ds.path),
         "dp": manifest.dp,
+        "world": world,
         "num_steps": manifest.num_steps,
         "steps_read": n_steps,
         "config": _settings(manifest),
@@ -331,6 +360,33 @@ def packed_stats(
         )
     }
     return Stats(report=report, lengths=lengths)
+
+
+def world_layout(manifest: Manifest) -> dict[str, Any]:
+    """Who shares the work (see the module docstring): dp groups of k = sp or cp GPUs, the
+    per-GPU budget and the group's (x k, CP padding counted), the row length per GPU and the
+    group's (None without --row-len)."""
+    split = recorded_split(manifest.config)
+    k = split.size
+    budget, row_len = manifest.config.get("micro_batch_tokens"), manifest.config.get("row_len")
+    return {
+        "dp": manifest.dp,
+        "sp": split.sp,
+        "cp": split.cp,
+        "group_size": k,
+        "gpus": manifest.dp * k,
+        "gpu_budget": budget,
+        "group_budget": None if budget is None else budget * k,
+        "row_len": row_len,
+        "group_row_len": None if row_len is None else row_len * k,
+    }
+
+
+def _gpu_workload(record: StepRecord, run: Workload) -> Workload:
+    """The per-GPU cost the step was planned with (its plan record's workload: the run's divided
+    by sp or cp), else the run's (manifests written before the split)."""
+    recorded = record.plan.workload
+    return Workload.from_dict(recorded) if recorded else run
 
 
 def _steps_read(path: Path, num_steps: int, step: int | None, limit: int | None) -> int:
