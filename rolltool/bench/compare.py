@@ -20,7 +20,7 @@ def compare(reports: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         t = r["total"]
         lines.append({
             "path": r["path"],
-            "balance": r["workload"]["kind"] if r.get("workload") else None,
+            "balance": _balance(r),
             "steps": t["steps"],
             "rows": len(r["rows"]),
             "samples": r["samples"],
@@ -35,5 +35,14 @@ def compare(reports: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     best = {key: min(range(len(lines)), key=lambda i: lines[i][key]) for key in TIMES}
     for i, line in enumerate(lines):
         line["best"] = [key for key in TIMES if best[key] == i]
-    same = len({(line["samples"], line["tokens"]) for line in lines}) == 1
+    # A --cp/--sp pack's rows also hold its layout's padding: compare the samples' own tokens.
+    real = [r["split"]["real_tokens"] if "split" in r else r["tokens"] for r in reports]
+    same = len({(line["samples"], n) for line, n in zip(lines, real, strict=True)}) == 1
     return {"lines": lines, "best": best, "same_input": same}
+
+
+def _balance(report: Mapping[str, Any]) -> str | None:
+    """The workload a directory was balanced on, and its --cp/--sp layout: ``flops (cp 2)``."""
+    kind = report["workload"]["kind"] if report.get("workload") else None
+    split = report.get("split")
+    return f"{kind} ({split['kind']} {split['size']})" if split else kind

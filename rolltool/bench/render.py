@@ -80,8 +80,16 @@ def check_failure(doc: dict[str, Any]) -> RolltoolError | None:
     """The error a failed ``--check`` is (naming every row that failed), or None."""
     if doc["check_ok"] is not False:
         return None
-    bad = [r for run in doc.get("runs", [doc]) for r in run["check"]["rows"] if not r["ok"]]
+    runs = doc.get("runs", [doc])
+    bad = [r for run in runs for r in run["check"]["rows"] if not r["ok"]]
     where = ", ".join(f"step {r['step']} rank {r['rank']} mb {r['micro_batch']}" for r in bad)
+    if any("what" in run["check"] for run in runs):
+        return RolltoolError(
+            f"--check failed: a token's attention output on its GPU of a --cp/--sp group differs "
+            f"from its sample run alone ({where})",
+            hint="the split layout, the reader's views or the backend's block attention is "
+            "wrong; no calibration was written",
+        )
     return RolltoolError(
         f"--check failed: a segment's output differs from its sequence run alone ({where})",
         hint="the backend mixes segments or mis-reads cu_seqlens; no calibration was written",
@@ -96,14 +104,31 @@ def _table(title: str, columns: tuple[str, ...], left: tuple[str, ...] = ()) -> 
 
 
 def steps_table(run: dict[str, Any]) -> Table:
-    """Per step and in total: the data-parallel, lockstep and ideal times, and efficiencies."""
+    """Per step and in total: the data-parallel, lockstep and ideal times, and efficiencies;
+    with a split pack, each micro-batch's time is its slowest GPU's, and two columns give the
+    group's balance (max / mean over its GPUs: median and max over the step's micro-batches)."""
     kind = run["workload"]["kind"] if run.get("workload") else "?"
-    table = _table(f"bench {run['path']} ({kind} balance, dp {run['dp']}; ms)",
-                   ("step", "mb/rank", "dp time", "lockstep", "ideal", "dp eff", "lockstep eff"))  # fmt: skip
+    split = run.get("split")
+    layout = f", {split['kind']} {split['size']}" if split else ""
+    columns: tuple[str, ...] = (
+        "step",
+        "mb/rank",
+        "dp time",
+        "lockstep",
+        "ideal",
+        "dp eff",
+        "lockstep eff",
+    )
+    if split:
+        columns += (f"{split['kind']} max/mean\nmedian", f"{split['kind']} max/mean\nmax")
+    table = _table(f"bench {run['path']} ({kind} balance, dp {run['dp']}{layout}; ms)", columns)
     for s in [*run["steps"], {**run["total"], "step": "total", "micro_batches_per_rank": ""}]:
-        table.add_row(str(s["step"]), str(s["micro_batches_per_rank"]), ms(s["dp_time"]),
-                      ms(s["lockstep_time"]), ms(s["ideal_time"]), pct(s["dp_efficiency"]),
-                      pct(s["lockstep_efficiency"]))  # fmt: skip
+        cells = [str(s["step"]), str(s["micro_batches_per_rank"]), ms(s["dp_time"]),
+                 ms(s["lockstep_time"]), ms(s["ideal_time"]), pct(s["dp_efficiency"]),
+                 pct(s["lockstep_efficiency"])]  # fmt: skip
+        if split:
+            cells += [num(s["group_imbalance_median"], ".3f"), num(s["group_imbalance_max"], ".3f")]
+        table.add_row(*cells)
     return table
 
 
@@ -121,14 +146,18 @@ ROW_COLS = [
 
 
 def rows_table(run: dict[str, Any], width: int | None = None) -> Table:
-    """Every row: its segments and tokens, Σ L², the cost model's prediction, time, TFLOP/s."""
+    """Every row: its segments and tokens, Σ L², the cost model's prediction, time, TFLOP/s;
+    with a split pack one line per GPU (``gpu``; tokens and Σ L² of its share)."""
+    split = "split" in run
     rows: list[Sequence[str] | None] = [
-        [str(r["step"]), str(r["rank"]), str(r["micro_batch"]), str(r["segments"]),
+        [str(r["step"]), str(r["rank"]), str(r["micro_batch"]),
+         *([str(r["gpu"])] if split else []), str(r["segments"]),
          count(r["tokens"]), num(r["sum_sq"], ".3g"), num(r["predicted"], ".3g"),
          ms(r["seconds"]), num(r["tflops"], ".2f")]
         for r in run["rows"]
     ]  # fmt: skip
-    return fit_table("rows", ROW_COLS, rows, width)
+    cols = [*ROW_COLS[:3], Col("gpu"), *ROW_COLS[3:]] if split else ROW_COLS
+    return fit_table("rows", cols, rows, width)
 
 
 def summary(run: dict[str, Any], what: str) -> str:
@@ -147,14 +176,26 @@ def summary(run: dict[str, Any], what: str) -> str:
              f"(rms error {rms['workload_fit']}); proportional to this run's FLOPs: R² "
              f"{r2['flops_fit']} ({rms['flops_fit']}), tokens {r2['tokens_fit']} "
              f"({rms['tokens_fit']}), Σ L² {r2['sum_sq_fit']} ({rms['sum_sq_fit']})"]  # fmt: skip
+    if "split" in run:
+        lines.append(group_line(run))
     if "check" in run:
         ch = run["check"]
         status = "OK" if ch["ok"] else "[red]FAILED[/red]"
         worst = max((r["max_abs_error"] for r in ch["rows"]), default=0.0)
-        lines.append(f"check (attention): {status}, {ch['segments_checked']} segments in "
+        what, units = (ch["what"], "samples") if "what" in ch else ("attention", "segments")
+        lines.append(f"check ({what}): {status}, {ch['segments_checked']} {units} in "
                      f"{ch['rows_checked']} rows, max |error| {worst:.2e} (tolerance "
                      f"{ch['tolerance']['atol']:g} + {ch['tolerance']['rtol']:g}·|ref|)")  # fmt: skip
     return "\n".join(lines)
+
+
+def group_line(run: dict[str, Any]) -> str:
+    """A split pack's group balance over the run (`rolltool.bench.report`)."""
+    sp, t = run["split"], run["total"]
+    return (f"{sp['kind']} {sp['size']} balance: per micro-batch the slowest of the group's "
+            f"{sp['size']} GPUs over their mean is {num(t['group_imbalance_median'], '.3f')} "
+            f"(median), {num(t['group_imbalance_max'], '.3f')} (max); the GPUs compute "
+            f"{pct(t['group_efficiency'])} of the group's time (communication not timed)")  # fmt: skip
 
 
 COMPARISON_COLS = [

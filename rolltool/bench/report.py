@@ -18,6 +18,15 @@ lockstep_time = max(3, 1) + max(1, 3) = 6, ideal = 8 / 2 = 4: dp efficiency 1.0,
 These are `rolltool.partition.metrics`' ``dp_cost``, ``lockstep_cost`` and ``ideal`` of the
 measured grid, the figures ``stats`` and the planner compute from the workload's cost.
 
+With ``--cp C`` / ``--sp S`` packs every micro-batch runs on a group of k GPUs, each timed on
+its share (`rolltool.bench.shares`), t(r, j, g) for GPU g. The group's GPUs meet at every layer
+(ring exchanges, all-to-alls), so the micro-batch takes its slowest GPU's time,
+t(r, j) = max_g t(r, j, g), and the figures above are computed on those. The group's own
+balance is ``imbalance`` = max_g t(r, j, g) / mean_g t(r, j, g) per micro-batch (1.0: even),
+summarized by its median and maximum over micro-batches, and ``efficiency`` = Σ mean / Σ max
+(the share of the group's time its GPUs compute). Example: cp 2 GPUs take (3, 1) ms on one
+micro-batch and (2, 2) on another: imbalances 1.5 and 1.0, efficiency (2 + 2) / (3 + 2) = 0.8.
+
 FLOPs are counted with `rolltool.workload.flops_coefficients`, the formula of the ``flops``
 workload pack balances on, so a FLOP here is the same FLOP there.
 """
@@ -26,6 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -57,6 +67,65 @@ def step_times(
             _figures(head, metrics.dp_cost(t), metrics.lockstep_cost(t), metrics.ideal(t))
         )
     return result
+
+
+@dataclass(frozen=True)
+class GroupTimes:
+    """Per micro-batch of a split pack, over its group's GPUs (see the module docstring)."""
+
+    step: np.ndarray  # [G] int
+    rank: np.ndarray  # [G] int
+    micro_batch: np.ndarray  # [G] int
+    slowest: np.ndarray
+    """[passes, G] max over the group's GPUs: the micro-batch's time."""
+    mean: np.ndarray
+    """[passes, G] mean over the group's GPUs."""
+
+    @property
+    def imbalance(self) -> np.ndarray:
+        """[passes, G] slowest / mean (1.0 where the mean is 0)."""
+        safe = np.where(self.mean > 0, self.mean, 1.0)
+        return np.where(self.mean > 0, self.slowest / safe, 1.0)
+
+
+def group_times(
+    step: np.ndarray, rank: np.ndarray, micro_batch: np.ndarray, seconds: np.ndarray
+) -> GroupTimes:
+    """GPU rows' ``seconds`` ([n] or [passes, n]) reduced over each (step, rank, micro-batch)'s
+    GPUs, in ascending (step, rank, micro-batch) order.
+
+    >>> g = group_times(np.zeros(4, int), np.zeros(4, int), np.array([0, 0, 1, 1]),
+    ...                 np.array([3.0, 1.0, 2.0, 2.0]))
+    >>> g.slowest.tolist(), g.imbalance.tolist()
+    ([[3.0, 2.0]], [[1.5, 1.0]])
+    """
+    t = np.atleast_2d(np.asarray(seconds, dtype=np.float64))
+    keys, inv = np.unique(np.stack([step, rank, micro_batch], axis=1), axis=0, return_inverse=True)
+    inv = inv.ravel()
+    slowest = np.full((t.shape[0], len(keys)), -np.inf)
+    np.maximum.at(slowest.T, inv, t.T)
+    sums = np.zeros_like(slowest)
+    np.add.at(sums.T, inv, t.T)
+    mean = sums / np.bincount(inv, minlength=len(keys))
+    return GroupTimes(keys[:, 0], keys[:, 1], keys[:, 2], slowest, mean)
+
+
+def group_figures(g: GroupTimes, sel: np.ndarray | None = None) -> dict[str, float]:
+    """Median and max of the (first pass's) imbalance over the chosen micro-batches, and the
+    efficiency Σ mean / Σ max."""
+    sel = np.ones(len(g.step), bool) if sel is None else sel
+    ratio, top, mean = g.imbalance[0][sel], g.slowest[0][sel], g.mean[0][sel]
+    return {
+        "group_imbalance_median": float(np.median(ratio)),
+        "group_imbalance_max": float(ratio.max()),
+        "group_efficiency": float(mean.sum() / top.sum()) if top.sum() > 0 else float("nan"),
+    }
+
+
+def group_step_times(g: GroupTimes, dp: int) -> list[dict[str, Any]]:
+    """`step_times` of the groups' micro-batch times, each step with its `group_figures`."""
+    steps = step_times(g.step, g.rank, g.micro_batch, g.slowest[0], dp)
+    return [{**s, **group_figures(g, g.step == s["step"])} for s in steps]
 
 
 def total_times(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

@@ -24,11 +24,13 @@ from rolltool.bench.backends import Backend, make_backend
 from rolltool.bench.check import check_rows
 from rolltool.bench.compare import compare
 from rolltool.bench.config import BenchConfig, BenchSetup, resolve_shape
-from rolltool.bench.rows import ReplayRows, load_rows
+from rolltool.bench.rows import ReplayRows, Row, load_rows
+from rolltool.bench.split_check import check_split_rows
 from rolltool.bench.timing import Progress, time_rows
 from rolltool.errors import RolltoolError
 from rolltool.jsonable import jsonable
 from rolltool.outputs import atomic_path, check_target
+from rolltool.workload import flops_coefficients
 
 
 def import_torch() -> Any:
@@ -82,25 +84,85 @@ def report_one(
     setup: BenchSetup,
     dev_name: str,
 ) -> tuple[dict[str, Any], np.ndarray]:
-    """One directory's report from its rows' ``[repeats, n]`` times; also [n, 3] fit inputs."""
+    """One directory's report from its rows' ``[repeats, n]`` times; also [n, 3] fit inputs.
+    A row is one GPU's work: the whole row, or with ``--cp``/``--sp`` one GPU's share (its
+    tokens and Σ L² are the share's, `Row.work_tokens` / `Row.work_sum_sq`)."""
     rows = packed.rows
     seconds = np.median(times, axis=0)
-    step = np.array([r.step for r in rows])
-    rank = np.array([r.rank for r in rows])
-    mb = np.array([r.micro_batch for r in rows])
-    tokens = np.array([r.tokens for r in rows], dtype=np.float64)
-    sum_sq = np.array([float(np.sum(r.lengths.astype(np.float64) ** 2)) for r in rows])
+    tokens = np.array([r.work_tokens for r in rows], dtype=np.float64)
+    sum_sq = np.array([r.work_sum_sq for r in rows])
     predicted = np.array([r.predicted for r in rows])
-    flops = np.array([row_flops(r.lengths, setup) for r in rows])
-    steps = rp.step_times(step, rank, mb, seconds, packed.dp)
-    real_samples = sum(int(np.sum(r.sample_index >= 0)) for r in rows)
-    row_table = [
-        {
+    flops = np.array([work_flops(r, setup) for r in rows])
+    groups = [r for r in rows if r.gpu == 0]  # each group row once
+    timing = _timing(packed, times, seconds)
+    report = {
+        "path": str(packed.path),
+        "dp": packed.dp,
+        "workload": packed.workload.to_dict() if packed.workload else None,
+        "samples": sum(int(np.sum(r.sample_index >= 0)) for r in groups),
+        "tokens": sum(r.tokens for r in groups),
+        **({"split": timing["split"]} if "split" in timing else {}),
+        "steps": timing["steps"],
+        "total": timing["total"],
+        "throughput": rp.throughput(
+            float(flops.sum()), float(seconds.sum()), dev_name, setup.dtype
+        ),
+        "noise": timing["noise"],
+        "fit": rp.fit_quadratic(tokens, sum_sq, seconds),
+        "workload_fit": rp.proportional_fit(predicted, seconds),
+        "flops_fit": rp.proportional_fit(flops, seconds),
+        "tokens_fit": rp.proportional_fit(tokens, seconds),
+        "sum_sq_fit": rp.proportional_fit(sum_sq, seconds),
+        "rows": _row_table(rows, times, seconds, sum_sq, predicted, flops),
+    }
+    if setup.check_rows and packed.split.size > 1:
+        report["check"] = check_split_rows(torch, backend, packed, setup)
+    elif setup.check_rows:
+        report["check"] = check_rows(torch, backend, rows, setup)
+    return report, np.stack([tokens, sum_sq, seconds], axis=1)
+
+
+def _timing(packed: ReplayRows, times: np.ndarray, seconds: np.ndarray) -> dict[str, Any]:
+    """Steps, total and noise; with a split, of each micro-batch's slowest GPU, with the
+    group's balance (`rolltool.bench.report`)."""
+    step = np.array([r.step for r in packed.rows])
+    rank = np.array([r.rank for r in packed.rows])
+    mb = np.array([r.micro_batch for r in packed.rows])
+    split = packed.split
+    if split.size == 1:
+        steps = rp.step_times(step, rank, mb, seconds, packed.dp)
+        return {"steps": steps, "total": rp.total_times(steps),
+                "noise": rp.repeat_spread(step, rank, mb, times, packed.dp)}  # fmt: skip
+    g = rp.group_times(step, rank, mb, seconds)
+    steps = rp.group_step_times(g, packed.dp)
+    per_pass = rp.group_times(step, rank, mb, times)
+    real = sum(int(np.sum(r.lengths[r.sample_index >= 0])) for r in packed.rows if r.gpu == 0)
+    return {
+        "split": {"kind": split.kind, "size": split.size, "real_tokens": real},
+        "steps": steps,
+        "total": {**rp.total_times(steps), **rp.group_figures(g)},
+        "noise": rp.repeat_spread(g.step, g.rank, g.micro_batch, per_pass.slowest, packed.dp),
+    }
+
+
+def _row_table(
+    rows: Sequence[Row],
+    times: np.ndarray,
+    seconds: np.ndarray,
+    sum_sq: np.ndarray,
+    predicted: np.ndarray,
+    flops: np.ndarray,
+) -> list[dict[str, Any]]:
+    """One line per timed row (with a split, per GPU: ``gpu``, its share's tokens)."""
+    table = []
+    for i, r in enumerate(rows):
+        line = {
             "step": r.step,
             "rank": r.rank,
             "micro_batch": r.micro_batch,
+            **({"gpu": r.gpu} if r.share is not None else {}),
             "segments": len(r.lengths),
-            "tokens": r.tokens,
+            "tokens": r.work_tokens,
             "sum_sq": sum_sq[i],
             "predicted": predicted[i],
             "seconds": float(seconds[i]),
@@ -108,30 +170,23 @@ def report_one(
             "seconds_max": float(times[:, i].max()),
             "tflops": flops[i] / seconds[i] / 1e12 if seconds[i] > 0 else None,
         }
-        for i, r in enumerate(rows)
-    ]
-    report = {
-        "path": str(packed.path),
-        "dp": packed.dp,
-        "workload": packed.workload.to_dict() if packed.workload else None,
-        "samples": real_samples,
-        "tokens": int(tokens.sum()),
-        "steps": steps,
-        "total": rp.total_times(steps),
-        "throughput": rp.throughput(
-            float(flops.sum()), float(seconds.sum()), dev_name, setup.dtype
-        ),
-        "noise": rp.repeat_spread(step, rank, mb, times, packed.dp),
-        "fit": rp.fit_quadratic(tokens, sum_sq, seconds),
-        "workload_fit": rp.proportional_fit(predicted, seconds),
-        "flops_fit": rp.proportional_fit(flops, seconds),
-        "tokens_fit": rp.proportional_fit(tokens, seconds),
-        "sum_sq_fit": rp.proportional_fit(sum_sq, seconds),
-        "rows": row_table,
-    }
-    if setup.check_rows:
-        report["check"] = check_rows(torch, backend, rows, setup)
-    return report, np.stack([tokens, sum_sq, seconds], axis=1)
+        table.append(line)
+    return table
+
+
+def work_flops(row: Row, setup: BenchSetup) -> float:
+    """FLOPs of one timed row: `row_flops` of a whole row; of a GPU's share, a·tokens + b·Σ L²
+    with its share's tokens and Σ L² equivalent (`rolltool.bench.shares.GpuShare.sum_sq`)."""
+    if row.share is None:
+        return row_flops(row.lengths, setup)
+    s = setup.shape
+    a, b = flops_coefficients(
+        matmul_params=s.matmul_params * s.layers if setup.what == "layer" else 0,
+        attention_width=s.heads * s.head_dim,
+        layers=s.layers,
+        backward=setup.backward,
+    )
+    return a * row.share.tokens + b * row.share.sum_sq
 
 
 def row_flops(lengths: np.ndarray, setup: BenchSetup) -> float:
