@@ -29,7 +29,7 @@ from rich.text import Text
 
 from rolltool.format import Manifest, StepCounts, StepRecord
 from rolltool.numfmt import count, num, over, pct
-from rolltool.stats.packed import ALTERNATIVES, COUNTS, env_totals
+from rolltool.stats.packed import ALTERNATIVES, COUNTS, env_totals, world_layout
 
 ALL = "(all)"
 """The column of all envs together in the rollout table (an env may be named "all")."""
@@ -209,6 +209,30 @@ def render_rollouts(report: dict[str, Any], width: int | None = None) -> list[Re
     ]
 
 
+def _split(world: dict[str, Any] | None) -> tuple[str, int] | None:
+    """("sp" or "cp", k) when each data-parallel rank is a group of k > 1 GPUs, else None."""
+    if not world or world.get("group_size", 1) <= 1:
+        return None
+    return ("sp", world["sp"]) if world["sp"] > 1 else ("cp", world["cp"])
+
+
+def world_line(world: dict[str, Any]) -> str:
+    """The world of an sp/cp pack in words (`rolltool.stats.packed.world_layout`'s dict).
+
+    >>> world_line({"dp": 2, "sp": 2, "cp": 1, "group_size": 2, "gpus": 4, "gpu_budget": 32768,
+    ...             "group_budget": 65536, "row_len": None, "group_row_len": None})
+    'dp 2 x sp 2 = 4 GPUs; 32,768 tokens per GPU, 65,536 per group micro-batch'
+    """
+    kind, k = _split(world) or ("", 1)
+    text = f"dp {world['dp']} x {kind} {k} = {world['gpus']:,} GPUs"
+    if world.get("gpu_budget"):
+        text += (f"; {world['gpu_budget']:,} tokens per GPU, {world['group_budget']:,} per group "
+                 f"micro-batch{' (CP padding counted)' if kind == 'cp' else ''}")  # fmt: skip
+    if world.get("row_len"):
+        text += f"; rows of {world['row_len']:,} per GPU ({world['group_row_len']:,} per group)"
+    return text
+
+
 def _header(report: dict[str, Any]) -> Text:
     c = report["config"]
     budget = (
@@ -219,12 +243,55 @@ def _header(report: dict[str, Any]) -> Text:
     row = f", rows padded to {c['row_len']:,}" if c.get("row_len") else ""
     read = report["steps_read"]
     steps = f"{read:,} of {report['num_steps']:,}" if read != report["num_steps"] else f"{read:,}"
+    head = f"{report['path']}: {steps} steps of {c.get('batch_size')} {c.get('batch_unit')}, "
+    world = report.get("world")
+    if _split(world) is not None:  # the world and both budgets on a line of their own
+        assert world is not None
+        fixed = "" if c.get("micro_batch_tokens") else f", {budget}"
+        head = head[:-2] + fixed + "\n" + world_line(world) + "\n"
+    else:
+        head += f"dp {report['dp']}, {budget}{row}\n"
     return Text.assemble(
         ("packed run ", "bold"),
-        f"{report['path']}: {steps} steps of {c.get('batch_size')} {c.get('batch_unit')}, "
-        f"dp {report['dp']}, {budget}{row}\n",
+        head,
         f"balance {c.get('balance')} ({report['workload']['describe']}), align {c.get('align')}",
     )
+
+
+RUN_ROWS: list[tuple[str, str, Any]] = [
+    ("samples", "samples", count),
+    ("sampled tokens", "sampled_tokens", count),
+    ("trainable tokens", "trainable_tokens", count),
+    ("micro-batches per rank", "micro_batches_per_rank", lambda x: num(x, ",.1f")),
+    ("packing efficiency", "packing_efficiency", pct),
+    ("padding", "padding_fraction", pct),
+    ("rank imbalance (cost)", "rank_imbalance.cost", over),
+    ("rank imbalance (tokens)", "rank_imbalance.tokens", over),
+    ("lockstep overhead (cost)", "lockstep_overhead.cost", over),
+    ("lockstep overhead (tokens)", "lockstep_overhead.tokens", over),
+]
+"""The per-step figures of the run table: (label, key, formatter)."""
+
+OVER_GPU_ROW = ("  over the per-GPU budget (split)", "over_gpu_budget", count)
+"""After "samples" with sp/cp: samples trained only because the group split them."""
+
+CP_PADDING_ROW = ("  of which CP padding", "cp_padding_fraction", pct)
+"""After "padding" with cp: the samples' padding to a multiple of 2·cp."""
+
+
+def _run_rows(report: dict[str, Any]) -> list[tuple[str, str, Any]]:
+    """`RUN_ROWS`, with the split's rows when the pack has sp or cp."""
+    world = report.get("world") or {}
+    split = _split(world)
+    after: dict[str, tuple[str, str, Any]] = {}
+    if split is not None and world.get("gpu_budget"):
+        after["samples"] = OVER_GPU_ROW
+    if split is not None and split[0] == "cp":
+        after["padding_fraction"] = CP_PADDING_ROW
+    rows = []
+    for row in RUN_ROWS:
+        rows.extend([row, after[row[1]]] if row[1] in after else [row])
+    return rows
 
 
 def _run_table(report: dict[str, Any], width: int | None) -> Table:
@@ -239,18 +306,7 @@ def _run_table(report: dict[str, Any], width: int | None) -> Table:
         Col("max", keep=4),
     ]
     rows: list[list[str] | None] = []
-    for label, key, fmt in (
-        ("samples", "samples", count),
-        ("sampled tokens", "sampled_tokens", count),
-        ("trainable tokens", "trainable_tokens", count),
-        ("micro-batches per rank", "micro_batches_per_rank", lambda x: num(x, ",.1f")),
-        ("packing efficiency", "packing_efficiency", pct),
-        ("padding", "padding_fraction", pct),
-        ("rank imbalance (cost)", "rank_imbalance.cost", over),
-        ("rank imbalance (tokens)", "rank_imbalance.tokens", over),
-        ("lockstep overhead (cost)", "lockstep_overhead.cost", over),
-        ("lockstep overhead (tokens)", "lockstep_overhead.tokens", over),
-    ):
+    for label, key, fmt in _run_rows(report):
         a = across[key]
         total = _get(tot, key) if "." not in key else None
         rows.append([label, fmt(total) if total is not None else "", *(fmt(a[k]) for k in ("mean", "p50", "p90", "min", "max"))])  # fmt: skip
@@ -259,6 +315,8 @@ def _run_table(report: dict[str, Any], width: int | None) -> Table:
     rows.append(["rollouts", count(tot["rollouts"]), *[""] * 5])
     rows.append(["over-long samples dropped", count(tot["overlong_dropped"]), *[""] * 5])
     rows.append(["rows (padding tokens)", f"{tot['rows']:,} ({tot['padding_tokens']:,})", *[""] * 5])  # fmt: skip
+    if (_split(report.get("world")) or ("",))[0] == "cp":
+        rows.append(["  CP padding tokens", count(tot["cp_padding_tokens"]), *[""] * 5])
     return _fit("per step", cols, rows, width)
 
 
@@ -275,7 +333,12 @@ ENV_COLS = [
 ]
 
 
-def _env_table(title: str, envs: dict[str, Any], width: int | None) -> Table:
+OVER_GPU_COL = Col("over GPU budget", "over GPU\nbudget", keep=2)
+"""With sp/cp: trained samples longer than the per-GPU budget (the group split them)."""
+
+
+def _env_table(title: str, envs: dict[str, Any], width: int | None, split: bool = False) -> Table:
+    """Per env: counts and shares; ``split``: with the over-GPU-budget column (sp/cp)."""
     rows = [
         [
             env,
@@ -287,10 +350,11 @@ def _env_table(title: str, envs: dict[str, Any], width: int | None) -> Table:
             pct(e["token_share"]),
             pct(e["loss_weight_share"]),
             f"{count(e['uniform_groups_kept'])} / {count(e['uniform_groups_dropped'])}",
+            *([count(e.get("over_gpu_budget"))] if split else []),
         ]
         for env, e in envs.items()
     ]
-    return _fit(title, ENV_COLS, rows, width)
+    return _fit(title, [*ENV_COLS, *([OVER_GPU_COL] if split else [])], rows, width)
 
 
 BALANCE_COLS = [
@@ -351,7 +415,8 @@ STEP_COLS = [
 ]
 
 
-def _steps_table(steps: list[dict[str, Any]], width: int | None) -> Table:
+def _steps_table(steps: list[dict[str, Any]], width: int | None, split: bool = False) -> Table:
+    """One row per step; ``split``: with the over-GPU-budget column after "samples" (sp/cp)."""
     rows: list[list[str] | None] = []
     for s in steps:
         alts = s.get("alternatives") or {}
@@ -362,6 +427,7 @@ def _steps_table(steps: list[dict[str, Any]], width: int | None) -> Table:
                 count(s["groups"]),
                 count(s["rollouts"]),
                 count(s["samples"]),
+                *([count(s.get("over_gpu_budget"))] if split else []),
                 count(s["sampled_tokens"]),
                 count(s["trainable_tokens"]),
                 count(s["uniform_groups_dropped"]),
@@ -373,7 +439,8 @@ def _steps_table(steps: list[dict[str, Any]], width: int | None) -> Table:
                 *(over((alts.get(k) or {}).get("step_cost_vs_chosen")) for k in ALTERNATIVES),
             ]
         )
-    return _fit("steps", STEP_COLS, rows, width)
+    cols = [*STEP_COLS[:5], *([OVER_GPU_COL] if split else []), *STEP_COLS[5:]]
+    return _fit("steps", cols, rows, width)
 
 
 RANK_COLS = [
@@ -413,23 +480,25 @@ def render_packed(
     width: int | None = None,
 ) -> list[RenderableType]:
     chosen = report["config"].get("balance") or "chosen"
+    world = report.get("world") or {}
+    split = _split(world) is not None and bool(world.get("gpu_budget"))
     bal = dict(report["totals"]["balance"])
     rows: dict[str, Any] = {f"{chosen} (chosen)": bal.pop("chosen"), **bal}
     title = "balance: the chosen split vs a token or count split (mean over steps)"
     out: list[RenderableType] = [
         _header(report),
         _run_table(report, width),
-        _env_table("envs (all steps)", report["totals"]["envs"], width),
+        _env_table("envs (all steps)", report["totals"]["envs"], width, split),
         _balance_table(title, chosen, rows, width),
         _fill_table(report["totals"]["fill_histogram"]),
     ]
     if per_step:
-        out.append(_steps_table(report["steps"], width))
+        out.append(_steps_table(report["steps"], width, split))
     if step is not None:
         s = next(x for x in report["steps"] if x["step"] == step)
         if not per_step:
-            out.append(_steps_table([s], width))
-        out.append(_env_table(f"step {s['step']}: envs", s["envs"], width))
+            out.append(_steps_table([s], width, split))
+        out.append(_env_table(f"step {s['step']}: envs", s["envs"], width, split))
         alt = s.get("alternatives") or {}
         me = {k: s[k] for k in ("micro_batches_per_rank", "rank_imbalance", "lockstep_overhead")}
         out.append(_balance_table(f"step {s['step']}: balance", chosen, {f"{chosen} (chosen)": me, **alt}, width))  # fmt: skip
@@ -494,8 +563,9 @@ PACK_ENV_COLS = [
 ]
 
 
-def _counts(c: StepCounts) -> list[str]:
-    """The columns a step and an env of it share (groups .. over-long)."""
+def _counts(c: StepCounts, split: bool = False) -> list[str]:
+    """The columns a step and an env of it share (groups .. over-long, and with ``split``
+    over the GPU budget)."""
     return [
         count(c.groups),
         count(c.rollouts),
@@ -504,7 +574,20 @@ def _counts(c: StepCounts) -> list[str]:
         count(c.trainable_tokens),
         f"{count(c.uniform_groups_kept)} / {count(c.uniform_groups_dropped)}",
         count(c.overlong_dropped),
+        *([count(c.over_gpu_budget)] if split else []),
     ]
+
+
+def _with_split(cols: Sequence[Col], split: bool) -> list[Col]:
+    """``cols`` with `OVER_GPU_COL` after "over-long" when ``split``."""
+    at = [c.header for c in cols].index("over-long") + 1
+    return [*cols[:at], *([OVER_GPU_COL] if split else []), *cols[at:]]
+
+
+def _pack_world(manifest: Manifest) -> dict[str, Any] | None:
+    """The world of an sp/cp pack (`world_layout`), None without sp/cp."""
+    world = world_layout(manifest)
+    return world if _split(world) is not None else None
 
 
 MAX_STEP_ROWS = 12
@@ -515,15 +598,15 @@ EDGE_STEPS = 3
 """Steps shown at each end of a summarised step table."""
 
 
-def _pack_step_row(st: StepRecord) -> list[str]:
+def _pack_step_row(st: StepRecord, split: bool = False) -> list[str]:
     size = f"{count(st.actual)}/{count(st.nominal)}"
     p = st.plan
-    return [str(st.step), size if st.status == "full" else f"{size} {st.status}", *_counts(st),
+    return [str(st.step), size if st.status == "full" else f"{size} {st.status}", *_counts(st, split),
             str(p.micro_batches_per_rank), pct(p.token_fill), over(p.imbalance_cost),
             over(p.lockstep_overhead_cost)]  # fmt: skip
 
 
-def _pack_total_row(steps: Sequence[StepRecord]) -> list[str]:
+def _pack_total_row(steps: Sequence[StepRecord], split: bool = False) -> list[str]:
     """The run's totals in the step table's columns: sums, and the mean of the per-step ratios
     (token fill, imbalance, overhead)."""
 
@@ -538,7 +621,8 @@ def _pack_total_row(steps: Sequence[StepRecord]) -> list[str]:
     return ["all", size,
             *(count(t[k]) for k in COUNTS[:5]),
             f"{count(t['uniform_groups_kept'])} / {count(t['uniform_groups_dropped'])}",
-            count(t["overlong_dropped"]), count(sum(p.micro_batches_per_rank for p in plans)),
+            count(t["overlong_dropped"]), *([count(t["over_gpu_budget"])] if split else []),
+            count(sum(p.micro_batches_per_rank for p in plans)),
             pct(mean([p.token_fill for p in plans])),
             over(mean([p.imbalance_cost for p in plans])),
             over(mean([p.lockstep_overhead_cost for p in plans]))]  # fmt: skip
@@ -552,47 +636,61 @@ def _pack_steps_table(
     then a total row (ratios: mean over steps)."""
     unit, align = manifest.config["steps"]["batch_unit"], manifest.config["align"]
     steps = manifest.steps
+    split = _splits_budget(manifest)
     title = f"pack -> {output} ({manifest.workload['kind']} balance, {align})"
+    cols = _with_split(
+        [PACK_STEP_COLS[0], Col(f"{unit} (status)", f"{unit}\n(status)"), *PACK_STEP_COLS[2:]],
+        split,
+    )
     rows: list[Sequence[str] | None]
     if per_step or len(steps) <= MAX_STEP_ROWS:
-        rows = [_pack_step_row(st) for st in steps]
+        rows = [_pack_step_row(st, split) for st in steps]
     else:
         skipped = len(steps) - 2 * EDGE_STEPS
-        rows = [*(_pack_step_row(st) for st in steps[:EDGE_STEPS]),
-                ["…", f"{skipped:,} steps", *[""] * (len(PACK_STEP_COLS) - 2)],
-                *(_pack_step_row(st) for st in steps[-EDGE_STEPS:])]  # fmt: skip
+        rows = [*(_pack_step_row(st, split) for st in steps[:EDGE_STEPS]),
+                ["…", f"{skipped:,} steps", *[""] * (len(cols) - 2)],
+                *(_pack_step_row(st, split) for st in steps[-EDGE_STEPS:])]  # fmt: skip
         title += f", {len(steps):,} steps (--per-step: all)"
     short = sum(st.status != "full" for st in steps)
     if short and len(steps) > 1:
         title += f", {short:,} not full"
     if len(steps) > 1:
-        rows += [None, _pack_total_row(steps)]
-    cols = [PACK_STEP_COLS[0], Col(f"{unit} (status)", f"{unit}\n(status)"), *PACK_STEP_COLS[2:]]
+        rows += [None, _pack_total_row(steps, split)]
     return _fit(title, cols, rows, width)
+
+
+def _splits_budget(manifest: Manifest) -> bool:
+    """An sp/cp pack with a per-GPU token budget: its tables count the samples over it."""
+    world = _pack_world(manifest)
+    return world is not None and bool(world["gpu_budget"])
 
 
 def _pack_envs_table(manifest: Manifest, width: int | None, per_step: bool = False) -> Table:
     """Per step and env what each env contributes; for long runs (unless ``per_step``), the
     per-env run totals."""
     steps = manifest.steps
+    split = _splits_budget(manifest)
     if len(steps) > MAX_ENV_STEPS and not per_step:
         title = f"per env, all {len(steps)} steps (--per-step for each)"
-        return _env_table(title, env_totals(steps), width)
+        return _env_table(title, env_totals(steps), width, split)
     rows: list[Sequence[str] | None] = [
-        [str(st.step), env, *_counts(e), num(e.reward_mean, ".3f"), num(e.advantage_mean, "+.3f"),
+        [str(st.step), env, *_counts(e, split), num(e.reward_mean, ".3f"), num(e.advantage_mean, "+.3f"),
          num(e.advantage_std, ".3f"), num(e.loss_weight_sum, ".3f")]
         for st in steps
         for env, e in st.envs.items()
     ]  # fmt: skip
-    return _fit("per step and env", PACK_ENV_COLS, rows, width)
+    return _fit("per step and env", _with_split(PACK_ENV_COLS, split), rows, width)
 
 
 def render_pack(
     manifest: Manifest, output: str, *, width: int | None = None, per_step: bool = False
 ) -> RenderableType:
     """What ``rolltool pack`` prints on stdout: its steps (summarised beyond `MAX_STEP_ROWS`
-    unless ``per_step``), and its envs per step (or in total beyond `MAX_ENV_STEPS`)."""
+    unless ``per_step``), and its envs per step (or in total beyond `MAX_ENV_STEPS`); with sp
+    or cp, first the world (`world_line`)."""
+    world = _pack_world(manifest)
     return Group(
+        *([Text(f"world: {world_line(world)}")] if world else []),
         _pack_steps_table(manifest, output, width, per_step),
         Text(""),
         _pack_envs_table(manifest, width, per_step),
@@ -602,10 +700,18 @@ def render_pack(
 def pack_summary(manifest: Manifest, output: str) -> str:
     """The one line ``rolltool pack`` ends with (on stderr): where every sample went."""
     s = manifest.samples
+    world = _pack_world(manifest)
+    gpus = trained = ""
+    if world is not None:
+        kind, k = _split(world) or ("", 1)
+        gpus = f" (x {kind} {k} = {world['gpus']:,} GPUs)"
+        if world["gpu_budget"]:
+            over = sum(st.over_gpu_budget for st in manifest.steps)
+            trained = f" ({over:,} over the per-GPU budget, split over {kind})"
     return (
-        f"wrote {manifest.num_steps} steps x {manifest.dp} ranks to {output}: "
-        f"{s.trained:,} of {s.total:,} samples trained, {s.uniform_dropped:,} in dropped "
-        f"uniform groups, {s.overlong_dropped:,} over-long, {s.leftover:,} left over"
+        f"wrote {manifest.num_steps} steps x {manifest.dp} ranks{gpus} to {output}: "
+        f"{s.trained:,} of {s.total:,} samples trained{trained}, {s.uniform_dropped:,} in "
+        f"dropped uniform groups, {s.overlong_dropped:,} over-long, {s.leftover:,} left over"
         + (f", {s.count_trimmed:,} trimmed for --equal-count" if s.count_trimmed else "")
     )
 
