@@ -40,6 +40,7 @@ from rolltool.schedule import PlannedStep, Schedule, schedule
 from rolltool.schema import Rollouts, scan
 from rolltool.source import invert_mapping, resolve_inputs
 from rolltool.tokens import TokenReader
+from rolltool.workers import default_workers
 from rolltool.workload import Workload
 from rolltool.writer import PackedWriter
 
@@ -54,13 +55,15 @@ def run_pack(
     command: Sequence[str] | None = None,
     progress: Progress | None = None,
     estimator_chosen: bool = False,
+    workers: int | None = None,
 ) -> Manifest:
     """Pack rollout Parquet `inputs` into `output` (a directory); returns the manifest written.
 
     `progress(iterable, total, description)` may wrap the step loop (the CLI passes a progress
     bar on stderr). `estimator_chosen`: the caller chose the estimator (the CLI: --estimator or
     --env-estimator given); an input with its own 'advantage' column then gets a warning that
-    the estimator is not used.
+    the estimator is not used. `workers`: processes that plan batches (default: the cores this
+    process may use; `rolltool.workers`); the output is the same whatever the number.
     """
     check_target(output, force, inputs=inputs)
     created_at()  # a bad SOURCE_DATE_EPOCH stops the run before any work
@@ -69,7 +72,10 @@ def run_pack(
     files = resolve_inputs(inputs)
     reader = TokenReader(files, rename, cache_bytes=int(config.cache_mb * 1e6))
     ro = scan(files, rename, on_row_group=reader.offer)
-    plan = schedule(ro, config, workload, ro.advantage)
+    workers = default_workers() if workers is None else workers
+    if workers < 1:
+        raise RolltoolError(f"--workers must be at least 1, got {workers}")
+    plan = schedule(ro, config, workload, ro.advantage, workers=workers)
     wrap = progress or _no_progress
     with PackedWriter(output, force=force, shard_bytes=int(config.shard_mb * 1e6)) as writer:
         steps = [

@@ -18,6 +18,7 @@ Pure: no file is read or written here. `schedule` takes the validated light colu
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,7 @@ from rolltool.minibatches import epoch_groups, sample_units, split_epoch
 from rolltool.partition import StepPlan, plan_step
 from rolltool.schema import Rollouts
 from rolltool.steps import Assembly, Groups, Step, assemble
+from rolltool.workers import map_in_order, worth_it
 from rolltool.workload import Workload
 
 WHITENING = {"reinforce_pp_baseline"}
@@ -100,9 +102,15 @@ class Schedule:
 
 
 def schedule(
-    ro: Rollouts, config: PackConfig, workload: Workload, given: np.ndarray | None = None
+    ro: Rollouts,
+    config: PackConfig,
+    workload: Workload,
+    given: np.ndarray | None = None,
+    *,
+    workers: int = 1,
 ) -> Schedule:
-    """Plan the run (see the module docstring); `given`: the input's own advantages, if any."""
+    """Plan the run (see the module docstring); `given`: the input's own advantages, if any;
+    `workers`: processes that plan batches (`rolltool.workers`: the same plan however many)."""
     adv = group_advantages(ro, config, given)
     too_long = over_budget(ro, config)
     groups = _groups(ro, ~too_long, adv.uniform)
@@ -114,14 +122,9 @@ def schedule(
             hint="lower --batch-size, or pass --keep-last to keep a partial step",
         )
     in_group = _by_group(ro)
-    steps: list[PlannedStep] = []
-    for batch in assembly.steps:
-        if config.steps.per_batch == 1:  # the batch is the optimizer step
-            steps.append(plan_one_step(ro, config, workload, adv, batch, in_group, too_long,
-                                       groups.env))  # fmt: skip
-        else:
-            steps += plan_batch(ro, config, workload, adv, batch, in_group, too_long, groups.env,
-                                first=len(steps))  # fmt: skip
+    plan = functools.partial(_plan_batch, ro, config, workload, adv, in_group, too_long, groups.env)
+    use = workers if worth_it(workers, len(assembly.steps), ro.num_samples) else 1
+    steps = [st for planned in map_in_order(plan, assembly.steps, use) for st in planned]
     return Schedule(
         steps=steps,
         assembly=assembly,
@@ -135,6 +138,24 @@ def schedule(
         ],
         **placement(ro, assembly, in_group, too_long, steps, adv.value, config.steps.epochs),
     )
+
+
+def _plan_batch(
+    ro: Rollouts,
+    config: PackConfig,
+    workload: Workload,
+    adv: GroupAdvantages,
+    in_group: list[np.ndarray],
+    too_long: np.ndarray,
+    group_env: np.ndarray,
+    batch: Step,
+) -> list[PlannedStep]:
+    """A batch's optimizer steps: the batch itself, or epochs x mini-batches of it (numbered
+    from ``batch.index x`` steps per batch, so batches can be planned in any order)."""
+    if config.steps.per_batch == 1:
+        return [plan_one_step(ro, config, workload, adv, batch, in_group, too_long, group_env)]
+    first = batch.index * config.steps.per_batch
+    return plan_batch(ro, config, workload, adv, batch, in_group, too_long, group_env, first)
 
 
 def group_advantages(ro: Rollouts, config: PackConfig, given: np.ndarray | None) -> GroupAdvantages:

@@ -82,6 +82,7 @@ BUDGET = (f"Hard token budget per micro-batch and GPU [default: --row-len when g
     "Input",
     column_option(),
     opt("--cache-mb", float, D.cache_mb, "Decoded input kept in memory, MB (input that fits is read once)."),
+    opt("--workers", POSITIVE, None, "Processes that plan batches (the same output whatever the number) [default: the cores available]."),
 )  # fmt: skip
 @section(
     "Output",
@@ -93,7 +94,7 @@ BUDGET = (f"Hard token budget per micro-batch and GPU [default: --row-len when g
 )  # fmt: skip
 @handle_errors
 def pack(inputs: tuple[str, ...], output: str, columns: dict[str, str], force: bool, as_json: bool,
-         per_step: bool, **settings: object) -> None:  # fmt: skip
+         per_step: bool, workers: int | None, **settings: object) -> None:  # fmt: skip
     """Pack rollout Parquet INPUTS into sharded, balanced, pre-packed tensor files.
 
     Every optimizer step gives each of the --dp ranks the same number of micro-batches; each
@@ -110,7 +111,8 @@ def pack(inputs: tuple[str, ...], output: str, columns: dict[str, str], force: b
         warn(str(w))
     manifest = run_pack(inputs, output, config, columns=columns, force=force,
                         command=["rolltool", *sys.argv[1:]], progress=progress,
-                        estimator_chosen=given_by_user("estimator", "env_estimators"))  # fmt: skip
+                        estimator_chosen=given_by_user("estimator", "env_estimators"),
+                        workers=workers)  # fmt: skip
     for w in manifest.warnings:  # to stderr, with --json too (the manifest also lists them)
         if w not in said:
             warn(w)
