@@ -711,3 +711,143 @@ def test_row_capacity_panel_is_readable(n: int) -> None:
     tops = [p.get_y() + p.get_height() for p in ax.patches]
     assert len(tops) == 3 * n and max(tops) == pytest.approx(1.0)
     assert all(label.endswith("%") for _, label in _ticks(ax.yaxis))
+
+
+# --- --sp / --cp: the world, the budgets and the samples only the split made trainable ---------
+
+SPLIT_PACKS = {
+    # cp 2, 1,536 tokens per GPU: a group's row holds 3,072 padded tokens, longer samples drop
+    "cp2": {"cp": 2, "micro_batch_tokens": 1536, "overlong": "drop"},
+    # sp 2 with rows of 2,560 per GPU: a row (and its capacity) is 5,120 tokens of the group
+    "sp2": {"sp": 2, "micro_batch_tokens": 2048, "row_len": 2560},
+}
+
+
+@pytest.fixture(scope="module")
+def split_packs(tmp_path_factory: pytest.TempPathFactory, synth_table: pa.Table) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("split")
+    src = root / "in.parquet"
+    pq.write_table(synth_table, src)
+    out = {}
+    for name, kw in SPLIT_PACKS.items():
+        config = PackConfig(dp=2, steps=StepConfig(batch_size=32), **kw)
+        run_pack([str(src)], root / name, config, command=["test"])
+        out[name] = root / name
+    return out
+
+
+def _padded(length: pl.Expr, cp: int) -> pl.Expr:
+    """A sample's tokens in its group's row: its length, with cp rounded up to a multiple of 2cp."""
+    m = 2 * cp if cp > 1 else 1
+    return ((length + m - 1) // m) * m
+
+
+@pytest.mark.parametrize("name", sorted(SPLIT_PACKS))
+def test_split_world_and_over_gpu_budget_match_samples_parquet(
+    run_cli: Any, split_packs: dict[str, Path], name: str
+) -> None:
+    """dp/sp/cp, both budgets and, per step and env, the trained samples longer than the per-GPU
+    budget, recounted from samples.parquet; with cp the CP padding is each trained sample's
+    rounding up to a multiple of 2cp, and the balance figures are the plan's (padded tokens)."""
+    kw, packed = SPLIT_PACKS[name], split_packs[name]
+    sp, cp, budget = kw.get("sp", 1), kw.get("cp", 1), kw["micro_batch_tokens"]
+    k = sp * cp
+    report = _json(run_cli, packed)
+    assert report["world"] == {
+        "dp": 2, "sp": sp, "cp": cp, "group_size": k, "gpus": 2 * k, "gpu_budget": budget,
+        "group_budget": budget * k, "row_len": kw.get("row_len"),
+        "group_row_len": kw["row_len"] * k if "row_len" in kw else None,
+    }  # fmt: skip
+    samples = pl.read_parquet(packed / "samples.parquet")
+    trained = samples.filter(pl.col("status") == "trained").with_columns(
+        over=pl.col("length") > budget, padded=_padded(pl.col("length"), cp)
+    )
+    manifest = json.loads((packed / "manifest.json").read_text())
+    assert report["totals"]["over_gpu_budget"] == trained["over"].sum() > 0  # not vacuous
+    if cp > 1:  # over the group's budget (padded): dropped, not split
+        dropped = samples.filter(pl.col("status") == "overlong_dropped")
+        assert report["totals"]["overlong_dropped"] == dropped.height > 0
+        assert (_padded(dropped["length"], cp) > budget * k).all()
+    assert (trained["padded"] <= budget * k).all()
+    for s in report["steps"]:
+        mine = trained.filter(pl.col("step") == s["step"])
+        assert s["over_gpu_budget"] == mine["over"].sum()
+        for env, e in s["envs"].items():
+            assert e["over_gpu_budget"] == mine.filter(pl.col("env") == env)["over"].sum()
+        cp_padding = int((mine["padded"] - mine["length"]).sum())
+        assert s["cp_padding_tokens"] == cp_padding and (cp_padding > 0) == (cp > 1)
+        assert s["cp_padding_fraction"] == pytest.approx(cp_padding / s["row_tokens"])
+        per_row = kw["row_len"] * k if "row_len" in kw else budget * k
+        assert s["row_capacity"] == s["rows"] * per_row
+        assert s["real_tokens"] == mine["length"].sum()
+        per_rank = mine.group_by("rank").agg(pl.col("padded").sum())["padded"].to_numpy()
+        assert s["rank_imbalance"]["tokens"] == pytest.approx(per_rank.max() / per_rank.mean())
+        plan = manifest["steps"][s["step"]]["plan"]
+        assert plan["max_tokens"] == budget * k
+        for key in ("imbalance_cost", "imbalance_tokens"):
+            assert s["rank_imbalance"][key.split("_")[1]] == pytest.approx(plan[key])
+        for key in ("lockstep_overhead_cost", "lockstep_overhead_tokens"):
+            assert s["lockstep_overhead"][key.rsplit("_", 1)[1]] == pytest.approx(plan[key])
+    for env, e in report["totals"]["envs"].items():
+        assert e["over_gpu_budget"] == trained.filter(pl.col("env") == env)["over"].sum()
+
+
+@pytest.mark.parametrize("name", sorted(SPLIT_PACKS))
+def test_split_padding_matches_the_shards(split_packs: dict[str, Path], name: str) -> None:
+    """Padding tokens (CP padding segments after samples and row-end padding) and CP padding
+    alone, counted in the group's rows themselves."""
+    import rolltool
+
+    packed = split_packs[name]
+    stats = compute_stats([str(packed)]).report
+    ds = rolltool.open_packed(packed)
+    for s in stats["steps"]:
+        pad = after_sample = 0
+        for rank in range(ds.dp):
+            for mb in ds.micro_batches(s["step"], rank):
+                seg = np.diff(np.asarray(mb["cu_seqlens"]))
+                idx = np.asarray(mb["sample_index"])
+                pad += int(seg[idx < 0].sum())
+                follows = np.r_[False, idx[:-1] >= 0] & (idx < 0)
+                after_sample += int(seg[follows].sum())
+        assert s["padding_tokens"] == pad
+        if SPLIT_PACKS[name].get("cp", 1) > 1:  # row-end padding never follows a sample here:
+            assert s["cp_padding_tokens"] == after_sample  # a multiple of 2cp needs none
+
+
+def test_split_tables_show_the_world(run_cli: Any, split_packs: dict[str, Path]) -> None:
+    cp = run_cli("stats", split_packs["cp2"], "--per-step", "--step", 0)
+    assert cp.exit_code == 0, cp.stderr
+    lines = cp.stdout.splitlines()
+    assert lines[1] == (
+        "dp 2 x cp 2 = 4 GPUs; 1,536 tokens per GPU, 3,072 per group micro-batch "
+        "(CP padding counted)"
+    )
+    report = compute_stats([str(split_packs["cp2"])]).report
+    over = next(line for line in lines if "over the per-GPU budget (split)" in line)
+    assert over.split("│")[2].strip() == f"{report['totals']['over_gpu_budget']:,}"
+    cp_pad = next(line for line in lines if "CP padding tokens" in line)
+    assert cp_pad.split("│")[2].strip() == f"{report['totals']['cp_padding_tokens']:,}"
+    assert "of which CP padding" in cp.stdout and cp.stdout.count("over GPU") == 3
+    sp = run_cli("stats", split_packs["sp2"]).stdout
+    world = "dp 2 x sp 2 = 4 GPUs; 2,048 tokens per GPU, 4,096 per group micro-batch"
+    assert f"{world}; rows of 2,560 per GPU (5,120 per group)" in sp
+    assert "over the per-GPU budget" in sp and "CP padding" not in sp
+
+
+def test_packs_without_a_split_print_as_before(run_cli: Any, packed: Path) -> None:
+    """No sp/cp: the header's first line as it always was, none of the split's rows or columns;
+    in JSON a world of one GPU per rank and nothing over a budget or padded for cp."""
+    result = run_cli("stats", packed, "--per-step", "--step", 1)
+    lines = result.stdout.splitlines()
+    assert lines[0].endswith("steps of 32 rollouts, dp 4, 8,192 tokens per micro-batch, rows padded to 8,192")  # fmt: skip
+    assert lines[1].startswith("balance ")
+    for text in ("GPU", "CP padding", "x sp", "x cp"):
+        assert text not in result.stdout
+    report = _json(run_cli, packed)
+    assert report["world"] == {
+        "dp": 4, "sp": 1, "cp": 1, "group_size": 1, "gpus": 4, "gpu_budget": 8192,
+        "group_budget": 8192, "row_len": 8192, "group_row_len": 8192,
+    }  # fmt: skip
+    assert report["totals"]["over_gpu_budget"] == report["totals"]["cp_padding_tokens"] == 0
+    assert all(s["over_gpu_budget"] == s["cp_padding_tokens"] == 0 for s in report["steps"])
