@@ -76,10 +76,29 @@ def run(tmp_path_factory: pytest.TempPathFactory, synth_table: pa.Table) -> tupl
     return manifest, root / "out"
 
 
-def test_pack_and_stats_print_the_same_balance_figures(run: tuple[Manifest, Path]) -> None:
+@pytest.fixture(scope="module")
+def cp_run(
+    tmp_path_factory: pytest.TempPathFactory, synth_table: pa.Table
+) -> tuple[Manifest, Path]:
+    """--cp 2 with 1,536 tokens per GPU: samples up to 3,072 (padded) split, longer ones dropped."""
+    root = tmp_path_factory.mktemp("render-cp")
+    pq.write_table(synth_table, root / "in.parquet")
+    config = PackConfig(
+        dp=2, cp=2, steps=StepConfig(batch_size=24), micro_batch_tokens=1536, overlong="drop"
+    )
+    manifest = run_pack([str(root / "in.parquet")], root / "out", config, command=["t"])
+    assert manifest.num_steps >= 2 and sum(s.over_gpu_budget for s in manifest.steps) > 0
+    return manifest, root / "out"
+
+
+@pytest.mark.parametrize("which", ["run", "cp_run"])
+def test_pack_and_stats_print_the_same_balance_figures(
+    request: pytest.FixtureRequest, which: str
+) -> None:
     """pack printed lockstep overhead as 1.0123 and stats as +1.23%: now both print the plan's
-    figure the one way (numfmt.over), under the same header."""
-    manifest, out = run
+    figure the one way (numfmt.over), under the same header; with cp both are figures of the
+    padded tokens the plan balanced."""
+    manifest, out = request.getfixturevalue(which)
     *pack_steps, total = _cells(_pack_steps(manifest, str(out)))
     assert total["step"] == "all"
     assert total["sampled tokens"] == f"{sum(st.sampled_tokens for st in manifest.steps):,}"
@@ -118,3 +137,34 @@ def test_pack_tables_fit_the_terminal(run: tuple[Manifest, Path], width: int) ->
     assert "…" not in text
     full = _text(stats_render.render_pack(manifest, str(out)))
     assert "hidden" not in full and "hidden at this width" in text  # narrower: fewer columns
+
+
+def test_pack_tables_of_a_cp_pack(
+    cp_run: tuple[Manifest, Path], run: tuple[Manifest, Path]
+) -> None:
+    """With cp: the world line first, samples over the per-GPU budget per step and env (the
+    manifest's counts) beside the over-long ones, and in the last line; without: none of it."""
+    manifest, out = cp_run
+    group = stats_render.render_pack(manifest, str(out))
+    assert isinstance(group, Group)
+    first = _text(group.renderables[0]).strip()
+    assert first == (
+        "world: dp 2 x cp 2 = 4 GPUs; 1,536 tokens per GPU, 3,072 per group micro-batch "
+        "(CP padding counted)"
+    )
+    *steps, total = _cells(_pack_steps(manifest, str(out)))
+    for st, row in zip(manifest.steps, steps, strict=True):
+        assert row["over GPU budget"] == f"{st.over_gpu_budget:,}"
+        assert row["over-long"] == f"{st.overlong_dropped:,}"
+    assert total["over GPU budget"] == f"{sum(st.over_gpu_budget for st in manifest.steps):,}"
+    envs = _cells([r for r in group.renderables if isinstance(r, Table)][1])
+    want = [f"{e.over_gpu_budget:,}" for st in manifest.steps for e in st.envs.values()]
+    assert [r["over GPU budget"] for r in envs] == want
+    summary = stats_render.pack_summary(manifest, str(out))
+    over = sum(st.over_gpu_budget for st in manifest.steps)
+    assert f"x 2 ranks (x cp 2 = 4 GPUs) to {out}" in summary
+    assert f"trained ({over:,} over the per-GPU budget, split over cp)" in summary
+    plain, plain_out = run
+    text = _text(stats_render.render_pack(plain, str(plain_out)))
+    assert "world:" not in text and "GPU" not in text
+    assert "GPU" not in stats_render.pack_summary(plain, str(plain_out))

@@ -50,7 +50,9 @@ def stats(
     tokens (total, mean, p50/p90/p99/max), reward, uniform groups, completion order.
 
     Packed directory: per step and env, counts and shares; packing efficiency and padding; rank
-    imbalance and lockstep overhead, next to a token-count and a count-based split.
+    imbalance and lockstep overhead, next to a token-count and a count-based split. Packed with
+    --sp/--cp: the world (dp x sp|cp GPUs, the per-GPU and the group's budget), the samples over
+    the per-GPU budget that the split made trainable, and the CP padding.
     """
     from rolltool.stats import compute_stats
     from rolltool.stats.render import render
