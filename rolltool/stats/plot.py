@@ -202,9 +202,11 @@ def _packed_figure(stats: Stats, step: int | None) -> Any:
     colors = _colors(envs)
     fig = Figure(figsize=(14, 9), layout="constrained")
     (ax_len, ax_tok), (ax_rank, ax_pad) = fig.subplots(2, 2)
-    c = rep["config"]
+    c, world = rep["config"], rep.get("world") or {}
+    k = world.get("group_size", 1)
+    dp = f"dp {rep['dp']}" + (f" x {'sp' if world['sp'] > 1 else 'cp'} {k}" if k > 1 else "")
     fig.suptitle(
-        f"{rep['path']}: {rep['steps_read']} steps, dp {rep['dp']}, balance {c.get('balance')} "
+        f"{rep['path']}: {rep['steps_read']} steps, {dp}, balance {c.get('balance')} "
         f"({c.get('align')}), packing efficiency {rep['totals']['packing_efficiency']:.1%}",
         fontsize=13,
     )
