@@ -6,6 +6,9 @@ GQA) — an independent reference that cannot see other segments. Any element be
 tolerance (``TOLERANCES``) fails the check: it is how cross-contamination, an off-by-one in
 ``cu_seqlens`` or a wrong causal flag shows up. With ``--backward`` the gradients of q, k, v are
 compared too (error relative to the segment's largest gradient).
+
+Packs made with ``--cp`` / ``--sp`` are checked per GPU instead, from the reader's views
+(`rolltool.bench.split_check`).
 """
 
 from __future__ import annotations

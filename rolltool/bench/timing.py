@@ -16,6 +16,9 @@ The protocol, in order:
    buffer larger than the cache) precedes each row outside its events. CPU: ``perf_counter``.
 4. Each row's time is the **median** over its repeats.
 
+A row of a ``--cp``/``--sp`` pack is one GPU's share of a group row; ``runner`` hands it to
+`rolltool.bench.split_work` (the same protocol, that GPU's work).
+
 One row's timed work is ``layers`` decoder layers chained (``--what layer``: forward, or forward +
 backward of the input and all weights) or ``layers`` attention calls (``--what attention``:
 forward, or forward + backward of q, k, v).

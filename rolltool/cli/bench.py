@@ -53,7 +53,7 @@ D = BenchConfig()
 )  # fmt: skip
 @section(
     "Check and calibration",
-    opt("--check", bool, False, "Compare each segment with its sequence run alone; exit 1 if off."),
+    opt("--check", bool, False, "Compare each segment with its sequence run alone (--cp/--sp packs: each GPU's share, fed from its view); exit 1 if off."),
     opt("--check-rows", POSITIVE, DEFAULT_CHECK_ROWS, "Rows --check samples per directory."),
     opt("--calibrate", click.Path(dir_okay=False), None, "Write the fitted a, b for pack --balance calibrated.", metavar="OUT.json"),
     force_option("an existing --calibrate file"),
@@ -78,7 +78,17 @@ def bench(packed: tuple[str, ...], check: bool, check_rows: int, calibrate: str 
     a·L + b·L² per segment (--calibrate writes it for pack --balance calibrated). Several
     directories are compared side by side, the best marked.
 
-    The JSON document (--json, --json-out) has the keys backend, steps and total; with several
+    A directory packed with --cp C or --sp S is replayed per GPU of each group: a CP rank times
+    its two zigzag chunks of every sample against the keys they see causally (gathered from
+    the group: ring attention), an SP rank the whole row with heads/S (Ulysses), each the
+    layer's linear part on its 1/C (1/S) of the tokens; communication is not timed. A
+    micro-batch takes its slowest GPU's time (the DP figures use it), and the group balance,
+    max/mean over its GPUs, is reported per step (median and max over micro-batches). With
+    --check each GPU's attention, fed from its reader view, must equal every sample run alone.
+
+    The JSON document (--json, --json-out) has the keys backend, steps and total (and, for a
+    --cp/--sp directory, split, with the group_imbalance_median/max and group_efficiency of
+    every step and the total, and gpu in every row); with several
     directories the top-level steps and total are the first directory's, and every directory's
     (the first included) are under runs, next to comparison.
     """
