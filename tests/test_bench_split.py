@@ -334,3 +334,47 @@ def test_sp_needs_heads_that_split(run_cli, packs) -> None:
     result = run_cli("bench", packs["sp2"], "--backend", "sdpa", "--heads", "6", "--kv-heads",
                      "3", "--head-dim", "8", "--what", "attention", "--repeats", "1")  # fmt: skip
     assert result.exit_code == 1 and "--sp 2" in result.stderr, result.output
+
+
+# --- GPU (skipped without CUDA) ---------------------------------------------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@cuda
+@pytest.mark.parametrize("name", ["torch-varlen", "flash-attn"])
+def test_cuda_block_attention_is_bottom_right_causal(name: str) -> None:
+    """The kernels' causal mask for queries fewer than keys is aligned bottom-right (what
+    backends.py relies on for CP); bf16 against the float64 reference."""
+    from rolltool.bench.backends import make_backend
+    from rolltool.errors import RolltoolError
+
+    try:
+        be, _ = make_backend(name, torch, device="cuda", dtype="bf16")
+    except RolltoolError as e:
+        pytest.skip(e.message)
+    assert be.attend_blocks is not None
+    m, n = [64, 1, 100, 37], [64, 300, 100, 512]
+    q_b, k_b = [0, *np.cumsum(m).tolist()], [0, *np.cumsum(n).tolist()]
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(q_b[-1], 8, 64, generator=gen)
+    k, v = (torch.randn(k_b[-1], 2, 64, generator=gen) for _ in range(2))
+    want = naive_blocks(*(x.bfloat16().double() for x in (q, k, v)), q_b, k_b)
+    dev = [x.cuda().bfloat16() for x in (q, k, v)]
+    if not be.gqa:
+        dev[1:] = [x.repeat_interleave(4, dim=1) for x in dev[1:]]
+    cu_q, cu_k = (torch.tensor(b, dtype=torch.int32, device="cuda") for b in (q_b, k_b))
+    out = be.attend_blocks(*dev, cu_q, cu_k, max(m), max(n), q_b, k_b)
+    torch.testing.assert_close(out.double().cpu(), want, atol=2e-2, rtol=2e-2)
+
+
+@cuda
+@pytest.mark.parametrize("name", ["cp2", "sp2"])
+def test_cuda_bench_and_check_on_split_packs(run_cli, packs, name: str) -> None:
+    result = run_cli("bench", packs[name], "--device", "cuda", "--heads", "4", "--kv-heads", "2",
+                     "--head-dim", "64", "--hidden", "256", "--intermediate", "512", "--repeats",
+                     "2", "--backward", "--check", "--json")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["check"]["ok"] and doc["split"]["kind"] == name[:2]
+    assert all(r["seconds"] > 0 for r in doc["rows"])
