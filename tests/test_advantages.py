@@ -523,55 +523,6 @@ def test_without_tokens_keeps_the_group_and_leaves_the_whitening() -> None:
     assert not np.array_equal(got.advantage, compute(rows, "reinforce_pp_baseline").advantage)
 
 
-def test_advantages_streams_one_row_group_at_a_time(
-    monkeypatch: pytest.MonkeyPatch, synth_table: pa.Table, tmp_path: Path
-) -> None:
-    """With 40-row output row groups: the input is read row group by row group (nothing reads a
-    whole file), the output has row groups of 40 rows, each file starting a new one, and it is
-    the input (two files, in order) plus the computed columns, as with one big row group."""
-    import rolltool.jobs as jobs
-
-    a, b = synth_table.slice(0, 90), synth_table.slice(90)
-    assert b.num_rows == 56
-    (tmp_path / "in").mkdir()
-    pq.write_table(a, tmp_path / "in" / "a.parquet", row_group_size=32)
-    pq.write_table(b, tmp_path / "in" / "b.parquet")
-    want = run_advantages([tmp_path / "in"], tmp_path / "whole.parquet", AdvantageConfig())
-    whole = pq.read_table(tmp_path / "whole.parquet")
-
-    pieces: list[int] = []
-
-    def counting(*args: Any, **kw: Any) -> Any:
-        for rg, table in real(*args, **kw):
-            pieces.append(table.num_rows)
-            yield rg, table
-
-    real = jobs.iter_row_groups
-    with monkeypatch.context() as m:
-        m.setattr(jobs, "ROW_GROUP", 40)
-        m.setattr(jobs, "iter_row_groups", counting)
-        m.setattr(pq, "read_table", lambda *a, **k: pytest.fail("read a whole file"))
-        got = run_advantages([tmp_path / "in"], tmp_path / "out.parquet", AdvantageConfig())
-    assert pieces == [32, 32, 26, 56]  # the input's row groups, one at a time
-    meta = pq.ParquetFile(tmp_path / "out.parquet").metadata
-    assert [meta.row_group(i).num_rows for i in range(meta.num_row_groups)] == [40, 40, 10, 40, 16]
-    out = pq.read_table(tmp_path / "out.parquet")
-    assert out.equals(whole)
-    assert out.select(a.column_names).equals(pa.concat_tables([a, b]))
-    got["output"] = want["output"] = None
-    assert got == want
-    # byte for byte what writing each whole file at once gives (the former in-memory job)
-    ref, start = tmp_path / "ref.parquet", 0
-    with pq.ParquetWriter(ref, out.schema, compression="zstd") as writer:
-        for name in ("a", "b"):
-            t = pq.read_table(tmp_path / "in" / f"{name}.parquet")
-            for c in jobs.ADVANTAGE_COLUMNS:
-                t = t.append_column(c, out[c].slice(start, t.num_rows))
-            writer.write_table(t.combine_chunks().cast(out.schema), row_group_size=40)
-            start += t.num_rows
-    assert ref.read_bytes() == (tmp_path / "out.parquet").read_bytes()
-
-
 # --------------------------------------------------------------------------------------------
 # The columns `rolltool advantages` writes.
 
