@@ -38,7 +38,8 @@ def advantages(
     """Compute group advantages for rollout Parquet INPUTS (files, directories or globs).
 
     Writes every input row plus advantage, group_size, group_reward_mean, group_reward_std and
-    group_uniform.
+    group_uniform. Reads the input twice, one row group at a time (light columns, then the
+    copy): memory holds the light columns and one output row group, not the input.
     """
     from rolltool.jobs import run_advantages
     from rolltool.stats.render import render_advantages
