@@ -56,9 +56,10 @@ ROW_GROUP = 65_536
 """Most rows in an output row group (`rolltool.rewrite.row_group_plan`)."""
 
 ROW_GROUP_BYTES = 128 << 20
-"""Most decoded bytes in an output row group (from the input footers), unless one input row
-group alone is larger: what bounds the job's memory (about twice this, plus the light
-columns). An input whose every ``ROW_GROUP``-row stretch fits is cut every ``ROW_GROUP`` rows."""
+"""Most decoded bytes in an output row group (estimated from the input footers), unless one
+input row group alone is larger. The copy holds one output row group and one input row group
+(and the light columns); an input whose every ``ROW_GROUP``-row stretch fits in this is cut
+every ``ROW_GROUP`` rows, as writing it whole would cut it."""
 
 
 def run_advantages(

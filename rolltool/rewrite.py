@@ -68,6 +68,8 @@ def row_group_plan(
     plan: list[int] = []
     held, held_bytes = 0, 0.0
     for n, size in zip(rows, sizes, strict=True):
+        if not n:  # an empty input row group adds nothing, not even a cut
+            continue
         if held and held_bytes + size > max_bytes:
             plan.append(held)
             held, held_bytes = 0, 0.0
