@@ -2,16 +2,21 @@
 
     python benchmarks/advantages.py [--groups 4000] [--repeats 3]
 
-Generates synth datasets of N and 2N groups (cached under /tmp) and, on each, runs in a fresh
+Generates synth datasets of N and 2N groups (``rolltool synth --groups N --seed 1``, samples of
+up to 32,768 tokens, row groups of 4,096 rows; cached under /tmp) and, on each, runs in a fresh
 process per repeat:
   floor      pyarrow.parquet.read_table + write_table (zstd): the whole input in memory
   api        rolltool.jobs.run_advantages (scan, compute grpo, copy row group by row group)
+  unbounded  the same with ``ROW_GROUP_BYTES`` unbounded: output row groups of 65,536 rows
+             whatever their bytes, as the job wrote them before issue 12 (below 65,536 rows the
+             whole input is one output row group, held in memory)
   cli        `rolltool advantages` (adds interpreter start-up and the CLI's imports)
 and prints the median seconds (floor and api timed inside their process, cli as the process's
-wall time), the ratio to the floor, and the peak resident memory of the process (``ru_maxrss``
-from ``wait4``), next to that of a process that only imports rolltool. The job streams the
-input (defect 12): its peak should grow with the light columns only (a few numbers per sample,
-plus the scan's id tables), not with the input's bytes as the floor's does.
+wall time), the ratio to the floor, and the largest peak resident memory of the process
+(``ru_maxrss`` from ``wait4``), next to that of a process that only imports rolltool. The job
+streams the input: its peak should grow with the light columns only (a few numbers per sample,
+plus the scan's id tables) and the size of one row group, not with the input's bytes as the
+floor's and the unbounded variant's do.
 """
 
 from __future__ import annotations
@@ -40,6 +45,14 @@ from rolltool.jobs import run_advantages
 run_advantages([IN], OUT, AdvantageConfig(estimator="grpo"), force=True)
 """
 
+UNBOUNDED = (
+    """
+import rolltool.jobs
+rolltool.jobs.ROW_GROUP_BYTES = 1 << 62
+"""
+    + API
+)
+
 TIMED = """
 import json, sys, time
 IN, OUT = sys.argv[1], sys.argv[2]
@@ -52,23 +65,29 @@ print(json.dumps({{"seconds": time.perf_counter() - t0}}))
 def _run(argv: list[str]) -> tuple[float, float, float]:
     """(seconds it reports, else its wall time; wall seconds; peak RSS in MB) of one process."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    assert proc.stdout is not None
-    out = proc.stdout.read()
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - t0
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0:
-        raise SystemExit(f"failed ({proc.returncode}): {' '.join(argv)}")
+    with tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err)
+        assert proc.stdout is not None
+        out = proc.stdout.read()
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - t0
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        if proc.returncode != 0:
+            err.seek(0)
+            said = err.read().decode(errors="replace")[-2000:]
+            raise SystemExit(f"failed ({proc.returncode}): {' '.join(argv)}\n{said}")
     inside = json.loads(out)["seconds"] if out.startswith(b'{"seconds"') else wall
     return inside, wall, usage.ru_maxrss / 1024  # Linux: kilobytes
 
 
-def _measure(path: Path, out: Path, repeats: int) -> dict[str, tuple[float, float]]:
-    """Per variant: (median seconds, max peak RSS MB) over ``repeats`` fresh processes."""
+def _measure(path: Path, folder: Path, repeats: int) -> dict[str, tuple[float, float]]:
+    """Per variant: (median seconds, max peak RSS MB) over ``repeats`` fresh processes. The
+    floor writes a file of its own (``--force`` replaces only files rolltool wrote)."""
+    floor, out = folder / "floor.parquet", folder / "out.parquet"
     variants = {
-        "floor": [sys.executable, "-c", TIMED.format(body=FLOOR), str(path), str(out)],
+        "floor": [sys.executable, "-c", TIMED.format(body=FLOOR), str(path), str(floor)],
         "api": [sys.executable, "-c", TIMED.format(body=API), str(path), str(out)],
+        "unbounded": [sys.executable, "-c", TIMED.format(body=UNBOUNDED), str(path), str(out)],
         "cli": [
             sys.executable,
             "-m",
@@ -96,18 +115,18 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
 
-    out = Path(tempfile.mkdtemp()) / "out.parquet"
+    folder = Path(tempfile.mkdtemp())
     _, _, base = _run([sys.executable, "-c", "import rolltool.jobs"])
     print(f"a process that only imports rolltool.jobs: {base:,.0f} MB peak RSS")
-    print(f"{'input':<30}{'what':<7}{'median s':>10}{'x floor':>9}{'peak RSS MB':>13}")
+    print(f"{'input':<30}{'what':<11}{'median s':>10}{'x floor':>9}{'peak RSS MB':>13}")
     for groups in (args.groups, 2 * args.groups):
         path = synth_dataset(groups)
         meta = pq.ParquetFile(path).metadata
         label = f"{meta.num_rows:,} rows, {path.stat().st_size / 1e6:,.0f} MB"
-        figures = _measure(path, out, args.repeats)
+        figures = _measure(path, folder, args.repeats)
         floor = figures["floor"][0]
         for name, (seconds, rss) in figures.items():
-            print(f"{label:<30}{name:<7}{seconds:>10.3f}{seconds / floor:>9.2f}{rss:>13,.0f}")
+            print(f"{label:<30}{name:<11}{seconds:>10.3f}{seconds / floor:>9.2f}{rss:>13,.0f}")
             label = ""
 
 
