@@ -832,6 +832,11 @@ def test_split_tables_show_the_world(run_cli: Any, split_packs: dict[str, Path])
     sp = run_cli("stats", split_packs["sp2"]).stdout
     world = "dp 2 x sp 2 = 4 GPUs; 2,048 tokens per GPU, 4,096 per group micro-batch"
     assert f"{world}; rows of 2,560 per GPU (5,120 per group)" in sp
+    from rolltool.stats.render import render
+
+    for width in (80, 120):  # the split's rows and columns fit a terminal like the others
+        text = _text(render(report, per_step=True, step=0, width=width), width)
+        assert max(len(line) for line in text.splitlines()) <= width and "…" not in text
     assert "over the per-GPU budget" in sp and "CP padding" not in sp
 
 

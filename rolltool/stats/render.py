@@ -234,6 +234,8 @@ def world_line(world: dict[str, Any]) -> str:
 
 
 def _header(report: dict[str, Any]) -> Text:
+    """What was packed and how: steps, dp and budget (with sp/cp a line of the world, both
+    budgets), balance and alignment."""
     c = report["config"]
     budget = (
         f"{c['micro_batch_tokens']:,} tokens per micro-batch"
@@ -243,14 +245,13 @@ def _header(report: dict[str, Any]) -> Text:
     row = f", rows padded to {c['row_len']:,}" if c.get("row_len") else ""
     read = report["steps_read"]
     steps = f"{read:,} of {report['num_steps']:,}" if read != report["num_steps"] else f"{read:,}"
-    head = f"{report['path']}: {steps} steps of {c.get('batch_size')} {c.get('batch_unit')}, "
+    head = f"{report['path']}: {steps} steps of {c.get('batch_size')} {c.get('batch_unit')}"
     world = report.get("world")
-    if _split(world) is not None:  # the world and both budgets on a line of their own
-        assert world is not None
+    if world is not None and _split(world) is not None:  # the world, both budgets: a line
         fixed = "" if c.get("micro_batch_tokens") else f", {budget}"
-        head = head[:-2] + fixed + "\n" + world_line(world) + "\n"
+        head += f"{fixed}\n{world_line(world)}\n"
     else:
-        head += f"dp {report['dp']}, {budget}{row}\n"
+        head += f", dp {report['dp']}, {budget}{row}\n"
     return Text.assemble(
         ("packed run ", "bold"),
         head,
