@@ -6,11 +6,11 @@ It reads one input row group at a time and holds at most one output row group pl
 row group that straddles it, so memory does not grow with the input.
 
 Output row groups (`row_group_plan`, decided from the input footers before a row is read):
-each input file starts a new one; one holds at most ``max_rows`` rows, cut every ``max_rows``
-rows of the file as a plain ``write_table(file, row_group_size=max_rows)`` cuts them; and it
-ends before an input row group that would take its decoded size (`decoded_bytes`) past
-``max_bytes``, so an input whose every ``max_rows``-row stretch fits in ``max_bytes`` is written
-byte for byte as the whole file in memory would be. Example with ``max_rows = 4``: input row
+each input file starts a new one; one ends after ``max_rows`` rows, or before an input row
+group that would take its decoded size (`decoded_bytes`) past ``max_bytes``. Where the byte
+limit never binds, the cuts fall every ``max_rows`` rows of the file, as
+``write_table(whole_file, row_group_size=max_rows)`` makes them, and the output is byte for
+byte what writing each whole file from memory gives. Example with ``max_rows = 4``: input row
 groups of 3, 3 and 2 rows, 10 bytes each, give ``[4, 4]`` under ``max_bytes = 100`` and
 ``[3, 3, 2]`` under ``max_bytes = 15``.
 
