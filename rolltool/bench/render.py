@@ -195,7 +195,9 @@ def group_line(run: dict[str, Any]) -> str:
     return (f"{sp['kind']} {sp['size']} balance: per micro-batch the slowest of the group's "
             f"{sp['size']} GPUs over their mean is {num(t['group_imbalance_median'], '.3f')} "
             f"(median), {num(t['group_imbalance_max'], '.3f')} (max); the GPUs compute "
-            f"{pct(t['group_efficiency'])} of the group's time (communication not timed)")  # fmt: skip
+            f"{pct(t['group_efficiency'])} of the group's time (communication not timed); "
+            f"counted in FLOPs the shares are {num(sp['flops_imbalance_max'], '.3f')} "
+            "max/mean at worst")  # fmt: skip
 
 
 COMPARISON_COLS = [

@@ -94,7 +94,7 @@ def report_one(
     predicted = np.array([r.predicted for r in rows])
     flops = np.array([work_flops(r, setup) for r in rows])
     groups = [r for r in rows if r.gpu == 0]  # each group row once
-    timing = _timing(packed, times, seconds)
+    timing = _timing(packed, times, seconds, flops)
     report = {
         "path": str(packed.path),
         "dp": packed.dp,
@@ -122,9 +122,12 @@ def report_one(
     return report, np.stack([tokens, sum_sq, seconds], axis=1)
 
 
-def _timing(packed: ReplayRows, times: np.ndarray, seconds: np.ndarray) -> dict[str, Any]:
+def _timing(
+    packed: ReplayRows, times: np.ndarray, seconds: np.ndarray, flops: np.ndarray
+) -> dict[str, Any]:
     """Steps, total and noise; with a split, of each micro-batch's slowest GPU, with the
-    group's balance (`rolltool.bench.report`)."""
+    group's balance (`rolltool.bench.report`), timed and as counted in FLOPs (what the layout
+    itself makes uneven; the timed figure adds the kernels' and the device's share)."""
     step = np.array([r.step for r in packed.rows])
     rank = np.array([r.rank for r in packed.rows])
     mb = np.array([r.micro_batch for r in packed.rows])
@@ -137,8 +140,15 @@ def _timing(packed: ReplayRows, times: np.ndarray, seconds: np.ndarray) -> dict[
     steps = rp.group_step_times(g, packed.dp)
     per_pass = rp.group_times(step, rank, mb, times)
     real = sum(int(np.sum(r.lengths[r.sample_index >= 0])) for r in packed.rows if r.gpu == 0)
+    counted = rp.group_times(step, rank, mb, flops).imbalance[0]
     return {
-        "split": {"kind": split.kind, "size": split.size, "real_tokens": real},
+        "split": {
+            "kind": split.kind,
+            "size": split.size,
+            "real_tokens": real,
+            "flops_imbalance_median": float(np.median(counted)),
+            "flops_imbalance_max": float(counted.max()),
+        },
         "steps": steps,
         "total": {**rp.total_times(steps), **rp.group_figures(g)},
         "noise": rp.repeat_spread(g.step, g.rank, g.micro_batch, per_pass.slowest, packed.dp),
