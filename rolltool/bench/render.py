@@ -43,6 +43,8 @@ def render(doc: dict[str, Any], *, rows: bool = False, width: int | None = None)
     parts: list[RenderableType] = []
     for run in runs:
         parts.append(steps_table(run))
+        if "split" in run:
+            parts.append(group_table(run))
         if rows:
             parts.append(rows_table(run, width))
         parts.append(summary(run, doc["config"]["what"]))
@@ -104,31 +106,30 @@ def _table(title: str, columns: tuple[str, ...], left: tuple[str, ...] = ()) -> 
 
 
 def steps_table(run: dict[str, Any]) -> Table:
-    """Per step and in total: the data-parallel, lockstep and ideal times, and efficiencies;
-    with a split pack, each micro-batch's time is its slowest GPU's, and two columns give the
-    group's balance (max / mean over its GPUs: median and max over the step's micro-batches)."""
+    """Per step and in total: the data-parallel, lockstep and ideal times, and efficiencies
+    (with a split pack, of each micro-batch's slowest GPU)."""
     kind = run["workload"]["kind"] if run.get("workload") else "?"
     split = run.get("split")
     layout = f", {split['kind']} {split['size']}" if split else ""
-    columns: tuple[str, ...] = (
-        "step",
-        "mb/rank",
-        "dp time",
-        "lockstep",
-        "ideal",
-        "dp eff",
-        "lockstep eff",
-    )
-    if split:
-        columns += (f"{split['kind']} max/mean\nmedian", f"{split['kind']} max/mean\nmax")
-    table = _table(f"bench {run['path']} ({kind} balance, dp {run['dp']}{layout}; ms)", columns)
+    table = _table(f"bench {run['path']} ({kind} balance, dp {run['dp']}{layout}; ms)",
+                   ("step", "mb/rank", "dp time", "lockstep", "ideal", "dp eff", "lockstep eff"))  # fmt: skip
     for s in [*run["steps"], {**run["total"], "step": "total", "micro_batches_per_rank": ""}]:
-        cells = [str(s["step"]), str(s["micro_batches_per_rank"]), ms(s["dp_time"]),
-                 ms(s["lockstep_time"]), ms(s["ideal_time"]), pct(s["dp_efficiency"]),
-                 pct(s["lockstep_efficiency"])]  # fmt: skip
-        if split:
-            cells += [num(s["group_imbalance_median"], ".3f"), num(s["group_imbalance_max"], ".3f")]
-        table.add_row(*cells)
+        table.add_row(str(s["step"]), str(s["micro_batches_per_rank"]), ms(s["dp_time"]),
+                      ms(s["lockstep_time"]), ms(s["ideal_time"]), pct(s["dp_efficiency"]),
+                      pct(s["lockstep_efficiency"]))  # fmt: skip
+    return table
+
+
+def group_table(run: dict[str, Any]) -> Table:
+    """A split pack's group balance per step and in total: max / mean of the group's GPUs'
+    times per micro-batch (median and max over the micro-batches), and the share of the
+    group's time its GPUs compute (Σ mean / Σ max)."""
+    sp = run["split"]
+    table = _table(f"{sp['kind']} {sp['size']} balance",
+                   ("step", "max/mean\nmedian", "max/mean\nmax", "GPUs\nbusy"))  # fmt: skip
+    for s in [*run["steps"], {**run["total"], "step": "total"}]:
+        table.add_row(str(s["step"]), num(s["group_imbalance_median"], ".3f"),
+                      num(s["group_imbalance_max"], ".3f"), pct(s["group_efficiency"]))  # fmt: skip
     return table
 
 
