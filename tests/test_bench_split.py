@@ -322,6 +322,40 @@ def test_check_fails_on_a_wrong_split(
     assert "--cp/--sp group" in result.stderr and not cal.exists()
 
 
+@pytest.mark.parametrize("name", ["cp2", "sp2"])
+def test_backward_check_catches_lost_key_gradients(run_cli, packs, monkeypatch, name: str) -> None:
+    """A kernel whose forward is right but whose keys and values get no gradient (detached):
+    the outputs pass, the gradient comparison (--backward) fails; without it, --check passes."""
+    from rolltool.bench import backends
+
+    def detached(torch: Any) -> Any:
+        be = backends._sdpa(torch)
+        assert be.attend_blocks is not None
+        blocks = be.attend_blocks
+
+        def attend(q, k, v, *args):  # type: ignore[no-untyped-def]
+            return be.attend(q, k.detach(), v.detach(), *args)
+
+        def attend_blocks(q, k, v, *args):  # type: ignore[no-untyped-def]
+            return blocks(q, k.detach(), v.detach(), *args)
+
+        return backends.Backend(be.name, attend, be.gqa, "detached keys", attend_blocks)
+
+    monkeypatch.setitem(backends.BACKENDS, "sdpa", detached)
+    from rolltool.bench import run
+
+    # Timing differentiates k and v too (it would refuse the kernel): only --check runs here.
+    monkeypatch.setattr(
+        run, "time_rows", lambda torch, be, rows, config, **_: np.ones((1, len(rows)))
+    )
+    args = ("bench", packs[name], *TINY, "--what", "attention", "--check", "--check-rows", "1")
+    assert run_cli(*args).exit_code == 0
+    result = run_cli(*args, "--backward", "--json")
+    assert result.exit_code == 1, result.output
+    (row,) = json.loads(result.stdout)["check"]["rows"]
+    assert row["worst_output_ratio"] <= 1 < row["worst_grad_ratio"]
+
+
 def test_split_and_plain_packs_compare_as_the_same_input(run_cli, packs) -> None:
     dirs = [packs[k] for k in ("plain", "cp2", "sp2")]
     doc = json.loads(run_cli("bench", *dirs, *TINY, "--json").stdout)

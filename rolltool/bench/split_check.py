@@ -19,7 +19,13 @@ given the wrong position, changes the result. For a sample of group rows:
 
 The reference: the sample's tokens from the group's stored row (no view), positions 0 .. L-1,
 the same model, causal sdpa in fp32 (`rolltool.bench.check.reference`), on inputs rounded to
-the bench dtype; the tolerance is ``TOLERANCES[dtype]``. Gradients are not compared here.
+the bench dtype; the tolerance is ``TOLERANCES[dtype]``.
+
+With ``--backward`` the gradients are compared too: every real token's output gradient is the
+one its sample alone gets at that position (padding's is 0, as its loss weight is), and the
+gradients of every GPU's local q, k, v (CP: a key's summed over every block of every rank that
+gathered it, what ring attention sends back to its owner) must equal the sample alone's, error
+relative to the sample's largest gradient, within twice the relative tolerance.
 """
 
 from __future__ import annotations
@@ -49,8 +55,8 @@ class TinyAttention:
     """q, k, v of tokens from (id, position): seeded tables, rotary embedding on q and k."""
 
     torch: Any
-    tables: tuple[Any, Any, Any]
-    """[VOCAB, heads, D], [VOCAB, kv_heads, D] x 2, float32."""
+    tables: tuple[Any, ...]
+    """q [VOCAB, heads, D], k, v [VOCAB, kv_heads, D], output gradient [VOCAB, heads, D]."""
     dtype: Any
     """The bench dtype: q, k, v are rounded to it (the reference sees the same values)."""
 
@@ -60,17 +66,21 @@ class TinyAttention:
         gen = torch.Generator(device="cpu").manual_seed(setup.seed + 5)
         tables = tuple(
             torch.randn(VOCAB, h, s.head_dim, generator=gen)
-            for h in (s.heads, s.kv_heads, s.kv_heads)
+            for h in (s.heads, s.kv_heads, s.kv_heads, s.heads)
         )
         return cls(torch, tables, torch_dtype(torch, setup.dtype))
 
     def __call__(self, ids: Any, pos: Any) -> tuple[Any, Any, Any]:
         """float32 q [n, heads, D], k, v [n, kv_heads, D] (values of the bench dtype)."""
         row = ids.long() % VOCAB
-        q, k, v = (table[row] for table in self.tables)
+        q, k, v = (table[row] for table in self.tables[:3])
         q, k = self._rope(q, pos), self._rope(k, pos)
         q, k, v = (x.to(self.dtype).float() for x in (q, k, v))
         return q, k, v
+
+    def grad_out(self, ids: Any, pos: Any) -> Any:
+        """float32 [n, heads, D]: the loss gradient of a token's attention output."""
+        return self._rope(self.tables[3][ids.long() % VOCAB], pos)
 
     def _rope(self, x: Any, pos: Any) -> Any:
         t = self.torch
@@ -82,15 +92,33 @@ class TinyAttention:
         return t.cat([a * cos - b * sin, a * sin + b * cos, rest], dim=-1)
 
 
-def alone(torch: Any, model: TinyAttention, whole: dict[str, Any]) -> dict[int, Any]:
-    """Each real sample of the group's row run alone: sample index -> fp32 output [L, H, D]."""
+@dataclass
+class Alone:
+    """One sample run alone: its output, the output gradient its tokens get, q/k/v gradients."""
+
+    out: Any  # [L, heads, D] float32
+    go: Any  # [L, heads, D] float32
+    grads: tuple[Any, Any, Any] | None  # dq, dk, dv with --backward
+
+
+def alone(
+    torch: Any, model: TinyAttention, whole: dict[str, Any], backward: bool
+) -> dict[int, Alone]:
+    """Each real sample of the group's stored row run alone, by sample index."""
     cu = whole["cu_seqlens"].tolist()
-    out = {}
+    found = {}
     for seg, s in enumerate(whole["sample_index"].tolist()):
-        if s >= 0:
-            ids = whole["input_ids"][cu[seg] : cu[seg + 1]]
-            out[s] = reference(torch, *model(ids, torch.arange(len(ids))))
-    return out
+        if s < 0:
+            continue
+        ids = whole["input_ids"][cu[seg] : cu[seg + 1]]
+        pos = torch.arange(len(ids))
+        qkv = [x.requires_grad_(backward) for x in model(ids, pos)]
+        with torch.enable_grad():
+            out = reference(torch, *qkv)
+            go = model.grad_out(ids, pos)
+            grads = torch.autograd.grad(out, qkv, go) if backward else None
+        found[s] = Alone(out.detach(), go, grads)
+    return found
 
 
 @dataclass
@@ -104,14 +132,25 @@ class Tally:
     worst_sample: int = -1
     tokens: int = 0
 
+    worst_grad: float = 0.0
+
     def add(self, torch: Any, sample: int, got: Any, want: Any) -> None:
         if len(want) == 0:
             return
-        err, excess = _excess(torch, got.cpu(), want, self.atol, self.rtol)
+        err, excess = _excess(torch, got.detach().cpu(), want, self.atol, self.rtol)
         self.max_err = max(self.max_err, err)
         if excess > self.worst:
             self.worst, self.worst_sample = excess, sample
         self.tokens += len(want)
+
+    def add_grads(self, got: Sequence[Any], want: Sequence[Any], ref: Alone) -> None:
+        """q, k, v gradients of some tokens against the sample alone's at their positions."""
+        assert ref.grads is not None
+        for g, w, full in zip(got, want, ref.grads, strict=True):
+            scale = float(full.abs().max()) or 1.0
+            if len(w):
+                rel = float((g.float().cpu() - w).abs().max()) / scale
+                self.worst_grad = max(self.worst_grad, rel / (2 * self.rtol))
 
 
 def _blocks_of_rank(
@@ -149,19 +188,56 @@ def check_cp(torch: Any, backend: Backend, ds: PackedDataset, row: Row, setup: B
     cp = ds.split.cp
     views = [ds.micro_batches(row.step, row.rank, cp_rank=r, torch=True)[row.micro_batch]
              for r in range(cp)]  # fmt: skip
-    refs = alone(torch, model, ds.micro_batches(row.step, row.rank, torch=True)[row.micro_batch])
-    local = [model(v["input_ids"], v["position_ids"]) for v in views]
-    for r in range(cp):
-        qs, ks, vs, where = _blocks_of_rank(torch, local, views, r)
-        if not qs:
-            continue
-        out = _attend_blocks(torch, backend, setup, qs, ks, vs)
-        start = 0
-        for q, (s, pos) in zip(qs, where, strict=True):
-            got, start = out[start : start + len(q)], start + len(q)
-            real = pos < len(refs[s])
-            tally.add(torch, s, got[real], refs[s][pos[real]])
+    whole = ds.micro_batches(row.step, row.rank, torch=True)[row.micro_batch]
+    refs = alone(torch, model, whole, setup.backward)
+    local = [tuple(x.requires_grad_(setup.backward) for x in model(v["input_ids"], v["position_ids"]))
+             for v in views]  # fmt: skip
+    loss = 0.0
+    with torch.enable_grad():
+        for r in range(cp):
+            qs, ks, vs, where = _blocks_of_rank(torch, local, views, r)
+            if not qs:
+                continue
+            out = _attend_blocks(torch, backend, setup, qs, ks, vs)
+            start = 0
+            for q, (s, pos) in zip(qs, where, strict=True):
+                got, start = out[start : start + len(q)], start + len(q)
+                real = pos < len(refs[s].out)
+                tally.add(torch, s, got[real], refs[s].out[pos[real]])
+                loss = loss + (got[real] * refs[s].go[pos[real]]).sum()  # padding: no gradient
+        if setup.backward and torch.is_tensor(loss):
+            flat = [x for qkv in local for x in qkv]
+            grads = _grads(torch, loss, flat)
+            _cp_grads(torch, views, grads, refs, tally)
     return len(refs)
+
+
+def _grads(torch: Any, loss: Any, leaves: Sequence[Any]) -> list[Any]:
+    """d loss / d leaves, zeros for a leaf the kernel did not differentiate (a broken one)."""
+    grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    return [g if g is not None else torch.zeros_like(x) for g, x in zip(grads, leaves, strict=True)]
+
+
+def _cp_grads(torch: Any, views: Sequence[dict[str, Any]], grads: Sequence[Any],
+              refs: dict[int, Alone], tally: Tally) -> None:  # fmt: skip
+    """Each CP rank's local q, k, v gradients against the samples alone, at the positions the
+    zigzag layout gives its local tokens (chunk r, then chunk 2C-1-r)."""
+    cp = len(views)
+    for g, view in enumerate(views):
+        dq, dk, dv = grads[3 * g : 3 * g + 3]
+        cu = view["cu_seqlens"].tolist()
+        padded = view["cu_seqlens_padded"].diff().tolist()
+        for seg, s in enumerate(view["sample_index"].tolist()):
+            if s < 0:
+                continue
+            c = padded[seg] // (2 * cp)
+            pos = torch.cat([g * c + torch.arange(c), (2 * cp - 1 - g) * c + torch.arange(c)])
+            real = pos < len(refs[s].out)
+            local = cu[seg] + torch.arange(2 * c)[real]
+            ref_grads = refs[s].grads
+            assert ref_grads is not None
+            want = [x[pos[real]] for x in ref_grads]
+            tally.add_grads([x[local] for x in (dq, dk, dv)], want, refs[s])
 
 
 def _attend_blocks(torch: Any, backend: Backend, setup: BenchSetup, qs: list[Any],
@@ -190,23 +266,36 @@ def check_sp(torch: Any, backend: Backend, ds: PackedDataset, row: Row, setup: B
     sp, s = ds.split.sp, setup.shape
     views = [ds.micro_batches(row.step, row.rank, sp_rank=i, torch=True)[row.micro_batch]
              for i in range(sp)]  # fmt: skip
-    refs = alone(torch, model, ds.micro_batches(row.step, row.rank, torch=True)[row.micro_batch])
+    whole = ds.micro_batches(row.step, row.rank, torch=True)[row.micro_batch]
+    refs = alone(torch, model, whole, setup.backward)
     ids, pos = (torch.cat([v[key] for v in views]) for key in ("input_ids", "position_ids"))
     device, dtype = torch.device(setup.device), torch_dtype(torch, setup.dtype)
-    q, k, v = (x.to(device=device, dtype=dtype) for x in model(ids, pos))
+    leaves = [x.requires_grad_(setup.backward) for x in model(ids, pos)]
     bounds = views[0]["cu_seqlens"].tolist()
     cu = torch.tensor(bounds, dtype=torch.int32, device=device)
     max_len = max(b - a for a, b in pairwise(bounds))
-    outs = []
-    for i in range(sp):
-        qh, kvh = sp_heads(s.heads, s.kv_heads, sp, i)
-        qi, ki, vi = (x.contiguous() for x in (q[:, qh], k[:, kvh], v[:, kvh]))
-        ki, vi = _repeat_kv(backend, qi, ki, vi)
-        outs.append(backend.attend(qi, ki, vi, cu, max_len, bounds).float())
-    full = torch.cat(outs, dim=1)  # [T, heads]: SP rank i keeps tokens [i T/S, (i+1) T/S)
-    for seg, sample in enumerate(views[0]["sample_index"].tolist()):
-        if sample >= 0:
-            tally.add(torch, sample, full[bounds[seg] : bounds[seg + 1]], refs[sample])
+    with torch.enable_grad():
+        q, k, v = (x.to(device=device, dtype=dtype) for x in leaves)
+        outs = []
+        for i in range(sp):
+            qh, kvh = sp_heads(s.heads, s.kv_heads, sp, i)
+            qi, ki, vi = (x.contiguous() for x in (q[:, qh], k[:, kvh], v[:, kvh]))
+            ki, vi = _repeat_kv(backend, qi, ki, vi)
+            outs.append(backend.attend(qi, ki, vi, cu, max_len, bounds).float())
+        full = torch.cat(outs, dim=1)  # [T, heads]: SP rank i keeps tokens [i T/S, (i+1) T/S)
+        loss, segments = 0.0, []
+        for seg, sample in enumerate(views[0]["sample_index"].tolist()):
+            if sample >= 0:
+                a, b = bounds[seg], bounds[seg + 1]
+                tally.add(torch, sample, full[a:b], refs[sample].out)
+                loss = loss + (full[a:b] * refs[sample].go).sum()
+                segments.append((sample, a, b))
+        if setup.backward and torch.is_tensor(loss):
+            grads = _grads(torch, loss, leaves)
+            for sample, a, b in segments:
+                ref_grads = refs[sample].grads
+                assert ref_grads is not None
+                tally.add_grads([x[a:b] for x in grads], ref_grads, refs[sample])
     return len(refs)
 
 
@@ -228,8 +317,9 @@ def check_split_rows(
         results.append({"step": row.step, "rank": row.rank, "micro_batch": row.micro_batch,
                         "segments": samples, "tokens": tally.tokens,
                         "max_abs_error": tally.max_err, "worst_output_ratio": tally.worst,
-                        "worst_grad_ratio": None, "worst_sample": tally.worst_sample,
-                        "ok": tally.worst <= 1.0})  # fmt: skip
+                        "worst_grad_ratio": tally.worst_grad if setup.backward else None,
+                        "worst_sample": tally.worst_sample,
+                        "ok": tally.worst <= 1.0 and tally.worst_grad <= 1.0})  # fmt: skip
     what = (f"cp {split.cp}: each CP rank's chunks against keys gathered from the group"
             if split.kind == "cp" else f"sp {split.sp}: the row gathered, heads split, sliced")  # fmt: skip
     return {
