@@ -22,7 +22,7 @@ Packs made with ``--cp`` also need *block* attention (``Backend.attend_blocks``)
 tokens) causally, **aligned bottom-right**: query j sees keys 0 .. n - m + j, as a chunk of a
 sample sees the sample's prefix up to its own end (`rolltool.bench.shares`). flash-attn (2.1+)
 and ``varlen_attn``'s ``window_size`` align a causal mask that way; sdpa's ``is_causal`` aligns
-it top-left, so the sdpa backend passes the bottom-right mask explicitly. ``--check`` compares
+it top-left, so the sdpa backend passes a bottom-right mask (``causal_lower_right``). ``--check`` compares
 every CP rank's output with each sample run alone, so a kernel aligned the other way fails it.
 """
 
@@ -80,6 +80,8 @@ def _sdpa(torch: Any) -> Backend:
             outs.append(o.squeeze(0).transpose(0, 1))
         return torch.cat(outs, dim=0)
 
+    lower_right = _lower_right(torch)
+
     def blocks(q: Any, k: Any, v: Any, q_cu: Any, k_cu: Any, max_q: int, max_k: int,
                q_bounds: Sequence[int], k_bounds: Sequence[int]) -> Any:  # fmt: skip
         gqa = k.shape[1] != q.shape[1]
@@ -88,7 +90,7 @@ def _sdpa(torch: Any) -> Backend:
             m, n = qe - qs, ke - ks
             if m == 0:
                 continue
-            mask = torch.ones(m, n, dtype=torch.bool, device=q.device).tril(n - m)
+            mask = lower_right(m, n, q.device)
             o = sdpa(
                 q[qs:qe].transpose(0, 1).unsqueeze(0),
                 k[ks:ke].transpose(0, 1).unsqueeze(0),
@@ -106,6 +108,17 @@ def _sdpa(torch: Any) -> Backend:
         "torch.nn.functional.scaled_dot_product_attention per segment",
         blocks,
     )
+
+
+def _lower_right(torch: Any) -> Callable[[int, int, Any], Any]:
+    """``(m, n, device) -> attn_mask``: causal, bottom-right aligned, for m queries and n keys:
+    torch's ``causal_lower_right`` bias (sdpa dispatches it to fused kernels, ~4x faster than a
+    boolean mask on CPU), else the boolean mask itself (query j sees keys 0 .. n - m + j)."""
+    try:
+        from torch.nn.attention.bias import causal_lower_right
+    except ImportError:  # pragma: no cover - torch < 2.2
+        return lambda m, n, device: torch.ones(m, n, dtype=torch.bool, device=device).tril(n - m)
+    return lambda m, n, device: causal_lower_right(m, n)
 
 
 def _torch_varlen(torch: Any) -> Backend:
