@@ -36,13 +36,15 @@ from rolltool.format import (
 from rolltool.layout import SampleTokens, step_rows
 from rolltool.loss import LOSS_AGGS
 from rolltool.outputs import check_target
+from rolltool.pool import Job, pack_steps
+from rolltool.pool import worth_it as pool_worth_it
 from rolltool.schedule import PlannedStep, Schedule, schedule
 from rolltool.schema import Rollouts, scan
 from rolltool.source import invert_mapping, resolve_inputs
 from rolltool.tokens import TokenReader
 from rolltool.workers import default_workers
 from rolltool.workload import Workload
-from rolltool.writer import PackedWriter
+from rolltool.writer import DirectWriter, PackedWriter
 
 
 def run_pack(
@@ -62,8 +64,9 @@ def run_pack(
     `progress(iterable, total, description)` may wrap the step loop (the CLI passes a progress
     bar on stderr). `estimator_chosen`: the caller chose the estimator (the CLI: --estimator or
     --env-estimator given); an input with its own 'advantage' column then gets a warning that
-    the estimator is not used. `workers`: processes that plan batches (default: the cores this
-    process may use; `rolltool.workers`); the output is the same whatever the number.
+    the estimator is not used. `workers`: processes that plan batches and pack steps (default:
+    the cores this process may use; `rolltool.workers`, `rolltool.pool`); the output is the same
+    whatever the number.
     """
     check_target(output, force, inputs=inputs)
     created_at()  # a bad SOURCE_DATE_EPOCH stops the run before any work
@@ -78,10 +81,15 @@ def run_pack(
     plan = schedule(ro, config, workload, ro.advantage, workers=workers)
     wrap = progress or _no_progress
     with PackedWriter(output, force=force, shard_bytes=int(config.shard_mb * 1e6)) as writer:
-        steps = [
-            _write_step(writer, st, tokens, config)
-            for st, tokens in wrap(prefetch(reader, plan.steps), len(plan.steps), "packing steps")
-        ]
+        if pool_worth_it(workers, plan.steps):
+            steps = _pack_in_pool(writer, reader, plan.steps, config, workers, wrap)
+        else:
+            steps = [
+                write_step(writer, st, tokens, config)
+                for st, tokens in wrap(
+                    prefetch(reader, plan.steps), len(plan.steps), "packing steps"
+                )
+            ]
         writer.write_samples(samples_table(ro, plan))
         warnings = [
             *filter(None, [workload.unreliable()]),
@@ -94,6 +102,30 @@ def run_pack(
 
 
 Progress = Callable[[Iterable[Any], int, str], Iterable[Any]]
+
+
+def _pack_in_pool(
+    writer: PackedWriter,
+    reader: TokenReader,
+    steps: Sequence[PlannedStep],
+    config: PackConfig,
+    workers: int,
+    wrap: Progress,
+) -> list[StepRecord]:
+    """Every step packed by worker processes (`rolltool.pool`), records in step order."""
+    assert writer.root is not None
+    job = Job(
+        reader=reader.handoff(),
+        cache_bytes=int(config.cache_mb * 1e6),
+        root=writer.root,
+        shard_bytes=writer.shard_bytes,
+        config=config,
+    )
+    records = []
+    for done in wrap(pack_steps(steps, job, workers), len(steps), "packing steps"):
+        writer.adopt(done.files)
+        records.append(done.record)
+    return records
 
 
 def _no_progress(it: Iterable[Any], total: int, desc: str) -> Iterable[Any]:
@@ -117,8 +149,8 @@ def prefetch(
             del tokens
 
 
-def _write_step(
-    writer: PackedWriter, st: PlannedStep, tokens: SampleTokens, config: PackConfig
+def write_step(
+    writer: PackedWriter | DirectWriter, st: PlannedStep, tokens: SampleTokens, config: PackConfig
 ) -> StepRecord:
     """Lay out the step's rows rank by rank and queue them for writing; the step's record."""
     ranks = []

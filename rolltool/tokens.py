@@ -69,6 +69,16 @@ def _token_columns(file: InputFile, rename: Mapping[str, str]) -> list[str]:
     return [*FORMAT_COLUMNS[fmt], *["logprobs"] * ("logprobs" in names)]
 
 
+@dataclass(frozen=True)
+class ReaderState:
+    """A `TokenReader`'s input and its change checks, to hand to a worker process."""
+
+    files: Sequence[InputFile]
+    rename: Mapping[str, str]
+    stats: Sequence[tuple[int, ...]]
+    lengths: Mapping[int, np.ndarray]
+
+
 class TokenReader:
     """Random access to the token columns of the ordered input, by sample_index.
 
@@ -107,6 +117,20 @@ class TokenReader:
         self._stats = [_identity(f.path) for f in self.files]
         self._lengths: dict[int, np.ndarray] = {}  # block -> sample lengths the scan saw
         self._last: tuple[int, _Block] | None = None  # the last decoded block, outside the cache
+
+    def handoff(self) -> ReaderState:
+        """What another process needs to read the same input with the same checks: the file
+        identities recorded at the start of the run and the sample lengths the scan saw."""
+        return ReaderState(self.files, self.rename, list(self._stats), dict(self._lengths))
+
+    @classmethod
+    def resume(cls, state: ReaderState, *, cache_bytes: int) -> TokenReader:
+        """A reader in another process that checks the input against `state` (`handoff`), as
+        the reader that made it does: a file changed since the run started is refused."""
+        reader = cls(state.files, state.rename, cache_bytes=cache_bytes)
+        reader._stats = list(state.stats)
+        reader._lengths = dict(state.lengths)
+        return reader
 
     @property
     def cached_bytes(self) -> int:

@@ -47,6 +47,43 @@ from rolltool.shards import file_record, row_bytes, split_rows, write_shard
 DEFAULT_PENDING_BYTES = 256_000_000
 
 
+def rank_record(
+    rows: PackedRows, step: int, rank: int, shard_bytes: int
+) -> tuple[RankRecord, list[tuple[int, int]]]:
+    """A (step, rank)'s record and its shards' row ranges (part k holds rows [a, b))."""
+    parts = split_rows(rows, shard_bytes)
+    refs = [
+        ShardRef(path=shard_name(step, rank, part), first_row=a, rows=b - a)
+        for part, (a, b) in enumerate(parts)
+    ]
+    real = rows.sample_index >= 0
+    record = RankRecord(
+        micro_batches=len(rows.row_offsets) - 1,
+        samples=int(real.sum()),
+        tokens=int(rows.row_offsets[-1]),
+        real_tokens=int(rows.seq_lens[real].sum()),
+        files=tuple(refs),
+    )
+    return record, parts
+
+
+class DirectWriter:
+    """Writes a (step, rank)'s shards at once into an existing directory and keeps their
+    records: how a worker process (`rolltool.pool`) writes into its driver's `PackedWriter`
+    directory, which then `adopt`s the records."""
+
+    def __init__(self, root: Path, shard_bytes: int) -> None:
+        self.root, self.shard_bytes = root, shard_bytes
+        self.files: dict[str, FileRecord] = {}
+
+    def write_rank(self, step: int, rank: int, rows: PackedRows) -> RankRecord:
+        record, parts = rank_record(rows, step, rank, self.shard_bytes)
+        for part, (a, b) in enumerate(parts):
+            name, file = write_shard(self.root, step, rank, part, rows, a, b)
+            self.files[name] = file
+        return record
+
+
 class PackedWriter:
     """Writes one packed directory (see the module docstring)."""
 
@@ -102,22 +139,20 @@ class PackedWriter:
         """Queue rank `rank`'s rows of step `step` (one row per micro-batch) for writing."""
         root = self._root()
         sizes = row_bytes(rows)
-        refs = []
-        for part, (a, b) in enumerate(split_rows(rows, self.shard_bytes)):
+        record, parts = rank_record(rows, step, rank, self.shard_bytes)
+        for part, (a, b) in enumerate(parts):
             nbytes = int(sizes[a:b].sum())
             self._wait_for_room(nbytes)
             fut = self._pool.submit(write_shard, root, step, rank, part, rows, a, b)
             self._pending.append((nbytes, fut))
             self._pending_bytes += nbytes
-            refs.append(ShardRef(path=shard_name(step, rank, part), first_row=a, rows=b - a))
-        real = rows.sample_index >= 0
-        return RankRecord(
-            micro_batches=len(rows.row_offsets) - 1,
-            samples=int(real.sum()),
-            tokens=int(rows.row_offsets[-1]),
-            real_tokens=int(rows.seq_lens[real].sum()),
-            files=tuple(refs),
-        )
+        return record
+
+    def adopt(self, files: dict[str, FileRecord]) -> None:
+        """Shards another process wrote into `root` (`DirectWriter`): listed like this
+        writer's own, and checked the same way in `finish`."""
+        self._root()
+        self._files.update(files)
 
     def write_samples(self, table: pa.Table) -> None:
         """``samples.parquet``: one row per input sample."""

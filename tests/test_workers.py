@@ -1,17 +1,20 @@
-"""``pack --workers N``: batches planned in forked processes give the same bytes as serially.
+"""``pack --workers N``: batches planned (`rolltool.workers`) and steps packed (`rolltool.pool`)
+in worker processes give the same bytes as one process.
 
-`rolltool.workers` only uses a pool for big runs; the tests lower its thresholds so that the
-small example input is planned by two processes, then compare every output file byte for byte
-(manifest included: created_at fixed by SOURCE_DATE_EPOCH, the same command recorded).
+Both pools are used only for big runs; the tests lower their thresholds so that the small
+example input is planned and packed by two processes, then compare every output file byte for
+byte (manifest included: created_at fixed by SOURCE_DATE_EPOCH, the same command recorded).
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import pytest
 
-from rolltool import workers
+from rolltool import pool, workers
 from rolltool.config import PackConfig
 from rolltool.errors import RolltoolError
 from rolltool.pack import run_pack
@@ -30,6 +33,8 @@ def files(root: Path) -> dict[str, bytes]:
 def _pool_for_small_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(workers, "MIN_BATCHES", 2)
     monkeypatch.setattr(workers, "MIN_SAMPLES", 0)
+    monkeypatch.setattr(pool, "MIN_TOKENS", 0)
+    monkeypatch.setattr(pool, "MIN_STEPS_PER_WORKER", 1)
     monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
 
 
@@ -54,8 +59,6 @@ def test_same_bytes_with_two_workers(tmp_path: Path, options: dict) -> None:
 def test_pool_really_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     """map_in_order in two processes returns what the serial map does, in order, and computes
     in other processes (their pids)."""
-    import os
-
     got = workers.map_in_order(lambda x: (x * x, os.getpid()), list(range(20)), 2)
     assert [v for v, _ in got] == [x * x for x in range(20)]
     assert os.getpid() not in {pid for _, pid in got}
@@ -70,3 +73,39 @@ def test_an_error_in_a_worker_is_the_serial_error(tmp_path: Path) -> None:
         messages.append(str(e.value))
         assert not (tmp_path / f"e{n}").exists()
     assert messages[0] == messages[1] and "--equal-count" in messages[0]
+
+
+def test_the_pool_packs_every_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the thresholds met, every step goes through the pack pool (`rolltool.pool`)."""
+    seen: list[int] = []
+    real = pool.pack_steps
+
+    def spy(*args: object, **kwargs: object):  # type: ignore[no-untyped-def]
+        for done in real(*args, **kwargs):  # type: ignore[arg-type]
+            seen.append(done.record.step)
+            yield done
+
+    monkeypatch.setattr("rolltool.pack.pack_steps", spy)
+    config = PackConfig.from_options(dp=2, batch_size=32)
+    m = run_pack([str(EXAMPLE)], tmp_path / "p", config, command=COMMAND, workers=2)
+    assert seen == list(range(m.num_steps)) and m.num_steps >= 2
+
+
+def test_a_worker_refuses_an_input_changed_since_the_scan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src = tmp_path / "in.parquet"
+    shutil.copy(EXAMPLE, src)
+    real = pool.pack_steps
+
+    def touch_then_pack(*args: object, **kwargs: object):  # type: ignore[no-untyped-def]
+        st = src.stat()
+        os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+        yield from real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr("rolltool.pack.pack_steps", touch_then_pack)
+    config = PackConfig.from_options(dp=2, batch_size=32, cache_mb=0)
+    with pytest.raises(RolltoolError, match="changed while rolltool was reading it"):
+        run_pack([str(src)], tmp_path / "p", config, command=COMMAND, workers=2)
+    assert not (tmp_path / "p").exists()
+    assert not list(tmp_path.glob(".p.*"))

@@ -1,0 +1,121 @@
+"""Packing steps in worker processes (``pack --workers N``): fetch, lay out, write and hash.
+
+A step's rows depend only on its plan (`rolltool.schedule.PlannedStep`) and the input's tokens,
+so steps can be packed by any process in any order: each worker opens its own `TokenReader` over
+the input (a ``1/N`` share of ``--cache-mb``; it checks the input against what the driver's
+scan recorded, `TokenReader.handoff`), packs contiguous runs of steps (consecutive steps
+share row groups in input order) with `rolltool.pack.write_step` and a `DirectWriter` into the
+driver's temporary directory, and sends back each step's record and its files' sizes and
+sha256. The driver takes them in step order (progress as they come), adopts the files into its
+`PackedWriter`, writes samples.parquet and the manifest last: the same bytes as one process
+(tests/test_workers.py compares every file).
+
+Memory: each worker holds one step's tokens and rows plus its cache share, so the run holds at
+most ``workers`` steps at once (O(workers x step) + the cache). Workers are started by
+``forkserver`` (a clean process, not a fork of the driver and its Arrow thread pools); the steps
+travel to them pickled, a chunk at a time. A failing step stops the run with its error, the
+pool is shut down before the temporary directory is removed, and a worker that dies (killed,
+out of memory) is one error naming the steps it held.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import multiprocessing
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from pathlib import Path
+
+from rolltool.config import PackConfig
+from rolltool.errors import RolltoolError
+from rolltool.format import FileRecord, StepRecord
+from rolltool.schedule import PlannedStep
+from rolltool.tokens import ReaderState, TokenReader
+from rolltool.writer import DirectWriter
+
+CHUNKS_PER_WORKER = 4
+"""Steps are sent to workers in about this many contiguous chunks per worker."""
+MIN_STEPS_PER_WORKER = 2
+"""A pool is used only with at least this many steps per worker ..."""
+MIN_TOKENS = 20_000_000
+"""... and this many sampled tokens (~180 MB of shards): a pool costs ~1 s to start."""
+
+
+def worth_it(workers: int, steps: Sequence[PlannedStep]) -> bool:
+    """Whether packing `steps` in `workers` processes pays for their start."""
+    tokens = sum(st.record.sampled_tokens for st in steps)
+    return workers > 1 and len(steps) >= MIN_STEPS_PER_WORKER * workers and tokens >= MIN_TOKENS
+
+
+@dataclass(frozen=True)
+class Job:
+    """What every worker needs besides its steps."""
+
+    reader: ReaderState
+    cache_bytes: int
+    root: Path
+    shard_bytes: int
+    config: PackConfig
+
+
+@dataclass(frozen=True)
+class Packed:
+    """One packed step: its record (ranks included) and the files written for it."""
+
+    record: StepRecord
+    files: dict[str, FileRecord]
+
+
+_STATE: tuple[Job, TokenReader] | None = None  # set in each worker by _start
+
+
+def _start(job: Job) -> None:
+    global _STATE
+    _STATE = (job, TokenReader.resume(job.reader, cache_bytes=job.cache_bytes))
+
+
+def _pack(steps: list[PlannedStep]) -> list[Packed]:
+    from rolltool.pack import write_step
+
+    assert _STATE is not None
+    job, reader = _STATE
+    out = []
+    for st in steps:
+        writer = DirectWriter(job.root, job.shard_bytes)
+        record = write_step(writer, st, reader.fetch(st.members[st.order]), job.config)
+        out.append(Packed(record, writer.files))
+    return out
+
+
+def pack_steps(steps: Sequence[PlannedStep], job: Job, workers: int) -> Iterator[Packed]:
+    """Every step packed by `workers` processes, yielded in step order (see the module
+    docstring). Leaving the iterator early (an error downstream) shuts the pool down."""
+    n = len(steps)
+    parts = max(min(n, workers * CHUNKS_PER_WORKER), 1)
+    bounds = [n * k // parts for k in range(parts + 1)]
+    chunks = [list(steps[a:b]) for a, b in itertools.pairwise(bounds)]
+    share = dataclasses.replace(job, cache_bytes=job.cache_bytes // workers)
+    pool = ProcessPoolExecutor(
+        max_workers=min(workers, parts),
+        mp_context=multiprocessing.get_context("forkserver"),
+        initializer=_start,
+        initargs=(share,),
+    )
+    try:
+        futures = [pool.submit(_pack, chunk) for chunk in chunks]
+        for chunk, fut in zip(chunks, futures, strict=True):
+            try:
+                done = fut.result()
+            except BrokenProcessPool:
+                first, last = chunk[0].index, chunk[-1].index
+                raise RolltoolError(
+                    f"a worker process died while packing steps {first}-{last} (killed, or out "
+                    "of memory?); nothing was written",
+                    hint="run again with fewer --workers or a smaller --cache-mb",
+                ) from None
+            yield from done
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
