@@ -43,7 +43,7 @@ PACKED_TOP = {
     "totals", "across_steps", "selected_step", "steps",
 }  # fmt: skip
 STEP_KEYS = {
-    "step", "status", "nominal", "actual", "groups", "rollouts", "samples", "sampled_tokens",
+    "step", "batch", "epoch", "mini_batch", "status", "nominal", "actual", "groups", "rollouts", "samples", "sampled_tokens",
     "trainable_tokens", "uniform_groups_kept", "uniform_groups_dropped", "overlong_dropped",
     "over_gpu_budget", "reward_mean", "advantage_mean", "advantage_std", "envs",
     "micro_batches_per_rank", "ffd_micro_batches", "empty_micro_batches", "rows", "row_tokens",
@@ -856,3 +856,21 @@ def test_packs_without_a_split_print_as_before(run_cli: Any, packed: Path) -> No
     }  # fmt: skip
     assert report["totals"]["over_gpu_budget"] == report["totals"]["cp_padding_tokens"] == 0
     assert all(s["over_gpu_budget"] == s["cp_padding_tokens"] == 0 for s in report["steps"])
+
+
+def test_mini_batches_and_epochs_show_the_batch_structure(run_cli: Any, tmp_path: Path) -> None:
+    """A pack with --mini-batches/--epochs: the header says how batches became optimizer
+    steps, every step its (batch, epoch, mini-batch) in the JSON and the per-step table."""
+    src = Path(__file__).parent.parent / "examples" / "rollouts.parquet"
+    out = tmp_path / "ppo"
+    r = run_cli("pack", str(src), "-o", str(out), "--dp", "2", "--batch-size", "64",
+                "--mini-batches", "2", "--epochs", "2")  # fmt: skip
+    assert r.exit_code == 0
+    assert "(each batch: 2 epochs x 2 mini-batches)" in r.stderr
+    assert "(sample, epoch) pairs (2 epochs) trained" in r.stderr
+    report = _json(run_cli, out)
+    got = [(s["batch"], s["epoch"], s["mini_batch"]) for s in report["steps"]]
+    assert got == [(k // 4, k % 4 // 2, k % 2) for k in range(len(got))]
+    text = "".join(run_cli("stats", str(out), "--per-step").stdout.split())  # wrapped anywhere
+    assert "optimizerstepsfrombatchesof64rollouts(eachbatch:2epochsx2mini-batches)" in text
+    assert "5(b1e0m1)" in text

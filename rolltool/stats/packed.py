@@ -139,6 +139,9 @@ def _counts(step: StepRecord) -> dict[str, Any]:
     """The step's counts and each env's, with its shares of tokens and of the loss weight."""
     out: dict[str, Any] = {
         "step": step.step,
+        "batch": step.batch,
+        "epoch": step.epoch,
+        "mini_batch": step.mini_batch,
         "status": step.status,
         "nominal": step.nominal,
         "actual": step.actual,
@@ -410,4 +413,6 @@ def _settings(manifest: Manifest) -> dict[str, Any]:
                                       "micro_batch_size", "row_len")},
         "batch_unit": steps.get("batch_unit"),
         "batch_size": steps.get("batch_size"),
+        "mini_batches": steps.get("mini_batches", 1),
+        "epochs": steps.get("epochs", 1),
     }  # fmt: skip

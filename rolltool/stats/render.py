@@ -233,6 +233,25 @@ def world_line(world: dict[str, Any]) -> str:
     return text
 
 
+def step_label(
+    step: int, batch: int | None, epoch: int | None, mini_batch: int | None, structured: bool
+) -> str:
+    """A step's cell: its number, and in a run with --mini-batches/--epochs (``structured``)
+    where it comes from, e.g. ``13 (b3 e1 m1)`` (batch 3, epoch 1, mini-batch 1)."""
+    if not structured or batch is None:
+        return str(step)
+    return f"{step} (b{batch} e{epoch or 0} m{mini_batch or 0})"
+
+
+def structure(c: dict[str, Any]) -> str:
+    """How batches became optimizer steps (``--epochs``/``--mini-batches``), or ''."""
+    e, m = c.get("epochs") or 1, c.get("mini_batches") or 1
+    if e * m == 1:
+        return ""
+    parts = [f"{e} epochs"] * (e > 1) + [f"{m} mini-batches"] * (m > 1)
+    return f" (each batch: {' x '.join(parts)})"
+
+
 def _header(report: dict[str, Any]) -> Text:
     """What was packed and how: steps, dp and budget (with sp/cp a line of the world, both
     budgets), balance and alignment."""
@@ -246,6 +265,9 @@ def _header(report: dict[str, Any]) -> Text:
     read = report["steps_read"]
     steps = f"{read:,} of {report['num_steps']:,}" if read != report["num_steps"] else f"{read:,}"
     head = f"{report['path']}: {steps} steps of {c.get('batch_size')} {c.get('batch_unit')}"
+    if structure(c):
+        head = (f"{report['path']}: {steps} optimizer steps from batches of {c.get('batch_size')} "
+                f"{c.get('batch_unit')}{structure(c)}")  # fmt: skip
     world = report.get("world")
     if world is not None and _split(world) is not None:  # the world, both budgets: a line
         fixed = "" if c.get("micro_batch_tokens") else f", {budget}"
@@ -416,14 +438,19 @@ STEP_COLS = [
 ]
 
 
-def _steps_table(steps: list[dict[str, Any]], width: int | None, split: bool = False) -> Table:
-    """One row per step; ``split``: with the over-GPU-budget column after "samples" (sp/cp)."""
+def _steps_table(
+    steps: list[dict[str, Any]], width: int | None, split: bool = False, structured: bool = False
+) -> Table:
+    """One row per step; ``split``: with the over-GPU-budget column after "samples" (sp/cp);
+    ``structured``: steps labelled with their batch, epoch and mini-batch."""
     rows: list[list[str] | None] = []
     for s in steps:
         alts = s.get("alternatives") or {}
         rows.append(
             [
-                str(s["step"]),
+                step_label(
+                    s["step"], s.get("batch"), s.get("epoch"), s.get("mini_batch"), structured
+                ),
                 str(s["status"]),
                 count(s["groups"]),
                 count(s["rollouts"]),
@@ -493,12 +520,13 @@ def render_packed(
         _balance_table(title, chosen, rows, width),
         _fill_table(report["totals"]["fill_histogram"]),
     ]
+    structured = bool(structure(report["config"]))
     if per_step:
-        out.append(_steps_table(report["steps"], width, split))
+        out.append(_steps_table(report["steps"], width, split, structured))
     if step is not None:
         s = next(x for x in report["steps"] if x["step"] == step)
         if not per_step:
-            out.append(_steps_table([s], width, split))
+            out.append(_steps_table([s], width, split, structured))
         out.append(_env_table(f"step {s['step']}: envs", s["envs"], width, split))
         alt = s.get("alternatives") or {}
         me = {k: s[k] for k in ("micro_batches_per_rank", "rank_imbalance", "lockstep_overhead")}
@@ -599,10 +627,11 @@ EDGE_STEPS = 3
 """Steps shown at each end of a summarised step table."""
 
 
-def _pack_step_row(st: StepRecord, split: bool = False) -> list[str]:
+def _pack_step_row(st: StepRecord, split: bool = False, structured: bool = False) -> list[str]:
     size = f"{count(st.actual)}/{count(st.nominal)}"
     p = st.plan
-    return [str(st.step), size if st.status == "full" else f"{size} {st.status}", *_counts(st, split),
+    return [step_label(st.step, st.batch, st.epoch, st.mini_batch, structured),
+            size if st.status == "full" else f"{size} {st.status}", *_counts(st, split),
             str(p.micro_batches_per_rank), pct(p.token_fill), over(p.imbalance_cost),
             over(p.lockstep_overhead_cost)]  # fmt: skip
 
@@ -638,6 +667,7 @@ def _pack_steps_table(
     unit, align = manifest.config["steps"]["batch_unit"], manifest.config["align"]
     steps = manifest.steps
     split = _splits_budget(manifest)
+    structured = bool(structure(manifest.config["steps"]))
     title = f"pack -> {output} ({manifest.workload['kind']} balance, {align})"
     cols = _with_split(
         [PACK_STEP_COLS[0], Col(f"{unit} (status)", f"{unit}\n(status)"), *PACK_STEP_COLS[2:]],
@@ -645,12 +675,12 @@ def _pack_steps_table(
     )
     rows: list[Sequence[str] | None]
     if per_step or len(steps) <= MAX_STEP_ROWS:
-        rows = [_pack_step_row(st, split) for st in steps]
+        rows = [_pack_step_row(st, split, structured) for st in steps]
     else:
         skipped = len(steps) - 2 * EDGE_STEPS
-        rows = [*(_pack_step_row(st, split) for st in steps[:EDGE_STEPS]),
+        rows = [*(_pack_step_row(st, split, structured) for st in steps[:EDGE_STEPS]),
                 ["…", f"{skipped:,} steps", *[""] * (len(cols) - 2)],
-                *(_pack_step_row(st, split) for st in steps[-EDGE_STEPS:])]  # fmt: skip
+                *(_pack_step_row(st, split, structured) for st in steps[-EDGE_STEPS:])]  # fmt: skip
         title += f", {len(steps):,} steps (--per-step: all)"
     short = sum(st.status != "full" for st in steps)
     if short and len(steps) > 1:
@@ -709,9 +739,13 @@ def pack_summary(manifest: Manifest, output: str) -> str:
         if world["gpu_budget"]:
             over = sum(st.over_gpu_budget for st in manifest.steps)
             trained = f" ({over:,} over the per-GPU budget, split over {kind})"
+    steps_cfg = manifest.config.get("steps")
+    cfg = steps_cfg if isinstance(steps_cfg, dict) else {}
+    epochs = cfg.get("epochs") if isinstance(cfg.get("epochs"), int) else 1
+    what = "samples" if epochs == 1 else f"(sample, epoch) pairs ({epochs} epochs)"
     return (
-        f"wrote {manifest.num_steps} steps x {manifest.dp} ranks{gpus} to {output}: "
-        f"{s.trained:,} of {s.total:,} samples trained{trained}, {s.uniform_dropped:,} in "
+        f"wrote {manifest.num_steps} steps{structure(cfg)} x {manifest.dp} ranks{gpus} to "
+        f"{output}: {s.trained:,} of {s.total:,} {what} trained{trained}, {s.uniform_dropped:,} in "
         f"dropped uniform groups, {s.overlong_dropped:,} over-long, {s.leftover:,} left over"
         + (f", {s.count_trimmed:,} trimmed for --equal-count" if s.count_trimmed else "")
     )
