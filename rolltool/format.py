@@ -205,6 +205,19 @@ class StepRecord(StepCounts):
 
 
 @dataclass(frozen=True, kw_only=True)
+class ReadRecord:
+    """The plan's reads of the input's token columns (`rolltool.readplan.ReadPlan`)."""
+
+    needed_bytes: int
+    read_bytes: int
+    cached_read_bytes: int
+    amplification: float
+    cached_amplification: float
+    row_group_reads: int
+    row_groups: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class InputRecord:
     """An input file: its resolved path, as given, and its rows."""
 
@@ -273,6 +286,9 @@ class Manifest:
     partial_step_dropped: PartialStep | None
     warnings: tuple[str, ...]
     steps: tuple[StepRecord, ...]
+    reads: ReadRecord | None = None
+    """What fetching the steps read of the input (`rolltool.readplan`); None before it was
+    recorded."""
     files: Mapping[str, FileRecord] = field(default_factory=dict)
     token_fields: Mapping[str, str] = field(
         default_factory=lambda: {k: np.dtype(v).name for k, v in READER_FIELDS.items()}

@@ -30,6 +30,7 @@ from rolltool.format import (
     LossRecord,
     Manifest,
     PartialStep,
+    ReadRecord,
     SampleCounts,
     StepRecord,
 )
@@ -38,6 +39,7 @@ from rolltool.loss import LOSS_AGGS
 from rolltool.outputs import check_target
 from rolltool.pool import Job, pack_steps
 from rolltool.pool import worth_it as pool_worth_it
+from rolltool.readplan import ReadPlan, read_plan
 from rolltool.schedule import PlannedStep, Schedule, schedule
 from rolltool.schema import Rollouts, scan
 from rolltool.source import invert_mapping, resolve_inputs
@@ -79,6 +81,13 @@ def run_pack(
     if workers < 1:
         raise RolltoolError(f"--workers must be at least 1, got {workers}")
     plan = schedule(ro, config, workload, ro.advantage, workers=workers)
+    reads = read_plan(
+        reader.block_starts,
+        reader.block_bytes(),
+        ro.length,
+        [st.members[st.order] for st in plan.steps],
+        cache_bytes=int(config.cache_mb * 1e6),
+    )
     wrap = progress or _no_progress
     with PackedWriter(output, force=force, shard_bytes=int(config.shard_mb * 1e6)) as writer:
         if pool_worth_it(workers, plan.steps):
@@ -96,8 +105,10 @@ def run_pack(
             *ro.warnings,
             *_given_warning(ro.advantage, estimator_chosen),
             *plan.warnings,
+            *_read_warning(reads, config),
         ]
         record = manifest_record(ro, plan, config, workload, steps, warnings, columns, command)
+        record = dataclasses.replace(record, reads=_read_record(reads))
         return writer.finish(record)
 
 
@@ -170,6 +181,35 @@ def write_step(
     ):
         ranks.append(writer.write_rank(st.index, r, rows))
     return dataclasses.replace(st.record, ranks=tuple(ranks))
+
+
+READ_WARNING = 4.0
+"""Fetches that read the input's token columns this many times over (with the cache) warn."""
+
+
+def _read_record(reads: ReadPlan) -> ReadRecord:
+    return ReadRecord(
+        needed_bytes=reads.needed_bytes,
+        read_bytes=reads.read_bytes,
+        cached_read_bytes=reads.cached_read_bytes,
+        amplification=reads.amplification,
+        cached_amplification=reads.cached_amplification,
+        row_group_reads=reads.row_group_reads,
+        row_groups=reads.row_groups,
+    )
+
+
+def _read_warning(reads: ReadPlan, config: PackConfig) -> list[str]:
+    """A warning when the steps' samples are so scattered that fetching them reads the input
+    many times over (`rolltool.readplan`)."""
+    if reads.cached_amplification < READ_WARNING:
+        return []
+    return [
+        f"fetching the steps read the input's token columns {reads.cached_amplification:.1f}x "
+        f"over ({reads.cached_read_bytes / 1e6:,.0f} MB for {reads.needed_bytes / 1e6:,.0f} MB "
+        f"of trained samples; --order {config.steps.order} scatters each step over the input): "
+        "raise --cache-mb until the decoded input fits, or pack in --order input"
+    ]
 
 
 def _given_warning(given: np.ndarray | None, estimator_chosen: bool) -> list[str]:

@@ -415,3 +415,27 @@ def row_group_rows(file: InputFile) -> list[int]:
     except (pa.ArrowException, OSError) as e:
         raise _unreadable(file.path, e) from None
     return [meta.row_group(rg).num_rows for rg in range(meta.num_row_groups)]
+
+
+def row_group_bytes(
+    file: InputFile, rename: Mapping[str, str], columns: Sequence[str]
+) -> list[int]:
+    """Compressed bytes of `columns` (schema names) in each row group of a file, from its
+    footer: what reading those columns of a row group costs."""
+    try:
+        meta = footer(file.path)
+    except (pa.ArrowException, OSError) as e:
+        raise _unreadable(file.path, e) from None
+    names = source_names(meta.schema.to_arrow_schema().names, rename)
+    wanted = {names[c] for c in columns if c in names}
+    out = []
+    for rg in range(meta.num_row_groups):
+        group = meta.row_group(rg)
+        out.append(
+            sum(
+                group.column(j).total_compressed_size
+                for j in range(group.num_columns)
+                if group.column(j).path_in_schema.split(".")[0] in wanted
+            )
+        )
+    return out

@@ -26,7 +26,13 @@ import pyarrow.compute as pc
 from rolltool.errors import RolltoolError
 from rolltool.layout import SampleTokens, segment_positions
 from rolltool.schema import FORMAT_COLUMNS, token_format
-from rolltool.source import InputFile, file_schema, read_row_group, row_group_rows
+from rolltool.source import (
+    InputFile,
+    file_schema,
+    read_row_group,
+    row_group_bytes,
+    row_group_rows,
+)
 
 
 def _flat(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
@@ -131,6 +137,19 @@ class TokenReader:
         reader._stats = list(state.stats)
         reader._lengths = dict(state.lengths)
         return reader
+
+    @property
+    def block_starts(self) -> np.ndarray:
+        """[B] int64: the first sample (over the ordered input) of each row group."""
+        return self._starts
+
+    def block_bytes(self) -> np.ndarray:
+        """[B] int64: compressed bytes of each row group's token columns (from the footers)."""
+        sizes = [
+            row_group_bytes(f, self.rename, cols)
+            for f, cols in zip(self.files, self._columns, strict=True)
+        ]
+        return np.array([b for per_file in sizes for b in per_file], dtype=np.int64)
 
     @property
     def cached_bytes(self) -> int:
