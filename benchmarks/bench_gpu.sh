@@ -21,6 +21,10 @@
 #      with a message, where polars is missing (the bare GPU image): calibration.json is still
 #      written; pack with it back on the CPU machine (the command is printed)
 #   4. bench all four side by side (only when step 3 packed): the comparison table, best marked
+#   5. SPLIT=1 (default): the flops pack next to the same input packed --cp 2 and --sp 2 at half
+#      the per-GPU budget (the same group budget), bench per GPU with --check (each GPU's view
+#      against every sample alone, gradients too): the group balance and the block kernels'
+#      bottom-right causal alignment on the device (issue 11)
 #
 # Two-step use where the GPU machine lacks polars (rolltool pack needs it; bench does not):
 #   benchmarks/bench_gpu.sh --prepare     # here, on a CPU machine (or PREPARE=1): packs into
@@ -51,7 +55,7 @@
 # this checkout (PYTHONPATH).
 # Writes under $OUT: packed-{flops,tokens,count}/ (unless prepared), calibration.json, check.txt
 # and check.json (step 2's tables and JSON), attention.{txt,json} (step 2b), packed-calibrated/,
-# bench.txt and bench.json (step 4).
+# bench.txt and bench.json (step 4), split.txt and split.json (step 5).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -63,6 +67,7 @@ MODEL=${MODEL:-dense-8b}
 BACKEND=${BACKEND:-torch-varlen}
 WHAT=${WHAT:-layer}
 REFERENCE=${REFERENCE:-0}
+SPLIT=${SPLIT:-1}
 BENCH_ARGS=${BENCH_ARGS:---repeats 5 --warmup 2}
 INPUT=examples/rollouts.parquet
 for arg in "$@"; do
@@ -90,10 +95,20 @@ pack_three() {
   done
 }
 
+# pack_split DIR: the input packed --cp 2 and --sp 2 at half the default per-GPU budget (16,384:
+# the group's 32,768, as the plain packs have) into DIR/packed-{cp2,sp2}.
+pack_split() {
+  for kind in cp sp; do
+    rolltool pack "$INPUT" --dp "$DP" --balance flops --model "$MODEL" --$kind 2 \
+      --micro-batch-tokens 16384 -o "$1/packed-${kind}2" --force >/dev/null
+  done
+}
+
 if [[ $PREPARE == 1 ]]; then
   have_polars || { echo "--prepare packs, which needs polars: run it where polars is installed" >&2; exit 1; }
   echo "== prepare: pack three ways (dp $DP) into $PACKED_DIR" >&2
   pack_three "$PACKED_DIR"
+  [[ $SPLIT == 1 ]] && pack_split "$PACKED_DIR"
   echo "$SETTINGS" >"$PACKED_DIR/prepared.txt"
   du -sh "$PACKED_DIR" >&2
   echo "now run benchmarks/bench_gpu.sh (same DP and MODEL) on the GPU machine;" \
@@ -143,6 +158,7 @@ else
   fi
   echo "== 1. pack three ways (dp $DP)" >&2
   pack_three "$OUT"
+  [[ $SPLIT == 1 ]] && pack_split "$OUT"
   SRC=$OUT
 fi
 three=("$SRC"/packed-{flops,tokens,count})
@@ -174,4 +190,14 @@ else
   echo "== 4. skipped (nothing calibrated to compare); step 2's table is the three-way" \
     "comparison" >&2
   echo "wrote $OUT/check.txt, $OUT/check.json, $OUT/calibration.json" >&2
+fi
+
+if [[ $SPLIT == 1 ]]; then
+  if [[ -d $SRC/packed-cp2 && -d $SRC/packed-sp2 ]]; then
+    echo "== 5. --cp 2 and --sp 2 per GPU ($WHAT) with --check" >&2
+    layer_bench "$SRC/packed-flops" "$SRC/packed-cp2" "$SRC/packed-sp2" --check \
+      --json-out "$OUT/split.json" | tee "$OUT/split.txt"
+  else
+    echo "== 5. skipped: $SRC has no packed-cp2/packed-sp2 (prepare again with SPLIT=1)" >&2
+  fi
 fi
