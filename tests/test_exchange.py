@@ -1,0 +1,73 @@
+"""The exchange path (`rolltool.exchange`): buckets give exactly what the direct reader gives,
+reading every row group once."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from rolltool.exchange import exchange
+from rolltool.source import resolve_inputs
+from rolltool.tokens import TokenReader
+
+EXAMPLE = Path(__file__).parent.parent / "examples" / "rollouts.parquet"
+
+
+@pytest.fixture(scope="module")
+def reader(tmp_path_factory: pytest.TempPathFactory) -> TokenReader:
+    """The example over two files in row groups of 37 rows."""
+    t = pq.read_table(EXAMPLE)
+    d = tmp_path_factory.mktemp("ex")
+    half = t.num_rows // 2
+    pq.write_table(t.slice(0, half), d / "a.parquet", row_group_size=37)
+    pq.write_table(t.slice(half), d / "b.parquet", row_group_size=37)
+    return TokenReader(resolve_inputs([str(d)]), {}, cache_bytes=0)
+
+
+def same(a, b) -> bool:  # type: ignore[no-untyped-def]
+    return all(
+        np.array_equal(getattr(a, k), getattr(b, k))
+        for k in ("offsets", "input_ids", "loss_mask", "logprobs")
+    )
+
+
+@pytest.mark.parametrize("buffer", [0, 10_000, 10**9])
+def test_buckets_equal_the_direct_reads(reader: TokenReader, tmp_path: Path, buffer: int) -> None:
+    rng = np.random.default_rng(buffer % 7)
+    n = reader.num_rows
+    order = rng.permutation(n)
+    steps = [(k, part) for k, part in enumerate(np.array_split(order[: n - 5], 9))]
+    steps.append((9, order[:30]))  # a second epoch: samples already in step 0's bucket
+    steps.append((10, np.zeros(0, np.int64)))  # a step with nothing
+    reads = []
+    real = reader.fetch
+
+    def counting(idx):  # type: ignore[no-untyped-def]
+        reads.append(np.asarray(idx).copy())
+        return real(idx)
+
+    reader.fetch = counting  # type: ignore[method-assign]
+    try:
+        buckets = exchange(reader, steps, tmp_path, buffer_bytes=buffer)
+    finally:
+        del reader.fetch
+    # every read asks for samples of one row group, each row group's samples once per step
+    starts = np.append(reader.block_starts, n)
+    for idx in reads:
+        assert len(np.unique(np.searchsorted(starts, idx, side="right"))) == 1
+    back = pickle.loads(pickle.dumps(buckets))  # what a worker process gets
+    for s, members in steps:
+        ask = rng.permutation(members)
+        assert same(back.fetch(s, ask), reader.fetch(ask))
+
+
+def test_a_sample_not_in_the_bucket_is_refused(reader: TokenReader, tmp_path: Path) -> None:
+    from rolltool.errors import RolltoolError
+
+    buckets = exchange(reader, [(0, np.array([3, 5]))], tmp_path)
+    with pytest.raises(RolltoolError, match="not in its bucket"):
+        buckets.fetch(0, np.array([4]))
