@@ -7,21 +7,23 @@ directory renamed into place; ``manifest.json`` is written last.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 
 from rolltool import __version__
 from rolltool.advantages import ESTIMATORS
-from rolltool.config import OVERLONG, PackConfig
+from rolltool.config import OVERLONG, OptionConflict, PackConfig
 from rolltool.errors import RolltoolError
 from rolltool.format import (
     STATUSES,
@@ -37,8 +39,9 @@ from rolltool.format import (
 from rolltool.layout import SampleTokens, step_rows
 from rolltool.loss import LOSS_AGGS
 from rolltool.outputs import check_target
-from rolltool.pool import Job, pack_steps
+from rolltool.pool import Job, Packed, pack_steps
 from rolltool.pool import worth_it as pool_worth_it
+from rolltool.ray_engine import ENGINES
 from rolltool.readplan import ReadPlan, read_plan
 from rolltool.schedule import PlannedStep, Schedule, schedule
 from rolltool.schema import Rollouts, scan
@@ -47,6 +50,9 @@ from rolltool.tokens import TokenReader
 from rolltool.workers import default_workers
 from rolltool.workload import Workload
 from rolltool.writer import DirectWriter, PackedWriter
+
+if TYPE_CHECKING:
+    from rolltool.ray_engine import RayEngine
 
 
 def run_pack(
@@ -60,6 +66,8 @@ def run_pack(
     progress: Progress | None = None,
     estimator_chosen: bool = False,
     workers: int | None = None,
+    engine: str = "local",
+    ray_address: str | None = None,
 ) -> Manifest:
     """Pack rollout Parquet `inputs` into `output` (a directory); returns the manifest written.
 
@@ -68,7 +76,8 @@ def run_pack(
     --env-estimator given); an input with its own 'advantage' column then gets a warning that
     the estimator is not used. `workers`: processes that plan batches and pack steps (default:
     the cores this process may use; `rolltool.workers`, `rolltool.pool`); the output is the same
-    whatever the number.
+    whatever the number. `engine`: ``"local"`` (those processes) or ``"ray"`` (Ray tasks on the
+    cluster at `ray_address`, or a local one; `rolltool.ray_engine`): the same output either way.
     """
     check_target(output, force, inputs=inputs)
     created_at()  # a bad SOURCE_DATE_EPOCH stops the run before any work
@@ -80,50 +89,86 @@ def run_pack(
     workers = default_workers() if workers is None else workers
     if workers < 1:
         raise RolltoolError(f"--workers must be at least 1, got {workers}")
-    plan = schedule(ro, config, workload, ro.advantage, workers=workers)
-    reads = read_plan(
-        reader.block_starts,
-        reader.block_bytes(),
-        ro.length,
-        [st.members[st.order] for st in plan.steps],
-        cache_bytes=int(config.cache_mb * 1e6),
-    )
-    wrap = progress or _no_progress
-    with PackedWriter(output, force=force, shard_bytes=int(config.shard_mb * 1e6)) as writer:
-        if pool_worth_it(workers, plan.steps):
-            steps = _pack_in_pool(writer, reader, plan.steps, config, workers, wrap)
-        else:
-            steps = [
-                write_step(writer, st, tokens, config)
-                for st, tokens in wrap(
-                    prefetch(reader, plan.steps), len(plan.steps), "packing steps"
-                )
+    with _engine(engine, ray_address) as ray:
+        mapper = None if ray is None else ray.map_in_order
+        plan = schedule(ro, config, workload, ro.advantage, workers=workers, mapper=mapper)
+        reads = read_plan(
+            reader.block_starts,
+            reader.block_bytes(),
+            ro.length,
+            [st.members[st.order] for st in plan.steps],
+            cache_bytes=int(config.cache_mb * 1e6),
+        )
+        shard_bytes = int(config.shard_mb * 1e6)
+        with PackedWriter(output, force=force, shard_bytes=shard_bytes) as writer:
+            steps = _pack_all(writer, reader, plan.steps, config, workers, progress, ray)
+            writer.write_samples(samples_table(ro, plan))
+            warnings = [
+                *filter(None, [workload.unreliable()]),
+                *ro.warnings,
+                *_given_warning(ro.advantage, estimator_chosen),
+                *plan.warnings,
+                *_read_warning(reads, config),
             ]
-        writer.write_samples(samples_table(ro, plan))
-        warnings = [
-            *filter(None, [workload.unreliable()]),
-            *ro.warnings,
-            *_given_warning(ro.advantage, estimator_chosen),
-            *plan.warnings,
-            *_read_warning(reads, config),
-        ]
-        record = manifest_record(ro, plan, config, workload, steps, warnings, columns, command)
-        record = dataclasses.replace(record, reads=_read_record(reads))
-        return writer.finish(record)
+            record = manifest_record(ro, plan, config, workload, steps, warnings, columns, command)
+            record = dataclasses.replace(record, reads=_read_record(reads))
+            return writer.finish(record)
 
 
 Progress = Callable[[Iterable[Any], int, str], Iterable[Any]]
 
 
-def _pack_in_pool(
+def _engine(engine: str, address: str | None) -> AbstractContextManager[RayEngine | None]:
+    """The Ray cluster to run on (`rolltool.ray_engine.attach`), or None for this machine's
+    processes; Ray is imported only here, only for ``engine="ray"``."""
+    if engine not in ENGINES:
+        raise RolltoolError(f"unknown engine {engine!r}: one of {', '.join(ENGINES)}")
+    if engine == "local":
+        if address is not None:
+            raise OptionConflict(
+                "--ray-address is for --engine ray", hint="add --engine ray, or drop --ray-address"
+            )
+        return contextlib.nullcontext()
+    from rolltool.ray_engine import attach
+
+    return attach(address)
+
+
+def _pack_all(
     writer: PackedWriter,
     reader: TokenReader,
     steps: Sequence[PlannedStep],
     config: PackConfig,
     workers: int,
+    progress: Progress | None,
+    ray: RayEngine | None,
+) -> list[StepRecord]:
+    """Every step packed and written, records in step order: by Ray tasks, by worker processes
+    (`rolltool.pool`, for runs big enough), or here."""
+    wrap = progress or _no_progress
+    if ray is not None:
+        return _adopt_all(writer, reader, steps, config, ray.pack_steps, wrap)
+    if pool_worth_it(workers, steps):
+        return _adopt_all(
+            writer, reader, steps, config, lambda s, job: pack_steps(s, job, workers), wrap
+        )
+    return [
+        write_step(writer, st, tokens, config)
+        for st, tokens in wrap(prefetch(reader, steps), len(steps), "packing steps")
+    ]
+
+
+def _adopt_all(
+    writer: PackedWriter,
+    reader: TokenReader,
+    steps: Sequence[PlannedStep],
+    config: PackConfig,
+    pack: Callable[[Sequence[PlannedStep], Job], Iterable[Packed]],
     wrap: Progress,
 ) -> list[StepRecord]:
-    """Every step packed by worker processes (`rolltool.pool`), records in step order."""
+    """Every step packed by other processes (`pack`: `rolltool.pool.pack_steps` or
+    `rolltool.ray_engine.RayEngine.pack_steps`) into the writer's directory, adopted in step
+    order; records in step order."""
     assert writer.root is not None
     job = Job(
         reader=reader.handoff(),
@@ -133,7 +178,7 @@ def _pack_in_pool(
         config=config,
     )
     records = []
-    for done in wrap(pack_steps(steps, job, workers), len(steps), "packing steps"):
+    for done in wrap(pack(steps, job), len(steps), "packing steps"):
         writer.adopt(done.files)
         records.append(done.record)
     return records

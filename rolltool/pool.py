@@ -21,7 +21,6 @@ out of memory) is one error naming the steps it held.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import multiprocessing
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -34,6 +33,7 @@ from rolltool.errors import RolltoolError
 from rolltool.format import FileRecord, StepRecord
 from rolltool.schedule import PlannedStep
 from rolltool.tokens import ReaderState, TokenReader
+from rolltool.workers import spans
 from rolltool.writer import DirectWriter
 
 CHUNKS_PER_WORKER = 4
@@ -72,16 +72,17 @@ class Packed:
 _STATE: tuple[Job, TokenReader] | None = None  # set in each worker by _start
 
 
-def _start(job: Job) -> None:
-    global _STATE
-    _STATE = (job, TokenReader.resume(job.reader, cache_bytes=job.cache_bytes))
-
-
-def _pack(steps: list[PlannedStep]) -> list[Packed]:
+def pack_chunk(
+    job: Job, steps: Sequence[PlannedStep], reader: TokenReader | None = None
+) -> list[Packed]:
+    """Fetch, lay out and write `steps` into ``job.root`` (one `DirectWriter` per step), with
+    `reader` or a new one resumed from ``job.reader``: what a worker of any engine does with its
+    share of the steps (this pool, `rolltool.ray_engine`). Idempotent: the same steps write the
+    same bytes under the same names, so a retried chunk overwrites a half-written one."""
     from rolltool.pack import write_step
 
-    assert _STATE is not None
-    job, reader = _STATE
+    if reader is None:
+        reader = TokenReader.resume(job.reader, cache_bytes=job.cache_bytes)
     out = []
     for st in steps:
         writer = DirectWriter(job.root, job.shard_bytes)
@@ -90,13 +91,22 @@ def _pack(steps: list[PlannedStep]) -> list[Packed]:
     return out
 
 
+def _start(job: Job) -> None:
+    global _STATE
+    _STATE = (job, TokenReader.resume(job.reader, cache_bytes=job.cache_bytes))
+
+
+def _pack(steps: list[PlannedStep]) -> list[Packed]:
+    assert _STATE is not None
+    job, reader = _STATE
+    return pack_chunk(job, steps, reader)
+
+
 def pack_steps(steps: Sequence[PlannedStep], job: Job, workers: int) -> Iterator[Packed]:
     """Every step packed by `workers` processes, yielded in step order (see the module
     docstring). Leaving the iterator early (an error downstream) shuts the pool down."""
-    n = len(steps)
-    parts = max(min(n, workers * CHUNKS_PER_WORKER), 1)
-    bounds = [n * k // parts for k in range(parts + 1)]
-    chunks = [list(steps[a:b]) for a, b in itertools.pairwise(bounds)]
+    chunks = [list(steps[a:b]) for a, b in spans(len(steps), workers * CHUNKS_PER_WORKER)]
+    parts = max(len(chunks), 1)
     share = dataclasses.replace(job, cache_bytes=job.cache_bytes // workers)
     pool = ProcessPoolExecutor(
         max_workers=min(workers, parts),

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +36,9 @@ from rolltool.schema import Rollouts
 from rolltool.steps import Assembly, Groups, Step, assemble
 from rolltool.workers import map_in_order, worth_it
 from rolltool.workload import Workload
+
+Mapper = Callable[[Callable[[Any], Any], Sequence[Any]], list[Any]]
+"""``mapper(fn, items) == [fn(x) for x in items]``, computed anywhere, returned in order."""
 
 WHITENING = {"reinforce_pp_baseline"}
 
@@ -108,9 +111,12 @@ def schedule(
     given: np.ndarray | None = None,
     *,
     workers: int = 1,
+    mapper: Mapper | None = None,
 ) -> Schedule:
     """Plan the run (see the module docstring); `given`: the input's own advantages, if any;
-    `workers`: processes that plan batches (`rolltool.workers`: the same plan however many)."""
+    `workers`: processes that plan batches (`rolltool.workers`: the same plan however many);
+    `mapper(fn, batches)`: another way to compute ``[fn(b) for b in batches]`` in order (e.g.
+    on Ray, `rolltool.ray_engine`), used instead of the worker processes."""
     adv = group_advantages(ro, config, given)
     too_long = over_budget(ro, config)
     groups = _groups(ro, ~too_long, adv.uniform)
@@ -123,8 +129,10 @@ def schedule(
         )
     in_group = _by_group(ro)
     plan = functools.partial(_plan_batch, ro, config, workload, adv, in_group, too_long, groups.env)
-    use = workers if worth_it(workers, len(assembly.steps), ro.num_samples) else 1
-    steps = [st for planned in map_in_order(plan, assembly.steps, use) for st in planned]
+    if mapper is None:
+        use = workers if worth_it(workers, len(assembly.steps), ro.num_samples) else 1
+        mapper = functools.partial(map_in_order, workers=use)
+    steps = [st for planned in mapper(plan, assembly.steps) for st in planned]
     return Schedule(
         steps=steps,
         assembly=assembly,

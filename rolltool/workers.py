@@ -50,18 +50,23 @@ def map_in_order(fn: Callable[[T], R], items: Sequence[T], workers: int) -> list
     each result is pickled back. An exception in a worker is raised here, as serially."""
     if workers <= 1 or len(items) < 2:
         return [fn(x) for x in items]
-    n = len(items)
-    parts = min(n, workers * 4)
-    bounds = [n * k // parts for k in range(parts + 1)]
+    parts = spans(len(items), workers * 4)
     context = multiprocessing.get_context("fork")
     with ProcessPoolExecutor(
-        max_workers=min(workers, parts),
+        max_workers=min(workers, len(parts)),
         mp_context=context,
         initializer=_adopt,
         initargs=(fn, items),
     ) as pool:
-        chunks = pool.map(_run, itertools.pairwise(bounds))
+        chunks = pool.map(_run, parts)
         return [r for chunk in chunks for r in chunk]
+
+
+def spans(n: int, parts: int) -> list[tuple[int, int]]:
+    """``[a, b)`` bounds cutting ``range(n)`` into ``min(n, parts)`` contiguous, near-equal
+    pieces (none empty), in order: ``spans(5, 2) == [(0, 2), (2, 5)]``; ``[]`` when n is 0."""
+    k = min(n, max(parts, 1))
+    return list(itertools.pairwise(n * i // k for i in range(k + 1))) if k else []
 
 
 def _adopt(fn: Callable[..., Any], items: Sequence[Any]) -> None:

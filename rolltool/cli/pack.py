@@ -26,6 +26,7 @@ from rolltool.cli.terminal import table_width
 from rolltool.config import DEFAULT_MICRO_BATCH_TOKENS, OVERLONG, PackConfig
 from rolltool.loss import LOSS_AGGS
 from rolltool.partition import ALIGNS
+from rolltool.ray_engine import ENGINES
 from rolltool.steps import BATCH_UNITS, ORDERS, UNIFORM_POLICIES
 from rolltool.workload import DEFAULT_PRESET, MODEL_PRESETS, WORKLOADS
 
@@ -83,6 +84,8 @@ BUDGET = (f"Hard token budget per micro-batch and GPU [default: --row-len when g
     column_option(),
     opt("--cache-mb", float, D.cache_mb, "Decoded input kept in memory, MB (input that fits is read once)."),
     opt("--workers", POSITIVE, None, "Processes that plan batches (the same output whatever the number) [default: the cores available]."),
+    opt("--engine", ENGINES, "local", "What plans batches and packs steps: this machine's processes (--workers), or Ray tasks (the [ray] extra; on several machines the input and output need a shared filesystem); the same output either way."),
+    opt("--ray-address", str, None, "The Ray cluster --engine ray attaches to (auto, HOST:6379, ray://HOST:10001) [default: RAY_ADDRESS, else a new local cluster]."),
 )  # fmt: skip
 @section(
     "Output",
@@ -94,7 +97,8 @@ BUDGET = (f"Hard token budget per micro-batch and GPU [default: --row-len when g
 )  # fmt: skip
 @handle_errors
 def pack(inputs: tuple[str, ...], output: str, columns: dict[str, str], force: bool, as_json: bool,
-         per_step: bool, workers: int | None, **settings: object) -> None:  # fmt: skip
+         per_step: bool, workers: int | None, engine: str, ray_address: str | None,
+         **settings: object) -> None:  # fmt: skip
     """Pack rollout Parquet INPUTS into sharded, balanced, pre-packed tensor files.
 
     Every optimizer step gives each of the --dp ranks the same number of micro-batches; each
@@ -112,7 +116,7 @@ def pack(inputs: tuple[str, ...], output: str, columns: dict[str, str], force: b
     manifest = run_pack(inputs, output, config, columns=columns, force=force,
                         command=["rolltool", *sys.argv[1:]], progress=progress,
                         estimator_chosen=given_by_user("estimator", "env_estimators"),
-                        workers=workers)  # fmt: skip
+                        workers=workers, engine=engine, ray_address=ray_address)  # fmt: skip
     for w in manifest.warnings:  # to stderr, with --json too (the manifest also lists them)
         if w not in said:
             warn(w)

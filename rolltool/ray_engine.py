@@ -1,0 +1,209 @@
+"""``pack --engine ray``: batches planned and steps packed as Ray Core tasks, the same bytes.
+
+The same two pieces of work as the local engine (`rolltool.workers`, `rolltool.pool`), on a Ray
+cluster instead of forked processes: `map_in_order` plans contiguous chunks of batches as tasks
+(the planning function, with the light columns it closes over, is put in the object store once)
+and returns the plans in batch order; `pack_steps` packs contiguous chunks of steps as tasks with
+`rolltool.pool.pack_chunk` (each task resumes a `TokenReader` from the driver's
+`TokenReader.handoff`, so an input changed since the scan is refused on any node) and yields
+each step's record and files in step order, for the driver to adopt. The driver writes
+samples.parquet and the manifest last, as always: identity comes from the pure per-batch and
+per-step functions and fixed shard names, not from Ray options (tests/test_ray.py compares every
+file with the local engine's).
+
+Files: tasks write the shards straight into the driver's temporary output directory, so on a
+cluster of several machines the inputs and the output's parent must be on a filesystem every
+node mounts at the same path (NFS, Lustre, ...); a task that does not see the directory stops
+the run saying so. (``pyarrow.fs`` URIs such as ``s3://`` are not supported yet.)
+
+Failures: a task whose worker dies (killed, out of memory, a lost node) or that hits an OSError
+is retried up to `RETRIES` times; a retried step writes the same bytes under the same names, so
+it overwrites what a killed attempt half wrote. A failure that persists is one `RolltoolError`
+naming the steps; the run's temporary directory is then removed (nothing looks complete). An
+error of rolltool's own (e.g. --equal-count, an input changed) is not retried and is raised as
+the local engine raises it.
+
+Ray is imported only here, and only when this engine is used (``pip install 'rolltool[ray]'``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rolltool.errors import RolltoolError
+from rolltool.workers import spans
+
+if TYPE_CHECKING:  # imported where used: the CLI imports this module for ENGINES
+    from rolltool.pool import Job, Packed
+    from rolltool.schedule import PlannedStep
+
+ENGINES = ("local", "ray")
+"""What runs the work of ``pack --engine``: worker processes on this machine, or Ray tasks."""
+RETRIES = 3
+"""Times a failed task is run again (a dead worker, an OSError) before the run stops."""
+CHUNKS_PER_CPU = 4
+"""Batches and steps are cut into about this many contiguous chunks per cluster CPU."""
+CRASH_FOR_TESTS = "ROLLTOOL_TEST_RAY_CRASH"
+"""Test-only (tests/test_ray.py): when set in the driver's environment, a pack task dies
+(``os._exit``) right after writing its first step, its first shard cut in half, as a killed
+worker would leave it: ``once:PATH`` only the first attempt to create PATH, ``always`` every
+attempt. Never set it otherwise."""
+SHARED_FS_HINT = (
+    "on a cluster of several machines the inputs and the output's parent must be on a "
+    "filesystem every node mounts at the same path"
+)
+
+
+@dataclass(frozen=True)
+class RayEngine:
+    """A connected Ray cluster and how the run uses it."""
+
+    cpus: int
+    """The cluster's CPUs: work is cut into ``CHUNKS_PER_CPU x cpus`` chunks."""
+
+    def map_in_order(self, fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
+        """``[fn(x) for x in items]`` computed by Ray tasks over contiguous chunks, in order
+        (`rolltool.schedule.schedule`'s ``mapper``)."""
+        import ray
+
+        task = ray.remote(_map_chunk).options(max_retries=RETRIES, retry_exceptions=[OSError])
+        fn_ref = ray.put(fn)
+        parts = spans(len(items), self.cpus * CHUNKS_PER_CPU)
+        refs = [task.remote(fn_ref, list(items[a:b])) for a, b in parts]
+        try:
+            return [
+                y
+                for (a, b), ref in zip(parts, refs, strict=True)
+                for y in _get(ref, f"batches {a}-{b - 1}")
+            ]
+        finally:
+            _cancel(refs)
+
+    def pack_steps(self, steps: Sequence[PlannedStep], job: Job) -> Iterator[Packed]:
+        """Every step packed by Ray tasks, yielded in step order (see the module docstring).
+        Leaving the iterator early (an error downstream) cancels the tasks still running."""
+        import ray
+
+        task = ray.remote(_pack_task).options(max_retries=RETRIES, retry_exceptions=[OSError])
+        share = dataclasses.replace(job, cache_bytes=job.cache_bytes // self.cpus)
+        job_ref = ray.put(share)
+        crash = os.environ.get(CRASH_FOR_TESTS)
+        chunks = [list(steps[a:b]) for a, b in spans(len(steps), self.cpus * CHUNKS_PER_CPU)]
+        refs = [task.remote(job_ref, chunk, crash) for chunk in chunks]
+        try:
+            for chunk, ref in zip(chunks, refs, strict=True):
+                yield from _get(ref, _steps_named(chunk))
+        finally:
+            _cancel(refs)
+
+
+@contextlib.contextmanager
+def attach(address: str | None) -> Iterator[RayEngine]:
+    """Connect to the Ray cluster at `address` (``auto``, ``ray://host:10001``, ``host:6379``;
+    None: ``RAY_ADDRESS`` if set, else a new local cluster on this machine's cores), or use the
+    one this process is already connected to. A cluster connected to here is disconnected from
+    (a local one shut down) on leaving."""
+    try:
+        import ray
+    except ImportError:
+        raise RolltoolError(
+            "--engine ray needs Ray, which is not installed",
+            hint="pip install 'rolltool[ray]' (or use --engine local)",
+        ) from None
+    started = not ray.is_initialized()
+    if started:
+        try:
+            ray.init(
+                address=address,
+                include_dashboard=False if address is None else None,
+                log_to_driver=False,
+                configure_logging=False,
+            )
+        except ConnectionError as e:
+            raise RolltoolError(
+                f"cannot connect to the Ray cluster at {address!r}: {str(e).splitlines()[0]}",
+                hint="start one with `ray start --head`, or leave out --ray-address for a "
+                "local cluster",
+            ) from None
+    try:
+        yield RayEngine(cpus=max(int(ray.cluster_resources().get("CPU", 1)), 1))
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _map_chunk(fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
+    return [fn(x) for x in items]
+
+
+def _pack_task(job: Job, steps: list[PlannedStep], crash: str | None) -> list[Packed]:
+    from rolltool.pool import pack_chunk
+    from rolltool.tokens import TokenReader
+
+    if not job.root.is_dir():
+        raise RolltoolError(
+            f"a Ray task on {os.uname().nodename} does not see the output directory {job.root}",
+            hint=SHARED_FS_HINT,
+        )
+    reader = TokenReader.resume(job.reader, cache_bytes=job.cache_bytes)
+    if crash is None:
+        return pack_chunk(job, steps, reader)
+    first = pack_chunk(job, steps[:1], reader)
+    _crash_for_tests(crash, job.root, first[0])
+    return first + pack_chunk(job, steps[1:], reader)
+
+
+def _crash_for_tests(crash: str, root: Path, done: Packed) -> None:
+    """See `CRASH_FOR_TESTS`."""
+    mode, _, marker = crash.partition(":")
+    if mode == "once":
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
+    shard = root / min(done.files)
+    os.truncate(shard, shard.stat().st_size // 2)
+    os._exit(1)
+
+
+def _steps_named(chunk: Sequence[PlannedStep]) -> str:
+    first, last = chunk[0].index, chunk[-1].index
+    return f"step {first}" if first == last else f"steps {first}-{last}"
+
+
+def _get(ref: Any, what: str) -> Any:
+    """The task's result; its own error (rolltool's, an OSError) as the local engine raises it;
+    a task Ray gave up on (a worker that kept dying, a lost node) as one `RolltoolError`."""
+    import ray
+
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayTaskError as e:
+        if isinstance(e.cause, RolltoolError | OSError):
+            raise e.cause from None
+        raise
+    except ray.exceptions.RayError as e:
+        raise RolltoolError(
+            f"a Ray task failed on {what} {1 + RETRIES} times ({type(e).__name__}); "
+            "nothing was written",
+            hint="a worker killed or out of memory? see `ray status` and the Ray logs; "
+            + SHARED_FS_HINT,
+        ) from None
+
+
+def _cancel(refs: list[Any]) -> None:
+    """Stop the tasks still running and wait for them, so none writes into a directory the
+    driver is about to remove."""
+    import ray
+
+    _, pending = ray.wait(refs, num_returns=len(refs), timeout=0)
+    for ref in pending:
+        ray.cancel(ref, force=True)
+    if pending:
+        ray.wait(pending, num_returns=len(pending), timeout=30)
