@@ -1,0 +1,195 @@
+"""``pack --engine ray`` (`rolltool.ray_engine`): Ray tasks give the same bytes as one process
+and as two worker processes, survive a task killed mid-step, and stop cleanly on a failure that
+persists.
+
+One real multi-process local cluster for the module (2 CPUs, a small object store, no dashboard,
+no usage stats, no auth), shut down at the end; the tests that need Ray are skipped where it is
+not installed (``pip install -e '.[test,ray]'``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from rolltool import pool, ray_engine, workers
+from rolltool.cli import main
+from rolltool.config import OptionConflict, PackConfig
+from rolltool.errors import RolltoolError
+from rolltool.pack import run_pack
+from rolltool.ray_engine import CRASH_FOR_TESTS, RayEngine
+
+EXAMPLE = Path(__file__).parent.parent / "examples" / "rollouts.parquet"
+COMMAND = ["rolltool", "pack", "(test)"]
+
+
+def files(root: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+    }
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[None]:
+    ray = pytest.importorskip("ray")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAY_USAGE_STATS_ENABLED", "0")
+        mp.setenv("RAY_AUTH_MODE", "disabled")
+        ray.init(
+            num_cpus=2,
+            include_dashboard=False,
+            object_store_memory=96 * 2**20,
+            log_to_driver=False,
+            configure_logging=False,
+        )
+        try:
+            yield
+        finally:
+            ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _pool_for_small_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As tests/test_workers.py: two local workers really plan and pack the small example."""
+    monkeypatch.setattr(workers, "MIN_BATCHES", 2)
+    monkeypatch.setattr(workers, "MIN_SAMPLES", 0)
+    monkeypatch.setattr(pool, "MIN_TOKENS", 0)
+    monkeypatch.setattr(pool, "MIN_STEPS_PER_WORKER", 1)
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
+
+
+def pack_with(tmp_path: Path, name: str, config: PackConfig, **kw: object) -> Path:
+    run_pack([str(EXAMPLE)], tmp_path / name, config, command=COMMAND, **kw)  # type: ignore[arg-type]
+    return tmp_path / name
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"dp": 4, "batch_size": 32, "order": "input"},
+        {"dp": 2, "batch_size": 64, "mini_batches": 2, "epochs": 2, "cp": 2, "order": "completion"},
+        {"dp": 3, "batch_size": 96, "batch_unit": "samples", "estimator": "reinforce_pp_baseline",
+         "order": "shuffle", "keep_last": True},
+    ],
+)  # fmt: skip
+def test_same_bytes_on_ray(
+    cluster: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, options: dict
+) -> None:
+    """Every file of a Ray run equals the one-process and the two-worker run's, and every step
+    and every batch went through Ray tasks."""
+    seen: dict[str, list[int]] = {"steps": [], "batches": []}
+    real_pack, real_map = RayEngine.pack_steps, RayEngine.map_in_order
+
+    def spy_pack(self: RayEngine, *args: object):  # type: ignore[no-untyped-def]
+        for done in real_pack(self, *args):  # type: ignore[arg-type]
+            seen["steps"].append(done.record.step)
+            yield done
+
+    def spy_map(self: RayEngine, fn, items):  # type: ignore[no-untyped-def]
+        seen["batches"].extend(b.index for b in items)
+        return real_map(self, fn, items)
+
+    monkeypatch.setattr(RayEngine, "pack_steps", spy_pack)
+    monkeypatch.setattr(RayEngine, "map_in_order", spy_map)
+    config = PackConfig.from_options(**options)
+    one = files(pack_with(tmp_path, "one", config, workers=1))
+    two = files(pack_with(tmp_path, "two", config, workers=2))
+    on_ray = files(pack_with(tmp_path, "ray", config, engine="ray"))
+    assert one.keys() == two.keys() == on_ray.keys() and len(one) > 3
+    assert [k for k in one if not one[k] == two[k] == on_ray[k]] == []
+    steps = len(json.loads(one["manifest.json"])["steps"])
+    assert seen["steps"] == list(range(steps)) and steps >= 2
+    assert seen["batches"] == list(range(len(seen["batches"]))) and seen["batches"]
+
+
+def test_ray_tasks_run_elsewhere_in_order(cluster: None) -> None:
+    got = RayEngine(cpus=2).map_in_order(lambda x: (x * x, os.getpid()), list(range(20)))
+    assert [v for v, _ in got] == [x * x for x in range(20)]
+    assert os.getpid() not in {pid for _, pid in got}
+
+
+def test_a_task_killed_mid_step_is_retried(
+    cluster: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first pack task dies after writing half of a shard (`CRASH_FOR_TESTS`); Ray runs it
+    again, it rewrites the same names, and the output is byte for byte the local one."""
+    config = PackConfig.from_options(dp=2, batch_size=32)
+    local = files(pack_with(tmp_path, "local", config, workers=1))
+    marker = tmp_path / "crashed"
+    monkeypatch.setenv(CRASH_FOR_TESTS, f"once:{marker}")
+    retried = files(pack_with(tmp_path, "ray", config, engine="ray"))
+    assert marker.exists()  # a task really died
+    assert local == retried
+
+
+def test_a_failure_that_persists_stops_the_run(
+    cluster: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(CRASH_FOR_TESTS, "always")
+    monkeypatch.setattr(ray_engine, "RETRIES", 1)
+    config = PackConfig.from_options(dp=2, batch_size=32)
+    with pytest.raises(RolltoolError) as e:
+        pack_with(tmp_path, "p", config, engine="ray")
+    assert "\n" not in e.value.message
+    assert "failed on step" in e.value.message and "2 times" in e.value.message
+    assert not (tmp_path / "p").exists() and not list(tmp_path.glob(".p*"))
+
+
+def test_an_error_in_a_task_is_the_local_error(cluster: None, tmp_path: Path) -> None:
+    config = PackConfig.from_options(dp=7, batch_size=32, equal_count=True)
+    messages = []
+    for name, kw in {"local": {"workers": 1}, "ray": {"engine": "ray"}}.items():
+        with pytest.raises(RolltoolError) as e:
+            pack_with(tmp_path, name, config, **kw)
+        messages.append(str(e.value))
+        assert not (tmp_path / name).exists()
+    assert messages[0] == messages[1] and "--equal-count" in messages[0]
+
+
+def test_the_cli_packs_on_ray(cluster: None, tmp_path: Path) -> None:
+    args = ["pack", str(EXAMPLE), "--dp", "4", "--json"]
+    local = CliRunner().invoke(main, [*args, "-o", str(tmp_path / "l")])
+    on_ray = CliRunner().invoke(main, [*args, "-o", str(tmp_path / "r"), "--engine", "ray"])
+    assert local.exit_code == on_ray.exit_code == 0, on_ray.output
+    same = files(tmp_path / "l")
+    same.pop("manifest.json")  # the command differs
+    assert {k: v for k, v in files(tmp_path / "r").items() if k in same} == same
+
+
+def test_a_node_without_the_output_directory_says_so(tmp_path: Path) -> None:
+    """A task that does not see the driver's directory (no shared filesystem) stops the run."""
+    job = pool.Job(reader=None, cache_bytes=0, root=tmp_path / "elsewhere", shard_bytes=1,  # type: ignore[arg-type]
+                   config=PackConfig(dp=1))  # fmt: skip
+    with pytest.raises(RolltoolError, match="does not see the output directory") as e:
+        ray_engine._pack_task(job, [], None)
+    assert "shared" in (e.value.hint or "") or "filesystem" in (e.value.hint or "")
+
+
+def test_ray_address_needs_engine_ray(tmp_path: Path) -> None:
+    config = PackConfig.from_options(dp=2)
+    with pytest.raises(OptionConflict, match="--ray-address"):
+        pack_with(tmp_path, "p", config, ray_address="auto")
+    result = CliRunner().invoke(
+        main,
+        ["pack", str(EXAMPLE), "--dp", "2", "-o", str(tmp_path / "c"), "--ray-address", "auto"],
+    )
+    assert result.exit_code == 2 and "--ray-address" in result.output
+    assert not (tmp_path / "p").exists() and not (tmp_path / "c").exists()
+
+
+def test_ray_is_imported_only_for_engine_ray(tmp_path: Path) -> None:
+    code = (
+        "import sys, rolltool, rolltool.cli, rolltool.pack\n"
+        "from rolltool.config import PackConfig\n"
+        f"rolltool.pack.run_pack([{str(EXAMPLE)!r}], {str(tmp_path / 'o')!r}, "
+        "PackConfig.from_options(dp=2), workers=1)\n"
+        "assert 'ray' not in sys.modules, 'ray imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
