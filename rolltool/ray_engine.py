@@ -80,7 +80,7 @@ class RayEngine:
             return [
                 y
                 for (a, b), ref in zip(parts, refs, strict=True)
-                for y in _get(ref, f"batches {a}-{b - 1}")
+                for y in _get(ref, f"planning batches {a}-{b - 1}")
             ]
         finally:
             _cancel(refs)
@@ -98,7 +98,7 @@ class RayEngine:
         refs = [task.remote(job_ref, chunk, crash) for chunk in chunks]
         try:
             for chunk, ref in zip(chunks, refs, strict=True):
-                yield from _get(ref, _steps_named(chunk))
+                yield from _get(ref, f"packing {_steps_named(chunk)}")
         finally:
             _cancel(refs)
 
@@ -190,7 +190,7 @@ def _get(ref: Any, what: str) -> Any:
         raise
     except ray.exceptions.RayError as e:
         raise RolltoolError(
-            f"a Ray task failed on {what} {1 + RETRIES} times ({type(e).__name__}); "
+            f"a Ray task {what} failed {1 + RETRIES} times ({type(e).__name__}); "
             "nothing was written",
             hint="a worker killed or out of memory? see `ray status` and the Ray logs; "
             + SHARED_FS_HINT,

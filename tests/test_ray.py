@@ -138,7 +138,7 @@ def test_a_failure_that_persists_stops_the_run(
     with pytest.raises(RolltoolError) as e:
         pack_with(tmp_path, "p", config, engine="ray")
     assert "\n" not in e.value.message
-    assert "failed on step" in e.value.message and "2 times" in e.value.message
+    assert "packing step" in e.value.message and "2 times" in e.value.message
     assert not (tmp_path / "p").exists() and not list(tmp_path.glob(".p*"))
 
 
