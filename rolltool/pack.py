@@ -81,6 +81,7 @@ def run_pack(
     """
     check_target(output, force, inputs=inputs)
     created_at()  # a bad SOURCE_DATE_EPOCH stops the run before any work
+    _check_engine(engine, ray_address, workers)
     workload = config.workload()
     rename = invert_mapping(columns or {})
     files = resolve_inputs(inputs)
@@ -118,16 +119,25 @@ def run_pack(
 Progress = Callable[[Iterable[Any], int, str], Iterable[Any]]
 
 
+def _check_engine(engine: str, address: str | None, workers: int | None) -> None:
+    """Refuse engine settings that do not go together, before any work."""
+    if engine not in ENGINES:
+        raise RolltoolError(f"unknown engine {engine!r}: one of {', '.join(ENGINES)}")
+    if engine == "local" and address is not None:
+        raise OptionConflict(
+            "--ray-address is for --engine ray", hint="add --engine ray, or drop --ray-address"
+        )
+    if engine == "ray" and workers is not None:
+        raise OptionConflict(
+            "--workers is for --engine local (Ray tasks use the cluster's CPUs)",
+            hint="drop --workers, or use --engine local",
+        )
+
+
 def _engine(engine: str, address: str | None) -> AbstractContextManager[RayEngine | None]:
     """The Ray cluster to run on (`rolltool.ray_engine.attach`), or None for this machine's
     processes; Ray is imported only here, only for ``engine="ray"``."""
-    if engine not in ENGINES:
-        raise RolltoolError(f"unknown engine {engine!r}: one of {', '.join(ENGINES)}")
     if engine == "local":
-        if address is not None:
-            raise OptionConflict(
-                "--ray-address is for --engine ray", hint="add --engine ray, or drop --ray-address"
-            )
         return contextlib.nullcontext()
     from rolltool.ray_engine import attach
 

@@ -176,6 +176,8 @@ def test_ray_address_needs_engine_ray(tmp_path: Path) -> None:
     config = PackConfig.from_options(dp=2)
     with pytest.raises(OptionConflict, match="--ray-address"):
         pack_with(tmp_path, "p", config, ray_address="auto")
+    with pytest.raises(OptionConflict, match="--workers"):
+        pack_with(tmp_path, "p", config, engine="ray", workers=2)
     result = CliRunner().invoke(
         main,
         ["pack", str(EXAMPLE), "--dp", "2", "-o", str(tmp_path / "c"), "--ray-address", "auto"],
