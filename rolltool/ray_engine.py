@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import socket
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +55,8 @@ CRASH_FOR_TESTS = "ROLLTOOL_TEST_RAY_CRASH"
 (``os._exit``) right after writing its first step, its first shard cut in half, as a killed
 worker would leave it: ``once:PATH`` only the first attempt to create PATH, ``always`` every
 attempt. Never set it otherwise."""
+REACH_TIMEOUT = 10.0
+"""Seconds to wait for a cluster's head to accept a connection."""
 SHARED_FS_HINT = (
     "on a cluster of several machines the inputs and the output's parent must be on a "
     "filesystem every node mounts at the same path"
@@ -116,6 +119,7 @@ def attach(address: str | None) -> Iterator[RayEngine]:
             "--engine ray needs Ray, which is not installed",
             hint="pip install 'rolltool[ray]' (or use --engine local)",
         ) from None
+    _check_reachable(address)
     started = not ray.is_initialized()
     if started:
         try:
@@ -136,6 +140,23 @@ def attach(address: str | None) -> Iterator[RayEngine]:
     finally:
         if started:
             ray.shutdown()
+
+
+def _check_reachable(address: str | None) -> None:
+    """A ``HOST:PORT`` or ``ray://HOST:PORT`` address that refuses connections is an error now
+    (Ray itself retries for minutes)."""
+    if address is None or address == "auto":
+        return
+    host, _, port = address.split("://", 1)[-1].rpartition(":")
+    host = host.strip("[]")  # [::1]:6379
+    try:
+        socket.create_connection((host, int(port)), timeout=REACH_TIMEOUT).close()
+    except (OSError, ValueError) as e:
+        raise RolltoolError(
+            f"cannot reach the Ray cluster at {address!r}: {e}",
+            hint="give HOST:PORT of its head (`ray start --head` prints it), 'auto' for the "
+            "cluster on this machine, or leave out --ray-address for a new local one",
+        ) from None
 
 
 def _map_chunk(fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:

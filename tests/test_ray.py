@@ -172,6 +172,13 @@ def test_a_node_without_the_output_directory_says_so(tmp_path: Path) -> None:
     assert "shared" in (e.value.hint or "") or "filesystem" in (e.value.hint or "")
 
 
+def test_an_address_that_refuses_connections_is_an_error(cluster: None) -> None:
+    for address in ("127.0.0.1:1", "ray://127.0.0.1:1", "no-port"):
+        with pytest.raises(RolltoolError, match="cannot reach the Ray cluster"):
+            with ray_engine.attach(address):
+                pass
+
+
 def test_ray_address_needs_engine_ray(tmp_path: Path) -> None:
     config = PackConfig.from_options(dp=2)
     with pytest.raises(OptionConflict, match="--ray-address"):
