@@ -14,7 +14,8 @@ file with the local engine's).
 Files: tasks write the shards straight into the driver's temporary output directory, so on a
 cluster of several machines the inputs and the output's parent must be on a filesystem every
 node mounts at the same path (NFS, Lustre, ...); a task that does not see the directory stops
-the run saying so. (``pyarrow.fs`` URIs such as ``s3://`` are not supported yet.)
+the run saying so. (``pyarrow.fs`` URIs such as ``s3://`` are not supported yet.) Every node
+also needs rolltool (the same version) installed in the Python its Ray workers run.
 
 Failures: a task whose worker dies (killed, out of memory, a lost node) or that hits an OSError
 is retried up to `RETRIES` times; a retried step writes the same bytes under the same names, so
@@ -109,9 +110,9 @@ class RayEngine:
 @contextlib.contextmanager
 def attach(address: str | None) -> Iterator[RayEngine]:
     """Connect to the Ray cluster at `address` (``auto``, ``ray://host:10001``, ``host:6379``;
-    None: ``RAY_ADDRESS`` if set, else a new local cluster on this machine's cores), or use the
-    one this process is already connected to. A cluster connected to here is disconnected from
-    (a local one shut down) on leaving."""
+    None: ``RAY_ADDRESS`` if set, else a cluster ``ray start`` began on this machine, else a new
+    local cluster on this machine's cores), or use the one this process is already connected
+    to. A cluster connected to here is disconnected from (a local one shut down) on leaving."""
     try:
         import ray
     except ImportError:
