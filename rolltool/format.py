@@ -206,8 +206,11 @@ class StepRecord(StepCounts):
 
 @dataclass(frozen=True, kw_only=True)
 class ReadRecord:
-    """The plan's reads of the input's token columns (`rolltool.readplan.ReadPlan`)."""
+    """The plan's reads of the input's token columns (`rolltool.readplan.ReadPlan`), and the
+    path the run took: ``direct`` (fetch step by step) or ``exchange`` (the input read once into
+    step buckets, `rolltool.exchange`)."""
 
+    path: str = "direct"
     needed_bytes: int
     read_bytes: int
     cached_read_bytes: int

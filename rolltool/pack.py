@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import datetime as dt
 import os
+import shutil
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +26,7 @@ from rolltool import __version__
 from rolltool.advantages import ESTIMATORS
 from rolltool.config import OVERLONG, OptionConflict, PackConfig
 from rolltool.errors import RolltoolError
+from rolltool.exchange import Buckets, exchange
 from rolltool.format import (
     STATUSES,
     AdvantagesRecord,
@@ -101,18 +103,22 @@ def run_pack(
             cache_bytes=int(config.cache_mb * 1e6),
         )
         shard_bytes = int(config.shard_mb * 1e6)
+        via = "exchange" if reads.cached_amplification >= EXCHANGE_AT else "direct"
         with PackedWriter(output, force=force, shard_bytes=shard_bytes) as writer:
-            steps = _pack_all(writer, reader, plan.steps, config, workers, progress, ray)
+            buckets = _exchange(writer, reader, plan.steps, progress) if via == "exchange" else None
+            steps = _pack_all(writer, reader, plan.steps, config, workers, progress, ray, buckets)
+            if buckets is not None:
+                shutil.rmtree(buckets.root)  # before the commit: not part of the output
             writer.write_samples(samples_table(ro, plan))
             warnings = [
                 *filter(None, [workload.unreliable()]),
                 *ro.warnings,
                 *_given_warning(ro.advantage, estimator_chosen),
                 *plan.warnings,
-                *_read_warning(reads, config),
+                *_read_warning(reads, config, via),
             ]
             record = manifest_record(ro, plan, config, workload, steps, warnings, columns, command)
-            record = dataclasses.replace(record, reads=_read_record(reads))
+            record = dataclasses.replace(record, reads=_read_record(reads, via))
             return writer.finish(record)
 
 
@@ -144,6 +150,21 @@ def _engine(engine: str, address: str | None) -> AbstractContextManager[RayEngin
     return attach(address)
 
 
+def _exchange(
+    writer: PackedWriter,
+    reader: TokenReader,
+    steps: Sequence[PlannedStep],
+    progress: Progress | None,
+) -> Buckets:
+    """The exchange path (`rolltool.exchange`): the input read once into step buckets, in a
+    folder of the writer's temporary directory (removed with it on any failure)."""
+    assert writer.root is not None
+    root = writer.root / ".exchange"
+    root.mkdir()
+    wanted = [(st.index, st.members[st.order]) for st in steps]
+    return exchange(reader, wanted, root)
+
+
 def _pack_all(
     writer: PackedWriter,
     reader: TokenReader,
@@ -152,19 +173,27 @@ def _pack_all(
     workers: int,
     progress: Progress | None,
     ray: RayEngine | None,
+    buckets: Buckets | None = None,
 ) -> list[StepRecord]:
     """Every step packed and written, records in step order: by Ray tasks, by worker processes
-    (`rolltool.pool`, for runs big enough), or here."""
+    (`rolltool.pool`, for runs big enough), or here; tokens from `buckets` when the exchange
+    path ran."""
     wrap = progress or _no_progress
     if ray is not None:
-        return _adopt_all(writer, reader, steps, config, ray.pack_steps, wrap)
+        return _adopt_all(writer, reader, steps, config, ray.pack_steps, wrap, buckets)
     if pool_worth_it(workers, steps):
         return _adopt_all(
-            writer, reader, steps, config, lambda s, job: pack_steps(s, job, workers), wrap
-        )
+            writer, reader, steps, config, lambda s, job: pack_steps(s, job, workers), wrap,
+            buckets,
+        )  # fmt: skip
+    fetch = (
+        (lambda st: buckets.fetch(st.index, st.members[st.order]))
+        if buckets is not None
+        else (lambda st: reader.fetch(st.members[st.order]))
+    )
     return [
         write_step(writer, st, tokens, config)
-        for st, tokens in wrap(prefetch(reader, steps), len(steps), "packing steps")
+        for st, tokens in wrap(prefetch(fetch, steps), len(steps), "packing steps")
     ]
 
 
@@ -175,6 +204,7 @@ def _adopt_all(
     config: PackConfig,
     pack: Callable[[Sequence[PlannedStep], Job], Iterable[Packed]],
     wrap: Progress,
+    buckets: Buckets | None = None,
 ) -> list[StepRecord]:
     """Every step packed by other processes (`pack`: `rolltool.pool.pack_steps` or
     `rolltool.ray_engine.RayEngine.pack_steps`) into the writer's directory, adopted in step
@@ -186,6 +216,7 @@ def _adopt_all(
         root=writer.root,
         shard_bytes=writer.shard_bytes,
         config=config,
+        buckets=buckets,
     )
     records = []
     for done in wrap(pack(steps, job), len(steps), "packing steps"):
@@ -199,18 +230,18 @@ def _no_progress(it: Iterable[Any], total: int, desc: str) -> Iterable[Any]:
 
 
 def prefetch(
-    reader: TokenReader, steps: Sequence[PlannedStep]
+    fetch: Callable[[PlannedStep], SampleTokens], steps: Sequence[PlannedStep]
 ) -> Iterator[tuple[PlannedStep, SampleTokens]]:
-    """Each step with its tokens in row order; the next step's tokens are read on a worker
-    thread while the caller lays out and writes this one (so at most two steps' tokens live)."""
+    """Each step with its tokens in row order (`fetch`); the next step's tokens are read on a
+    worker thread while the caller lays out and writes this one (so at most two steps' tokens
+    live)."""
     with ThreadPoolExecutor(max_workers=1) as pool:
-        nxt = pool.submit(reader.fetch, steps[0].members[steps[0].order]) if steps else None
+        nxt = pool.submit(fetch, steps[0]) if steps else None
         for i, st in enumerate(steps):
             assert nxt is not None
             tokens = nxt.result()
             if i + 1 < len(steps):
-                after = steps[i + 1]
-                nxt = pool.submit(reader.fetch, after.members[after.order])
+                nxt = pool.submit(fetch, steps[i + 1])
             yield st, tokens
             del tokens
 
@@ -238,12 +269,14 @@ def write_step(
     return dataclasses.replace(st.record, ranks=tuple(ranks))
 
 
-READ_WARNING = 4.0
-"""Fetches that read the input's token columns this many times over (with the cache) warn."""
+EXCHANGE_AT = 4.0
+"""Plans whose fetches would read the input's token columns this many times over (with the
+cache) take the exchange path (`rolltool.exchange`): the input read once into step buckets."""
 
 
-def _read_record(reads: ReadPlan) -> ReadRecord:
+def _read_record(reads: ReadPlan, via: str) -> ReadRecord:
     return ReadRecord(
+        path=via,
         needed_bytes=reads.needed_bytes,
         read_bytes=reads.read_bytes,
         cached_read_bytes=reads.cached_read_bytes,
@@ -254,16 +287,15 @@ def _read_record(reads: ReadPlan) -> ReadRecord:
     )
 
 
-def _read_warning(reads: ReadPlan, config: PackConfig) -> list[str]:
-    """A warning when the steps' samples are so scattered that fetching them reads the input
-    many times over (`rolltool.readplan`)."""
-    if reads.cached_amplification < READ_WARNING:
+def _read_warning(reads: ReadPlan, config: PackConfig, via: str) -> list[str]:
+    """What the exchange path saved, when the plan's steps are so scattered that fetching them
+    would have read the input many times over (`rolltool.readplan`)."""
+    if via != "exchange":
         return []
     return [
-        f"fetching the steps read the input's token columns {reads.cached_amplification:.1f}x "
-        f"over ({reads.cached_read_bytes / 1e6:,.0f} MB for {reads.needed_bytes / 1e6:,.0f} MB "
-        f"of trained samples; --order {config.steps.order} scatters each step over the input): "
-        "raise --cache-mb until the decoded input fits, or pack in --order input"
+        f"fetching the steps would have read the input's token columns "
+        f"{reads.cached_amplification:.1f}x over (--order {config.steps.order} scatters each step "
+        "over the input): read it once into step buckets instead (the exchange path)"
     ]
 
 

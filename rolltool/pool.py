@@ -30,7 +30,9 @@ from pathlib import Path
 
 from rolltool.config import PackConfig
 from rolltool.errors import RolltoolError
+from rolltool.exchange import Buckets
 from rolltool.format import FileRecord, StepRecord
+from rolltool.layout import SampleTokens
 from rolltool.schedule import PlannedStep
 from rolltool.tokens import ReaderState, TokenReader
 from rolltool.workers import spans
@@ -59,6 +61,14 @@ class Job:
     root: Path
     shard_bytes: int
     config: PackConfig
+    buckets: Buckets | None = None
+    """With the exchange path (`rolltool.exchange`): steps read their tokens from these."""
+
+    def fetch(self, reader: TokenReader, st: PlannedStep) -> SampleTokens:
+        """Step `st`'s tokens in row order: from its bucket, or from the input."""
+        if self.buckets is not None:
+            return self.buckets.fetch(st.index, st.members[st.order])
+        return reader.fetch(st.members[st.order])
 
 
 @dataclass(frozen=True)
@@ -86,7 +96,7 @@ def pack_chunk(
     out = []
     for st in steps:
         writer = DirectWriter(job.root, job.shard_bytes)
-        record = write_step(writer, st, reader.fetch(st.members[st.order]), job.config)
+        record = write_step(writer, st, job.fetch(reader, st), job.config)
         out.append(Packed(record, writer.files))
     return out
 

@@ -71,3 +71,32 @@ def test_a_sample_not_in_the_bucket_is_refused(reader: TokenReader, tmp_path: Pa
     buckets = exchange(reader, [(0, np.array([3, 5]))], tmp_path)
     with pytest.raises(RolltoolError, match="not in its bucket"):
         buckets.fetch(0, np.array([4]))
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_pack_through_the_exchange_writes_the_same_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workers: int
+) -> None:
+    """Forced onto the exchange path (threshold 0), pack writes the same shards and
+    samples.parquet as the direct path, records the path, and leaves no bucket behind."""
+    from rolltool import pack as pack_module
+    from rolltool import pool
+    from rolltool.config import PackConfig
+    from rolltool.pack import run_pack
+    from rolltool.verify import run_verify
+
+    monkeypatch.setattr(pool, "MIN_TOKENS", 0)
+    monkeypatch.setattr(pool, "MIN_STEPS_PER_WORKER", 1)
+    src = tmp_path / "in.parquet"
+    pq.write_table(pq.read_table(EXAMPLE), src, row_group_size=40)
+    config = PackConfig.from_options(dp=2, batch_size=16, order="shuffle", cache_mb=0,
+                                     mini_batches=2, epochs=2)  # fmt: skip
+    direct = run_pack([str(src)], tmp_path / "d", config, workers=workers)
+    monkeypatch.setattr(pack_module, "EXCHANGE_AT", 0.0)
+    via = run_pack([str(src)], tmp_path / "x", config, workers=workers)
+    assert direct.reads is not None and via.reads is not None
+    assert (direct.reads.path, via.reads.path) == ("direct", "exchange")
+    assert {k: v for k, v in direct.files.items()} == {k: v for k, v in via.files.items()}
+    assert not list((tmp_path / "x").rglob(".exchange*"))
+    assert any("exchange path" in w for w in via.warnings)
+    assert run_verify(tmp_path / "x").ok

@@ -1,5 +1,5 @@
 """The read amplification of a plan (`rolltool.readplan`) against a slow simulation of the
-reader, and as pack records it."""
+reader, and as pack records it (with the path it takes)."""
 
 from __future__ import annotations
 
@@ -73,8 +73,9 @@ def test_pack_records_the_reads_and_warns_when_scattered(tmp_path: Path) -> None
     r = shuffled["reads"]
     assert r["amplification"] > plain["reads"]["amplification"]
     assert r["read_bytes"] == r["cached_read_bytes"]  # no cache
-    assert any("fetching the steps read" in w for w in shuffled["warnings"]) == (
-        r["cached_amplification"] >= 4
-    )
+    scattered = r["cached_amplification"] >= 4  # the exchange path, said in a warning
+    assert (r["path"] == "exchange") == scattered
+    assert any("exchange path" in w for w in shuffled["warnings"]) == scattered
+    assert plain["reads"]["path"] == "direct"
     cached = pack(src, tmp_path / "c", "--dp", 2, "--order", "shuffle", "--batch-size", 16)
     assert cached["reads"]["cached_read_bytes"] == 0  # the example fits the default cache
