@@ -109,6 +109,23 @@ def test_same_bytes_on_ray(
     assert seen["batches"] == list(range(len(seen["batches"]))) and seen["batches"]
 
 
+def test_the_exchange_path_on_ray(
+    cluster: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Forced onto the exchange path, Ray tasks pack every step from its bucket: the shards and
+    samples.parquet equal the direct one-process run's, and no bucket is left behind."""
+    from rolltool import pack as pack_module
+
+    config = PackConfig.from_options(dp=2, batch_size=32, order="shuffle", cache_mb=0)
+    direct = files(pack_with(tmp_path, "direct", config, workers=1))
+    monkeypatch.setattr(pack_module, "EXCHANGE_AT", 0.0)
+    via = files(pack_with(tmp_path, "ray", config, engine="ray"))
+    assert json.loads(via["manifest.json"])["reads"]["path"] == "exchange"
+    shards = [k for k in direct if k != "manifest.json"]
+    assert shards and via.keys() == direct.keys()
+    assert [k for k in shards if via[k] != direct[k]] == []
+
+
 def test_ray_tasks_run_elsewhere_in_order(cluster: None) -> None:
     got = RayEngine(cpus=2).map_in_order(lambda x: (x * x, os.getpid()), list(range(20)))
     assert [v for v, _ in got] == [x * x for x in range(20)]
