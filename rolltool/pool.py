@@ -40,8 +40,13 @@ from rolltool.writer import DirectWriter
 
 CHUNKS_PER_WORKER = 4
 """Steps are sent to workers in about this many contiguous chunks per worker."""
+MIN_WORKERS = 4
+"""A pool is used only with at least this many workers: the workers decode the input again (the
+driver's scan cache is not shared), and one process already overlaps reading with writing on
+threads, so on 2 cores the pool is slower (a 195 MB synth, 288 steps: 7.8 s with 2 workers,
+4.9 s with one, medians of 3) ..."""
 MIN_STEPS_PER_WORKER = 2
-"""A pool is used only with at least this many steps per worker ..."""
+"""... at least this many steps per worker ..."""
 MIN_TOKENS = 20_000_000
 """... and this many sampled tokens (~180 MB of shards): a pool costs ~1 s to start."""
 
@@ -49,7 +54,8 @@ MIN_TOKENS = 20_000_000
 def worth_it(workers: int, steps: Sequence[PlannedStep]) -> bool:
     """Whether packing `steps` in `workers` processes pays for their start."""
     tokens = sum(st.record.sampled_tokens for st in steps)
-    return workers > 1 and len(steps) >= MIN_STEPS_PER_WORKER * workers and tokens >= MIN_TOKENS
+    enough = len(steps) >= MIN_STEPS_PER_WORKER * workers and tokens >= MIN_TOKENS
+    return workers >= max(MIN_WORKERS, 2) and enough
 
 
 @dataclass(frozen=True)

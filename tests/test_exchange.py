@@ -86,6 +86,7 @@ def test_pack_through_the_exchange_writes_the_same_files(
     from rolltool.verify import run_verify
 
     monkeypatch.setattr(pool, "MIN_TOKENS", 0)
+    monkeypatch.setattr(pool, "MIN_WORKERS", 2)
     monkeypatch.setattr(pool, "MIN_STEPS_PER_WORKER", 1)
     src = tmp_path / "in.parquet"
     pq.write_table(pq.read_table(EXAMPLE), src, row_group_size=40)
