@@ -70,6 +70,7 @@ def run_pack(
     workers: int | None = None,
     engine: str = "local",
     ray_address: str | None = None,
+    exchange_path: str = "auto",
 ) -> Manifest:
     """Pack rollout Parquet `inputs` into `output` (a directory); returns the manifest written.
 
@@ -80,9 +81,13 @@ def run_pack(
     the cores this process may use; `rolltool.workers`, `rolltool.pool`); the output is the same
     whatever the number. `engine`: ``"local"`` (those processes) or ``"ray"`` (Ray tasks on the
     cluster at `ray_address`, or a local one; `rolltool.ray_engine`): the same output either way.
+    `exchange_path`: ``"auto"`` (the exchange path, `rolltool.exchange`, when the plan would read
+    the input `EXCHANGE_AT` times over), ``"always"`` or ``"never"``: the same output either way.
     """
     check_target(output, force, inputs=inputs)
     created_at()  # a bad SOURCE_DATE_EPOCH stops the run before any work
+    if exchange_path not in EXCHANGE_CHOICES:
+        raise RolltoolError(f"--exchange must be one of {', '.join(EXCHANGE_CHOICES)}")
     _check_engine(engine, ray_address, workers)
     workload = config.workload()
     rename = invert_mapping(columns or {})
@@ -103,7 +108,7 @@ def run_pack(
             cache_bytes=int(config.cache_mb * 1e6),
         )
         shard_bytes = int(config.shard_mb * 1e6)
-        via = "exchange" if reads.cached_amplification >= EXCHANGE_AT else "direct"
+        via = _path(exchange_path, reads)
         with PackedWriter(output, force=force, shard_bytes=shard_bytes) as writer:
             buckets = _exchange(writer, reader, plan.steps, progress) if via == "exchange" else None
             steps = _pack_all(writer, reader, plan.steps, config, workers, progress, ray, buckets)
@@ -272,6 +277,17 @@ def write_step(
 EXCHANGE_AT = 4.0
 """Plans whose fetches would read the input's token columns this many times over (with the
 cache) take the exchange path (`rolltool.exchange`): the input read once into step buckets."""
+
+
+EXCHANGE_CHOICES = ("auto", "always", "never")
+"""``--exchange``: take the exchange path from `EXCHANGE_AT` on, always, or never."""
+
+
+def _path(choice: str, reads: ReadPlan) -> str:
+    """``"exchange"`` or ``"direct"`` for ``--exchange`` `choice` and the plan's reads."""
+    if choice == "auto":
+        return "exchange" if reads.cached_amplification >= EXCHANGE_AT else "direct"
+    return "exchange" if choice == "always" else "direct"
 
 
 def _read_record(reads: ReadPlan, via: str) -> ReadRecord:

@@ -101,3 +101,23 @@ def test_pack_through_the_exchange_writes_the_same_files(
     assert not list((tmp_path / "x").rglob(".exchange*"))
     assert any("exchange path" in w for w in via.warnings)
     assert run_verify(tmp_path / "x").ok
+
+
+def test_the_cli_forces_or_forbids_the_exchange(tmp_path: Path) -> None:
+    import json
+
+    from pack_helpers import cli
+
+    src = tmp_path / "in.parquet"
+    pq.write_table(pq.read_table(EXAMPLE), src, row_group_size=40)
+    base = ["pack", src, "--dp", 2, "--batch-size", 16, "--order", "shuffle", "--cache-mb", 0]
+    got = {}
+    for choice in ("always", "never"):
+        r = cli(*base, "-o", tmp_path / choice, "--exchange", choice, "--json")
+        assert r.exit_code == 0, r.stderr
+        got[choice] = json.loads(r.stdout)
+    assert got["always"]["reads"]["path"] == "exchange"
+    assert got["never"]["reads"]["path"] == "direct"
+    assert got["never"]["reads"]["cached_amplification"] > 1.5  # scattered, and read directly
+    assert got["always"]["files"] == got["never"]["files"]
+    assert cli(*base, "-o", tmp_path / "x", "--exchange", "sometimes").exit_code == 2

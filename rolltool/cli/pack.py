@@ -84,6 +84,7 @@ BUDGET = (f"Hard token budget per micro-batch and GPU [default: --row-len when g
     column_option(),
     opt("--cache-mb", float, D.cache_mb, "Decoded input kept in memory, MB (input that fits is read once)."),
     opt("--workers", POSITIVE, None, "Processes that plan batches (the same output whatever the number) [default: the cores available]."),
+    opt("--exchange exchange_path", ("auto", "always", "never"), "auto", "Scattered steps (--order completion/shuffle): read the input once into step buckets when fetching step by step would read it 4x over (auto), always, or never; the same output either way."),
     opt("--engine", ENGINES, "local", "What plans batches and packs steps: this machine's processes (--workers), or Ray tasks (the [ray] extra; on several machines the input and output need a shared filesystem); the same output either way."),
     opt("--ray-address", str, None, "The Ray cluster --engine ray attaches to (auto, HOST:6379, ray://HOST:10001) [default: RAY_ADDRESS, else one `ray start` began on this machine, else a new local cluster]."),
 )  # fmt: skip
@@ -97,7 +98,7 @@ BUDGET = (f"Hard token budget per micro-batch and GPU [default: --row-len when g
 )  # fmt: skip
 @handle_errors
 def pack(inputs: tuple[str, ...], output: str, columns: dict[str, str], force: bool, as_json: bool,
-         per_step: bool, workers: int | None, engine: str, ray_address: str | None,
+         per_step: bool, workers: int | None, engine: str, ray_address: str | None, exchange_path: str,
          **settings: object) -> None:  # fmt: skip
     """Pack rollout Parquet INPUTS into sharded, balanced, pre-packed tensor files.
 
@@ -116,7 +117,8 @@ def pack(inputs: tuple[str, ...], output: str, columns: dict[str, str], force: b
     manifest = run_pack(inputs, output, config, columns=columns, force=force,
                         command=["rolltool", *sys.argv[1:]], progress=progress,
                         estimator_chosen=given_by_user("estimator", "env_estimators"),
-                        workers=workers, engine=engine, ray_address=ray_address)  # fmt: skip
+                        workers=workers, engine=engine, ray_address=ray_address,
+                        exchange_path=exchange_path)  # fmt: skip
     for w in manifest.warnings:  # to stderr, with --json too (the manifest also lists them)
         if w not in said:
             warn(w)
