@@ -35,16 +35,16 @@ from rolltool.format import FileRecord, StepRecord
 from rolltool.layout import SampleTokens
 from rolltool.schedule import PlannedStep
 from rolltool.tokens import ReaderState, TokenReader
-from rolltool.workers import spans
+from rolltool.workers import default_workers, spans
 from rolltool.writer import DirectWriter
 
 CHUNKS_PER_WORKER = 4
 """Steps are sent to workers in about this many contiguous chunks per worker."""
 MIN_WORKERS = 4
-"""A pool is used only with at least this many workers: the workers decode the input again (the
-driver's scan cache is not shared), and one process already overlaps reading with writing on
-threads, so on 2 cores the pool is slower (a 195 MB synth, 288 steps: 7.8 s with 2 workers,
-4.9 s with one, medians of 3) ..."""
+"""A pool is used only with at least this many workers, each with a core of its own: the workers
+decode the input again (the driver's scan cache is not shared) and one process already overlaps
+reading with writing on threads, so on 2 cores the pool is slower (benchmarks/scale.py, a 177 MB
+synth: 4.2 s in one process, 8.8 s with a pool of 4) ..."""
 MIN_STEPS_PER_WORKER = 2
 """... at least this many steps per worker ..."""
 MIN_TOKENS = 20_000_000
@@ -55,7 +55,7 @@ def worth_it(workers: int, steps: Sequence[PlannedStep]) -> bool:
     """Whether packing `steps` in `workers` processes pays for their start."""
     tokens = sum(st.record.sampled_tokens for st in steps)
     enough = len(steps) >= MIN_STEPS_PER_WORKER * workers and tokens >= MIN_TOKENS
-    return workers >= max(MIN_WORKERS, 2) and enough
+    return min(workers, default_workers()) >= max(MIN_WORKERS, 2) and enough
 
 
 @dataclass(frozen=True)

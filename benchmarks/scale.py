@@ -1,0 +1,194 @@
+"""Benchmark: scale-out (issue 12): workers, the exchange path, the plan at millions of samples, Ray.
+
+    python benchmarks/scale.py [--groups 2000] [--repeats 3] [--samples 1000000 10000000]
+                               [--ray] [--ray-nodes]
+
+Sections (each in fresh processes, on the same synth input, medians of --repeats):
+  workers   `rolltool pack IN --dp 8 --batch-size 256` with --workers 1, 2 and 4 (the pack pool
+            starts at 4 workers), against the I/O floor of benchmarks/pack.py (read the input
+            Parquet, write as many bytes); peak RSS of the driver process (pool workers not
+            included: ru_maxrss is per process)
+  exchange  --order shuffle with --cache-mb 64 (the input is >= 4x the token cache): the plan's
+            read amplification, then the run with --exchange never and --exchange always
+  plan      `rolltool.schedule.schedule` on synthetic light columns of N samples (groups of 8,
+            log-normal lengths, one env): seconds and the process's peak RSS, per N
+  ray       (--ray) the pack with --engine ray starting its own local cluster, against
+            --workers 1; (--ray-nodes) the same job attached to a simulated 2-node cluster
+            (ray.cluster_utils.Cluster, 1 CPU per node), overheads included as measured
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _data import synth_dataset
+from pack import _floor
+
+
+def _run(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, int, dict]:
+    """(seconds, peak RSS MB of the process, its JSON output) of one command in a new process."""
+    t0 = time.perf_counter()
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env={**os.environ, **(env or {})})
+        _, status, usage = os.wait4(proc.pid, 0)
+        dt = time.perf_counter() - t0
+        if os.waitstatus_to_exitcode(status):
+            err.seek(0)
+            raise SystemExit(f"failed: {' '.join(cmd)}\n{err.read().decode()[-2000:]}")
+        out.seek(0)
+        text = out.read()
+    return dt, usage.ru_maxrss // 1024, json.loads(text) if text.strip() else {}
+
+
+def _pack(src: Path, out: Path, *extra: str) -> tuple[float, int, dict]:
+    cmd = [sys.executable, "-m", "rolltool", "pack", str(src), "--dp", "8", "-o", str(out),
+           "--batch-size", "256", "--force", "--json", *extra]  # fmt: skip
+    return _run(cmd)
+
+
+def _median(runs: list[tuple[float, int, dict]]) -> tuple[float, int, dict]:
+    return statistics.median(r[0] for r in runs), max(r[1] for r in runs), runs[-1][2]
+
+
+def workers(src: Path, work: Path, repeats: int) -> None:
+    print("\n## workers: pack --dp 8 --batch-size 256 (peak RSS of the driver process)")
+    print(f"{'mode':<16}{'seconds':>9}{'x floor':>9}{'x one':>8}{'peak MB':>9}")
+    floors, rows = [], {}
+    for mode in ("--workers 1", "--workers 2", "--workers 4"):
+        runs = [_pack(src, work / f"w{i}", *mode.split()) for i in range(repeats)]
+        rows[mode] = _median(runs)
+        nbytes = sum(f["bytes"] for f in rows[mode][2]["files"].values())
+        floors += [_floor(src, nbytes, work / "floor.bin") for _ in range(repeats)]
+    floor = statistics.median(floors)
+    one = rows["--workers 1"][0]
+    print(f"{'I/O floor':<16}{floor:>9.2f}{1.0:>9.2f}{'':>8}{'':>9}")
+    for mode, (dt, rss, _) in rows.items():
+        print(f"{mode:<16}{dt:>9.2f}{dt / floor:>9.2f}{dt / one:>8.2f}{rss:>9,}")
+
+
+def exchange(src: Path, work: Path, repeats: int) -> None:
+    print("\n## exchange: --order shuffle --cache-mb 64 (the input >= 4x the token cache)")
+    print(
+        f"{'path':<10}{'seconds':>9}{'amplification':>15}{'read MB':>9}{'needed MB':>11}{'peak MB':>9}"
+    )
+    for path in ("never", "always"):
+        runs = [
+            _pack(src, work / f"x{i}", "--order", "shuffle", "--cache-mb", "64", "--exchange", path)
+            for i in range(repeats)
+        ]
+        dt, rss, m = _median(runs)
+        r = m["reads"]
+        read = (
+            r["cached_read_bytes"] if path == "never" else 0
+        )  # the exchange reads row groups once
+        print(f"{r['path']:<10}{dt:>9.2f}{r['cached_amplification']:>15.1f}{read / 1e6:>9,.0f}"
+              f"{r['needed_bytes'] / 1e6:>11,.0f}{rss:>9,}")  # fmt: skip
+
+
+PLAN = """
+import resource, sys, time
+import numpy as np, pyarrow as pa
+from rolltool.config import PackConfig
+from rolltool.schedule import schedule
+from rolltool.schema.rollouts import Rollouts
+from rolltool.source import InputFile
+n = int(sys.argv[1]) // 8 * 8
+rng = np.random.default_rng(0)
+length = np.clip(rng.lognormal(7.5, 1.0, n), 64, 32768).astype(np.int64)
+ro = Rollouts(files=[InputFile("synthetic.parquet", n, resolved="/synthetic.parquet")],
+    file_index=np.zeros(n, np.int32), sample_id=pa.array(np.arange(n)),
+    group=np.repeat(np.arange(n // 8), 8), group_ids=pa.array(np.arange(n // 8)),
+    rollout_ids=pa.array(np.arange(n)), rollout=np.arange(n), env=np.zeros(n, np.int32),
+    env_names=["math"], reward=rng.integers(0, 2, n).astype(np.float64), length=length,
+    trainable=(length * 0.6).astype(np.int64), finished_at=None, token_format="input_ids",
+    has_logprobs=False, columns=[])
+light = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+config = PackConfig.from_options(dp=8, batch_size=1024)
+t0 = time.perf_counter()
+plan = schedule(ro, config, config.workload(), workers=int(sys.argv[2]))
+dt = time.perf_counter() - t0
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+print(f'{{"seconds": {dt}, "steps": {len(plan.steps)}, "light_mb": {light}, "peak_mb": {peak}}}')
+"""
+
+
+def plan(sizes: list[int]) -> None:
+    print("\n## plan: schedule() on synthetic light columns (dp 8, 1,024 rollouts per step)")
+    print(f"{'samples':>12}{'workers':>8}{'steps':>7}{'seconds':>9}{'light MB':>10}{'peak MB':>9}"
+          f"{'bytes/sample':>14}")  # fmt: skip
+    for n in sizes:
+        for w in (1, 2):
+            _, _, r = _run([sys.executable, "-c", PLAN, str(n), str(w)])
+            per = (r["peak_mb"] - 90) * 1e6 / n  # ~90 MB: the interpreter and imports
+            print(f"{n:>12,}{w:>8}{r['steps']:>7,}{r['seconds']:>9.1f}{r['light_mb']:>10,}"
+                  f"{r['peak_mb']:>9,}{per:>14,.0f}")  # fmt: skip
+
+
+RAY_NODES = """
+import json, subprocess, sys, time
+from ray.cluster_utils import Cluster
+t0 = time.perf_counter()
+c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+c.add_node(num_cpus=1)
+c.wait_for_nodes()
+up = time.perf_counter() - t0
+cmd = [sys.executable, "-m", "rolltool", "pack", sys.argv[1], "--dp", "8", "-o", sys.argv[2],
+       "--batch-size", "256", "--force", "--json", "--engine", "ray", "--ray-address", c.address]
+t0 = time.perf_counter()
+subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+dt = time.perf_counter() - t0
+c.shutdown()
+print(json.dumps({"up": up, "seconds": dt}))
+"""
+
+
+def ray(src: Path, work: Path, repeats: int, nodes: bool) -> None:
+    print("\n## ray: the same pack on Ray (its own local cluster each run) vs --workers 1")
+    env = {"RAY_USAGE_STATS_ENABLED": "0"}
+    print(f"{'mode':<34}{'seconds':>9}")
+    one = _median([_pack(src, work / f"r1-{i}", "--workers", "1") for i in range(repeats)])[0]
+    print(f"{'--workers 1':<34}{one:>9.2f}")
+    cmd = [sys.executable, "-m", "rolltool", "pack", str(src), "--dp", "8", "-o", str(work / "r"),
+           "--batch-size", "256", "--force", "--json", "--engine", "ray"]  # fmt: skip
+    dt = statistics.median(_run(cmd, env)[0] for _ in range(repeats))
+    print(f"{'--engine ray (local cluster)':<34}{dt:>9.2f}")
+    if nodes:
+        _, _, r = _run([sys.executable, "-c", RAY_NODES, str(src), str(work / "rn")], env)
+        print(f"{'simulated 2 nodes: cluster up':<34}{r['up']:>9.2f}")
+        print(f"{'simulated 2 nodes: --engine ray':<34}{r['seconds']:>9.2f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--groups", type=int, default=2000)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--samples", type=int, nargs="*", default=[1_000_000])
+    ap.add_argument("--sections", nargs="*", default=["workers", "exchange", "plan"])
+    ap.add_argument("--ray", action="store_true", help="also the ray section")
+    ap.add_argument("--ray-nodes", action="store_true", help="and a simulated 2-node cluster")
+    args = ap.parse_args()
+    src = synth_dataset(args.groups)
+    work = Path(tempfile.mkdtemp())
+    print(f"input: {src} ({src.stat().st_size / 1e6:,.0f} MB), {os.cpu_count()} CPUs")
+    if "workers" in args.sections:
+        workers(src, work, args.repeats)
+    if "exchange" in args.sections:
+        exchange(src, work, args.repeats)
+    if "plan" in args.sections:
+        plan(args.samples)
+    if args.ray:
+        ray(src, work, args.repeats, args.ray_nodes)
+
+
+if __name__ == "__main__":
+    main()
