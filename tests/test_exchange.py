@@ -121,3 +121,17 @@ def test_the_cli_forces_or_forbids_the_exchange(tmp_path: Path) -> None:
     assert got["never"]["reads"]["cached_amplification"] > 1.5  # scattered, and read directly
     assert got["always"]["files"] == got["never"]["files"]
     assert cli(*base, "-o", tmp_path / "x", "--exchange", "sometimes").exit_code == 2
+
+
+def test_packs_last_line_says_how_the_input_was_read(tmp_path: Path) -> None:
+    from pack_helpers import cli
+
+    src = tmp_path / "in.parquet"
+    pq.write_table(pq.read_table(EXAMPLE), src, row_group_size=40)
+    base = ["pack", src, "--dp", 2, "--batch-size", 16, "--order", "shuffle", "--cache-mb", 0]
+    r = cli(*base, "-o", tmp_path / "a", "--exchange", "always")
+    assert "the input was read once into step buckets (the exchange path" in r.stderr
+    r = cli(*base, "-o", tmp_path / "b", "--exchange", "never")
+    assert "fetching the steps read the input" in r.stderr and "x over" in r.stderr
+    r = cli("pack", src, "--dp", 2, "-o", tmp_path / "c")  # input order: read about once
+    assert "read the input" not in r.stderr and "exchange" not in r.stderr

@@ -748,7 +748,22 @@ def pack_summary(manifest: Manifest, output: str) -> str:
         f"{output}: {s.trained:,} of {s.total:,} {what} trained{trained}, {s.uniform_dropped:,} in "
         f"dropped uniform groups, {s.overlong_dropped:,} over-long, {s.leftover:,} left over"
         + (f", {s.count_trimmed:,} trimmed for --equal-count" if s.count_trimmed else "")
+        + _reads_note(manifest)
     )
+
+
+def _reads_note(manifest: Manifest) -> str:
+    """How the steps' tokens were read, when that was more than reading the input once: the
+    plan's read amplification and the path taken (`rolltool.readplan`, `rolltool.exchange`)."""
+    r = manifest.reads
+    if r is None:
+        return ""
+    if r.path == "exchange":
+        return (f"; the input was read once into step buckets (the exchange path: fetching step "
+                f"by step would have read it {r.cached_amplification:.1f}x over)")  # fmt: skip
+    if r.cached_amplification >= 2:
+        return f"; fetching the steps read the input {r.cached_amplification:.1f}x over"
+    return ""
 
 
 ADVANTAGE_COLS = [
