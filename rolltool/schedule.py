@@ -201,7 +201,7 @@ def over_budget(ro: Rollouts, config: PackConfig) -> np.ndarray:
             )
             + f", over the {cap:,}-token budget{_budget_terms(config)} "
             f"({int(too_long.sum())} sample(s) are)",
-            hint="raise --micro-batch-tokens"
+            hint=f"raise {'--micro-batch-tokens' if config.micro_batch_tokens else '--row-len'}"
             + (
                 ", or split long samples over more GPUs (--cp, --sp)"
                 if cap == config.group_tokens
@@ -281,16 +281,16 @@ def plan_batch(
         parts = split_epoch(order, ro.group[order], ro.rollout[order], units, sc.mini_batches,
                             epoch=epoch, where=f"batch {batch.index}")  # fmt: skip
         for mb in parts:
-            head = mb.index == 0
+            head, index = mb.index == 0, first + len(out)
+            kept = _equal_counts(np.ones(len(mb.samples), dtype=bool), config, index)
+            members = mb.samples[kept]
             step = dataclasses.replace(
                 batch,
-                index=first + len(out),
-                groups=_in_order(ro.group[mb.samples]),
+                index=index,
+                groups=_in_order(ro.group[members]),  # groups that train here (after a trim)
                 dropped=batch.dropped if head else none,
                 skipped=batch.skipped if head else none,
             )
-            kept = _equal_counts(np.ones(len(mb.samples), dtype=bool), config, step.index)
-            members = mb.samples[kept]
             out.append(_planned(
                 ro, config, workload, step, members, advantage_of[members],
                 overlong if head else none, mb.samples[~kept], uniform=adv.uniform,

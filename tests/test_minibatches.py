@@ -258,3 +258,15 @@ def test_groups_split_when_a_batch_has_fewer_than_m(ppo_input: Path, tmp_path: P
     m: dict[str, Any] = json.loads(r.stdout)
     assert any("fewer groups" in w for w in m["warnings"])
     assert cli("verify", tmp_path / "x").exit_code == 0
+
+
+def test_a_trim_that_empties_a_mini_batch_counts_no_group(ppo_input: Path, tmp_path: Path) -> None:
+    """--equal-count-trim per optimizer step: a mini-batch of fewer samples than dp trains none;
+    its record then counts the groups that train in it (none), and verify agrees."""
+    out = tmp_path / "p"
+    m = pack(ppo_input, out, "--dp", 3, "--batch-size", 8, "--mini-batches", 4,
+             "--equal-count-trim")  # fmt: skip
+    assert any(s["samples"] == 0 for s in m["steps"])
+    for s in m["steps"]:
+        assert (s["groups"] == 0) == (s["samples"] == 0)
+    assert cli("verify", out).exit_code == 0
