@@ -270,3 +270,17 @@ def test_a_trim_that_empties_a_mini_batch_counts_no_group(ppo_input: Path, tmp_p
     for s in m["steps"]:
         assert (s["groups"] == 0) == (s["samples"] == 0)
     assert cli("verify", out).exit_code == 0
+
+
+def test_a_partial_last_batch_over_epochs_verifies(ppo_input: Path, tmp_path: Path) -> None:
+    """--keep-last: every optimizer step of the last, partial batch says partial, and verify
+    takes that as the run's last batch."""
+    out = tmp_path / "p"
+    m = pack(ppo_input, out, "--dp", 2, "--batch-size", 20, "--keep-last", "--epochs", 2,
+             "--mini-batches", 2)  # fmt: skip
+    last = m["steps"][-1]["batch"]
+    assert [s["status"] == "partial" for s in m["steps"]] == [
+        s["batch"] == last for s in m["steps"]
+    ]
+    assert sum(s["status"] == "partial" for s in m["steps"]) == 4
+    assert cli("verify", out).exit_code == 0

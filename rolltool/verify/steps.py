@@ -312,7 +312,7 @@ def _status(
 ) -> Iterator[Problem]:
     """The step's nominal size is the configured --batch-size, its status one of
     ``STEP_STATUSES``, a ``full`` step exactly its nominal size (unless --equal-count-trim left
-    samples out of it), and ``partial`` only the run's last step."""
+    samples out of it), and ``partial`` only the run's last step (or its last batch's steps)."""
     where = f"step {step}"
     # With --equal-count-trim `actual` counts what trains; a wrong actual is step.counts' finding.
     judge_full = actual_ok and not ctx.manifest.config.get("equal_count_trim")
@@ -325,8 +325,17 @@ def _status(
     elif rec.status == "full" and rec.actual != rec.nominal and judge_full:
         text = f"status full but actual {rec.actual} is not the nominal {rec.nominal}"
         yield Problem("step.status", where, text)
-    elif rec.status == "partial" and step != ctx.manifest.num_steps - 1:
+    elif rec.status == "partial" and not _last_batch(ctx, step, rec):
         yield Problem("step.status", where, "status partial, but only the last step can be")
+
+
+def _last_batch(ctx: Context, step: int, rec: StepRecord) -> bool:
+    """Whether step `step` is the run's last step, or one of its last batch's (--mini-batches,
+    --epochs: every step of a partial batch says so)."""
+    steps = ctx.manifest.steps
+    if rec.batch is None or _per_batch(ctx) == 1:
+        return step == len(steps) - 1
+    return rec.batch == steps[-1].batch
 
 
 def step_metadata(ctx: Context) -> Iterator[Problem]:
