@@ -36,7 +36,7 @@ class MiniBatch:
     epoch: int
     index: int  # mini-batch within the epoch
     samples: np.ndarray  # [k] int64 sample indices, in the epoch's order
-    level: str  # where the cuts lie: "groups", "rollouts" or "samples"
+    level: str  # where the cuts lie: "groups", "rollouts", "samples", or "empty" (some left empty)
 
 
 def epoch_groups(groups: np.ndarray, batch: int, epoch: int, seed: int) -> np.ndarray:
@@ -88,20 +88,24 @@ def split_epoch(
     where: str,
 ) -> list[MiniBatch]:
     """Cut one epoch's samples (in order; `group`, `rollout` and `units` per sample) into `m`
-    mini-batches (see the module docstring); `where` names the batch in errors."""
-    if len(samples) < m:
-        raise RolltoolError(
-            f"{where} trains {len(samples)} sample(s), fewer than --mini-batches {m}",
-            hint="lower --mini-batches, or raise --batch-size",
-        )
+    mini-batches (see the module docstring). A batch with fewer samples than `m` (a partial last
+    batch, or one that --overlong drop thinned) gets one sample per mini-batch and empty ones
+    after them (level ``"empty"``: steps that train nothing, as every rank's empty rows do);
+    `where` names the batch in errors."""
+    if not len(samples):
+        raise RolltoolError(f"{where} trains no sample")  # assembly never makes such a batch
+    k = min(m, len(samples))
     cum = np.concatenate([[0], np.cumsum(units, dtype=np.float64)])
     level, bounds = "samples", np.arange(len(samples) + 1, dtype=np.int64)
     for name, codes in (("rollouts", rollout), ("groups", group)):  # the coarsest that can
         starts = _starts(codes)
-        if len(starts) - 1 >= m:
+        if len(starts) - 1 >= k:
             level, bounds = name, starts
-    cuts = cut_points(bounds, cum, m)
-    return [MiniBatch(epoch, j, samples[cuts[j] : cuts[j + 1]], level) for j in range(m)]
+    if k < m:
+        level = "empty"
+    cuts = cut_points(bounds, cum, k)
+    parts = [MiniBatch(epoch, j, samples[cuts[j] : cuts[j + 1]], level) for j in range(k)]
+    return parts + [MiniBatch(epoch, j, samples[:0], level) for j in range(k, m)]
 
 
 def sample_units(unit: str, rollout: np.ndarray, length: np.ndarray) -> np.ndarray:

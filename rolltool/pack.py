@@ -306,8 +306,8 @@ def _read_record(reads: ReadPlan, via: str) -> ReadRecord:
 def _read_warning(reads: ReadPlan, config: PackConfig, via: str) -> list[str]:
     """What the exchange path saved, when the plan's steps are so scattered that fetching them
     would have read the input many times over (`rolltool.readplan`)."""
-    if via != "exchange":
-        return []
+    if via != "exchange" or reads.cached_amplification < EXCHANGE_AT:
+        return []  # direct, or the exchange asked for (--exchange always): nothing to explain
     return [
         f"fetching the steps would have read the input's token columns "
         f"{reads.cached_amplification:.1f}x over (--order {config.steps.order} scatters each step "

@@ -72,7 +72,8 @@ class PlannedStep:
     count_trimmed: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     """[t] int64 samples left out so that --dp divides the step's samples (--equal-count-trim)"""
     cut: str = "groups"
-    """Where its mini-batch's cuts lie (`rolltool.minibatches`): groups, rollouts or samples."""
+    """Where its mini-batch's cuts lie (`rolltool.minibatches`): groups, rollouts, samples, or
+    empty (its batch had fewer samples than mini-batches)."""
 
     @property
     def epoch(self) -> int:
@@ -526,9 +527,16 @@ def _cut_warning(steps: list[PlannedStep], mini_batches: int) -> list[str]:
     if not split:
         return []
     shown = ", ".join(map(str, split[:8])) + (", ..." if len(split) > 8 else "")
+    empty = sorted({st.record.batch or 0 for st in steps if st.cut == "empty"})
     return [
         f"{len(split)} batch(es) ({shown}) have fewer groups than --mini-batches {mini_batches}: "
         "their mini-batches are cut inside groups (at rollout boundaries where there are enough)"
+        + (
+            f"; {len(empty)} of them have fewer samples than that, and leave their last "
+            "mini-batches empty (steps that train nothing)"
+            if empty
+            else ""
+        )
     ]
 
 

@@ -79,8 +79,10 @@ def test_fewer_groups_than_mini_batches_cut_finer() -> None:
     assert 1 not in cuts and 5 not in cuts
     parts = split_epoch(np.arange(6), group, rollout, np.ones(6), 5, **args)
     assert parts[0].level == "samples" and [len(p.samples) for p in parts].count(0) == 0
-    with pytest.raises(RolltoolError, match="batch 3 trains 6 sample"):
-        split_epoch(np.arange(6), group, rollout, np.ones(6), 7, **args)
+    parts = split_epoch(np.arange(6), group, rollout, np.ones(6), 8, **args)  # more than samples
+    assert [len(p.samples) for p in parts] == [1] * 6 + [0, 0] and parts[0].level == "empty"
+    with pytest.raises(RolltoolError, match="batch 3 trains no sample"):
+        split_epoch(np.arange(0), group[:0], rollout[:0], np.ones(0), 2, **args)
 
 
 def test_units() -> None:
@@ -241,13 +243,19 @@ def test_verify_catches_a_renumbered_step(ppo_input: Path, tmp_path: Path) -> No
     assert json.loads(r.stdout)["counts"] == {"step.structure": 1}
 
 
-def test_too_few_samples_for_the_mini_batches(ppo_input: Path, tmp_path: Path) -> None:
+def test_a_batch_smaller_than_the_mini_batches_leaves_some_empty(
+    ppo_input: Path, tmp_path: Path
+) -> None:
+    """A batch of 4 samples cut into 6 mini-batches: 4 steps of one sample, 2 empty steps
+    (training nothing, rows of padding), a warning, and verify agrees."""
     r = cli("pack", ppo_input, "-o", tmp_path / "x", "--dp", 1, "--batch-size", 4,
-            "--mini-batches", 6)  # fmt: skip
-    assert (
-        r.exit_code == 1 and "batch 0 trains 4 sample(s), fewer than --mini-batches 6" in r.stderr
-    )
-    assert not (tmp_path / "x").exists()
+            "--mini-batches", 6, "--json")  # fmt: skip
+    assert r.exit_code == 0, r.stderr
+    m = json.loads(r.stdout)
+    first = [s["samples"] for s in m["steps"] if s["batch"] == 0]
+    assert first == [1, 1, 1, 1, 0, 0]
+    assert "leave their last mini-batches empty" in r.stderr
+    assert cli("verify", tmp_path / "x").exit_code == 0
 
 
 def test_groups_split_when_a_batch_has_fewer_than_m(ppo_input: Path, tmp_path: Path) -> None:

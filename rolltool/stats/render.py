@@ -759,8 +759,9 @@ def _reads_note(manifest: Manifest) -> str:
     if r is None:
         return ""
     if r.path == "exchange":
-        return (f"; the input was read once into step buckets (the exchange path: fetching step "
-                f"by step would have read it {r.cached_amplification:.1f}x over)")  # fmt: skip
+        why = (f"fetching step by step would have read it {r.cached_amplification:.1f}x over"
+               if r.cached_amplification >= 2 else "as asked")  # fmt: skip
+        return f"; the input was read once into step buckets (the exchange path: {why})"
     if r.cached_amplification >= 2:
         return f"; fetching the steps read the input {r.cached_amplification:.1f}x over"
     return ""
