@@ -43,6 +43,7 @@ import polars as pl
 
 from rolltool.errors import RolltoolError
 from rolltool.format import Manifest, StepRecord
+from rolltool.minibatches import recorded_structure
 from rolltool.partition import metrics, plan_step
 from rolltool.reader import open_packed
 from rolltool.split import GroupSplit, recorded_split
@@ -408,11 +409,12 @@ def _settings(manifest: Manifest) -> dict[str, Any]:
     """The pack settings the report shows (from the manifest's recorded config)."""
     config = manifest.config
     steps = config.get("steps") or {}
+    epochs, mini_batches = recorded_structure(config) or (1, 1)
     return {
         **{k: config.get(k) for k in ("balance", "align", "micro_batch_tokens",
                                       "micro_batch_size", "row_len")},
         "batch_unit": steps.get("batch_unit"),
         "batch_size": steps.get("batch_size"),
-        "mini_batches": steps.get("mini_batches", 1),
-        "epochs": steps.get("epochs", 1),
+        "mini_batches": mini_batches,
+        "epochs": epochs,
     }  # fmt: skip

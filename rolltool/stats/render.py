@@ -28,6 +28,7 @@ from rich.table import Table
 from rich.text import Text
 
 from rolltool.format import Manifest, StepCounts, StepRecord
+from rolltool.minibatches import recorded_structure
 from rolltool.numfmt import count, num, over, pct
 from rolltool.stats.packed import ALTERNATIVES, COUNTS, env_totals, world_layout
 
@@ -243,9 +244,9 @@ def step_label(
     return f"{step} (b{batch} e{epoch or 0} m{mini_batch or 0})"
 
 
-def structure(c: dict[str, Any]) -> str:
+def structure(epochs: int, mini_batches: int) -> str:
     """How batches became optimizer steps (``--epochs``/``--mini-batches``), or ''."""
-    e, m = c.get("epochs") or 1, c.get("mini_batches") or 1
+    e, m = epochs, mini_batches
     if e * m == 1:
         return ""
     parts = [f"{e} epochs"] * (e > 1) + [f"{m} mini-batches"] * (m > 1)
@@ -265,9 +266,10 @@ def _header(report: dict[str, Any]) -> Text:
     read = report["steps_read"]
     steps = f"{read:,} of {report['num_steps']:,}" if read != report["num_steps"] else f"{read:,}"
     head = f"{report['path']}: {steps} steps of {c.get('batch_size')} {c.get('batch_unit')}"
-    if structure(c):
+    ppo = structure(c["epochs"], c["mini_batches"])
+    if ppo:
         head = (f"{report['path']}: {steps} optimizer steps from batches of {c.get('batch_size')} "
-                f"{c.get('batch_unit')}{structure(c)}")  # fmt: skip
+                f"{c.get('batch_unit')}{ppo}")  # fmt: skip
     world = report.get("world")
     if world is not None and _split(world) is not None:  # the world, both budgets: a line
         fixed = "" if c.get("micro_batch_tokens") else f", {budget}"
@@ -520,7 +522,7 @@ def render_packed(
         _balance_table(title, chosen, rows, width),
         _fill_table(report["totals"]["fill_histogram"]),
     ]
-    structured = bool(structure(report["config"]))
+    structured = bool(structure(report["config"]["epochs"], report["config"]["mini_batches"]))
     if per_step:
         out.append(_steps_table(report["steps"], width, split, structured))
     if step is not None:
@@ -667,7 +669,7 @@ def _pack_steps_table(
     unit, align = manifest.config["steps"]["batch_unit"], manifest.config["align"]
     steps = manifest.steps
     split = _splits_budget(manifest)
-    structured = bool(structure(manifest.config["steps"]))
+    structured = bool(structure(*(recorded_structure(manifest.config) or (1, 1))))
     title = f"pack -> {output} ({manifest.workload['kind']} balance, {align})"
     cols = _with_split(
         [PACK_STEP_COLS[0], Col(f"{unit} (status)", f"{unit}\n(status)"), *PACK_STEP_COLS[2:]],
@@ -739,12 +741,10 @@ def pack_summary(manifest: Manifest, output: str) -> str:
         if world["gpu_budget"]:
             over = sum(st.over_gpu_budget for st in manifest.steps)
             trained = f" ({over:,} over the per-GPU budget, split over {kind})"
-    steps_cfg = manifest.config.get("steps")
-    cfg = steps_cfg if isinstance(steps_cfg, dict) else {}
-    epochs = cfg.get("epochs") if isinstance(cfg.get("epochs"), int) else 1
+    epochs, mini_batches = recorded_structure(manifest.config) or (1, 1)
     what = "samples" if epochs == 1 else f"(sample, epoch) pairs ({epochs} epochs)"
     return (
-        f"wrote {manifest.num_steps} steps{structure(cfg)} x {manifest.dp} ranks{gpus} to "
+        f"wrote {manifest.num_steps} steps{structure(epochs, mini_batches)} x {manifest.dp} ranks{gpus} to "
         f"{output}: {s.trained:,} of {s.total:,} {what} trained{trained}, {s.uniform_dropped:,} in "
         f"dropped uniform groups, {s.overlong_dropped:,} over-long, {s.leftover:,} left over"
         + (f", {s.count_trimmed:,} trimmed for --equal-count" if s.count_trimmed else "")

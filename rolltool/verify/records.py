@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from rolltool.format import SAMPLES, STATUSES, Manifest
+from rolltool.minibatches import recorded_structure
 from rolltool.problems import Problem
 from rolltool.shards import file_record
 from rolltool.verify.context import Context
@@ -46,7 +47,8 @@ def samples_table(ctx: Context) -> Iterator[Problem]:
             f"{SAMPLES}: sample {i}",
             f"{s.trainable[i]} trainable of {s.length[i]} tokens",
         )
-    rows_in = sum(r.rows for r in m.inputs) * _epochs(m)
+    epochs, _ = recorded_structure(m.config) or (1, 1)  # rows per input sample
+    rows_in = sum(r.rows for r in m.inputs) * epochs
     for n, what in ((m.samples.total, "the manifest says"), (rows_in, "the input files have")):
         if s.n != n:
             yield Problem("samples.total", SAMPLES, f"{s.n} rows, {what} {n}")
@@ -65,13 +67,6 @@ def samples_table(ctx: Context) -> Iterator[Problem]:
             f"trained at step {s.step[i]} rank {s.rank[i]} micro-batch {s.micro_batch[i]}, the "
             f"run has {m.num_steps} steps of {m.dp} ranks",
         )
-
-
-def _epochs(m: Manifest) -> int:
-    """Rows samples.parquet holds per input sample: the recorded --epochs (1 before)."""
-    steps = m.config.get("steps")
-    epochs = steps.get("epochs", 1) if isinstance(steps, dict) else 1
-    return epochs if isinstance(epochs, int) and epochs >= 1 else 1
 
 
 def rank_files(ctx: Context) -> Iterator[Problem]:

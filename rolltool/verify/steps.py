@@ -16,6 +16,7 @@ import numpy as np
 
 from rolltool.advantages import reward_moments
 from rolltool.format import STATUSES, Denominators, PlanRecord, StepCounts, StepRecord
+from rolltool.minibatches import recorded_structure
 from rolltool.partition import metrics
 from rolltool.problems import Problem
 from rolltool.split import GroupSplit
@@ -275,23 +276,21 @@ def _actual(ctx: Context, step: int, rec: StepRecord, found: dict[str, Any]) -> 
 
 def _per_batch(ctx: Context) -> int:
     """Optimizer steps per batch the pack config records (epochs x mini-batches; 1 before)."""
-    steps = ctx.manifest.config.get("steps")
-    if not isinstance(steps, dict):
-        return 1
-    e, m = steps.get("epochs", 1), steps.get("mini_batches", 1)
-    return e * m if isinstance(e, int) and isinstance(m, int) else 1
+    e, m = recorded_structure(ctx.manifest.config) or (1, 1)
+    return e * m
 
 
 def step_structure(ctx: Context) -> Iterator[Problem]:
     """Batches -> epochs -> mini-batches: each batch's optimizer steps are consecutive, epoch
     after epoch, each epoch its mini-batches 0..M-1 in order, batches numbered 0, 1, ...
     (manifests written before mini-batches have no batch: each step is its own)."""
-    steps = ctx.manifest.config.get("steps")
-    cfg = steps if isinstance(steps, dict) else {}
-    e, m = cfg.get("epochs", 1), cfg.get("mini_batches", 1)
-    if not (isinstance(e, int) and isinstance(m, int) and e >= 1 and m >= 1):
+    structure = recorded_structure(ctx.manifest.config)
+    if structure is None:
+        steps = ctx.manifest.config.get("steps") or {}
+        e, m = steps.get("epochs"), steps.get("mini_batches")
         yield Problem("step.structure", "config", f"epochs {e!r} and mini_batches {m!r}")
         return
+    e, m = structure
     for k, rec in enumerate(ctx.manifest.steps):
         if rec.batch is None and e * m == 1:
             continue
