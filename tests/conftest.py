@@ -7,6 +7,9 @@ Fixtures are small on purpose (the whole suite runs on a 2-core machine in under
 - ``synth_path``: that table written to ``tmp_path / "synth.parquet"``.
 - ``write_parquet(data, name="data.parquet")``: write a pyarrow Table or a dict of columns under
   ``tmp_path`` and return the path (sub-folders in ``name`` are created).
+- ``small_pools``: the worker pools of ``pack --workers`` (`rolltool.workers`, `rolltool.pool`)
+  used even for the small example input (their size thresholds lowered), and a fixed
+  ``created_at`` (SOURCE_DATE_EPOCH), so that runs compare byte for byte.
 - ``run_cli(*args)``: run the ``rolltool`` click CLI in-process; returns click's Result with
   ``stdout`` and ``stderr`` apart. An exception other than SystemExit escaping the CLI (what a
   user would see as a traceback) fails the test at once.
@@ -91,3 +94,16 @@ def run_cli() -> RunCli:
         return result
 
     return run
+
+
+@pytest.fixture
+def small_pools(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two local workers really plan and pack the small example (see the module docstring)."""
+    from rolltool import pool, workers
+
+    monkeypatch.setattr(workers, "MIN_BATCHES", 2)
+    monkeypatch.setattr(workers, "MIN_SAMPLES", 0)
+    monkeypatch.setattr(pool, "MIN_TOKENS", 0)
+    monkeypatch.setattr(pool, "MIN_WORKERS", 2)
+    monkeypatch.setattr(pool, "MIN_STEPS_PER_WORKER", 1)
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")

@@ -73,6 +73,7 @@ def test_a_sample_not_in_the_bucket_is_refused(reader: TokenReader, tmp_path: Pa
         buckets.fetch(0, np.array([4]))
 
 
+@pytest.mark.usefixtures("small_pools")
 @pytest.mark.parametrize("workers", [1, 2])
 def test_pack_through_the_exchange_writes_the_same_files(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workers: int
@@ -80,14 +81,10 @@ def test_pack_through_the_exchange_writes_the_same_files(
     """Forced onto the exchange path (threshold 0), pack writes the same shards and
     samples.parquet as the direct path, records the path, and leaves no bucket behind."""
     from rolltool import pack as pack_module
-    from rolltool import pool
     from rolltool.config import PackConfig
     from rolltool.pack import run_pack
     from rolltool.verify import run_verify
 
-    monkeypatch.setattr(pool, "MIN_TOKENS", 0)
-    monkeypatch.setattr(pool, "MIN_WORKERS", 2)
-    monkeypatch.setattr(pool, "MIN_STEPS_PER_WORKER", 1)
     src = tmp_path / "in.parquet"
     pq.write_table(pq.read_table(EXAMPLE), src, row_group_size=40)
     config = PackConfig.from_options(dp=2, batch_size=16, order="shuffle", cache_mb=0,

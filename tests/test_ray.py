@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from rolltool import pool, ray_engine, workers
+from rolltool import pool, ray_engine
 from rolltool.cli import main
 from rolltool.config import OptionConflict, PackConfig
 from rolltool.errors import RolltoolError
@@ -55,15 +55,7 @@ def cluster() -> Iterator[None]:
             ray.shutdown()
 
 
-@pytest.fixture(autouse=True)
-def _pool_for_small_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """As tests/test_workers.py: two local workers really plan and pack the small example."""
-    monkeypatch.setattr(workers, "MIN_BATCHES", 2)
-    monkeypatch.setattr(workers, "MIN_SAMPLES", 0)
-    monkeypatch.setattr(pool, "MIN_TOKENS", 0)
-    monkeypatch.setattr(pool, "MIN_WORKERS", 2)
-    monkeypatch.setattr(pool, "MIN_STEPS_PER_WORKER", 1)
-    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
+pytestmark = pytest.mark.usefixtures("small_pools")
 
 
 def pack_with(tmp_path: Path, name: str, config: PackConfig, **kw: object) -> Path:

@@ -29,14 +29,7 @@ def files(root: Path) -> dict[str, bytes]:
     }
 
 
-@pytest.fixture(autouse=True)
-def _pool_for_small_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(workers, "MIN_BATCHES", 2)
-    monkeypatch.setattr(workers, "MIN_SAMPLES", 0)
-    monkeypatch.setattr(pool, "MIN_TOKENS", 0)
-    monkeypatch.setattr(pool, "MIN_WORKERS", 2)
-    monkeypatch.setattr(pool, "MIN_STEPS_PER_WORKER", 1)
-    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
+pytestmark = pytest.mark.usefixtures("small_pools")
 
 
 @pytest.mark.parametrize(
