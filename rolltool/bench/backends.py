@@ -62,43 +62,25 @@ class Backend:
 
 def _sdpa(torch: Any) -> Backend:
     sdpa = torch.nn.functional.scaled_dot_product_attention
+    lower_right = _lower_right(torch)
+
+    def one(q: Any, k: Any, v: Any, **mask: Any) -> Any:
+        """One sequence (or block) through sdpa: [L, H, D] -> [1, H, L, D] and back."""
+        o = sdpa(*(x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)),
+                 enable_gqa=k.shape[1] != q.shape[1], **mask)  # fmt: skip
+        return o.squeeze(0).transpose(0, 1)
 
     def attend(q: Any, k: Any, v: Any, cu: Any, max_len: int, bounds: Sequence[int]) -> Any:
-        gqa = k.shape[1] != q.shape[1]
-        outs = []
-        for s, e in pairwise(bounds):
-            if e == s:
-                continue
-            # [L, H, D] -> [1, H, L, D] and back
-            o = sdpa(
-                q[s:e].transpose(0, 1).unsqueeze(0),
-                k[s:e].transpose(0, 1).unsqueeze(0),
-                v[s:e].transpose(0, 1).unsqueeze(0),
-                is_causal=True,
-                enable_gqa=gqa,
-            )
-            outs.append(o.squeeze(0).transpose(0, 1))
+        outs = [one(q[s:e], k[s:e], v[s:e], is_causal=True) for s, e in pairwise(bounds) if e > s]
         return torch.cat(outs, dim=0)
-
-    lower_right = _lower_right(torch)
 
     def blocks(q: Any, k: Any, v: Any, q_cu: Any, k_cu: Any, max_q: int, max_k: int,
                q_bounds: Sequence[int], k_bounds: Sequence[int]) -> Any:  # fmt: skip
-        gqa = k.shape[1] != q.shape[1]
-        outs = []
-        for (qs, qe), (ks, ke) in zip(pairwise(q_bounds), pairwise(k_bounds), strict=True):
-            m, n = qe - qs, ke - ks
-            if m == 0:
-                continue
-            mask = lower_right(m, n, q.device)
-            o = sdpa(
-                q[qs:qe].transpose(0, 1).unsqueeze(0),
-                k[ks:ke].transpose(0, 1).unsqueeze(0),
-                v[ks:ke].transpose(0, 1).unsqueeze(0),
-                attn_mask=mask,
-                enable_gqa=gqa,
-            )
-            outs.append(o.squeeze(0).transpose(0, 1))
+        outs = [
+            one(q[qs:qe], k[ks:ke], v[ks:ke], attn_mask=lower_right(qe - qs, ke - ks, q.device))
+            for (qs, qe), (ks, ke) in zip(pairwise(q_bounds), pairwise(k_bounds), strict=True)
+            if qe > qs
+        ]
         return torch.cat(outs, dim=0)
 
     return Backend(
