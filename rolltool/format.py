@@ -206,16 +206,21 @@ class StepRecord(StepCounts):
 
 @dataclass(frozen=True, kw_only=True)
 class ReadRecord:
-    """The plan's reads of the input's token columns (`rolltool.readplan.ReadPlan`), and the
+    """The plan's reads of the input's token columns (`rolltool.readplan.read_plan`), and the
     path the run took: ``direct`` (fetch step by step) or ``exchange`` (the input read once into
     step buckets, `rolltool.exchange`)."""
 
     path: str = "direct"
     needed_bytes: int
+    """The trained samples' share of their row groups' compressed token-column bytes."""
     read_bytes: int
+    """What fetching step by step reads without a cache (the last decoded row group kept)."""
     cached_read_bytes: int
+    """The same with the ``--cache-mb`` cache (an LRU model of it, filled by the scan first)."""
     amplification: float
+    """read_bytes / needed_bytes (1.0 with nothing needed)."""
     cached_amplification: float
+    """cached_read_bytes / needed_bytes."""
     row_group_reads: int
     row_groups: int
 

@@ -44,7 +44,7 @@ from rolltool.outputs import check_target
 from rolltool.pool import Job, Packed, pack_steps
 from rolltool.pool import worth_it as pool_worth_it
 from rolltool.ray_engine import ENGINES
-from rolltool.readplan import ReadPlan, read_plan
+from rolltool.readplan import read_plan
 from rolltool.schedule import PlannedStep, Schedule, schedule
 from rolltool.schema import Rollouts, scan
 from rolltool.source import invert_mapping, resolve_inputs
@@ -123,7 +123,7 @@ def run_pack(
                 *_read_warning(reads, config, via),
             ]
             record = manifest_record(ro, plan, config, workload, steps, warnings, columns, command)
-            record = dataclasses.replace(record, reads=_read_record(reads, via))
+            record = dataclasses.replace(record, reads=dataclasses.replace(reads, path=via))
             return writer.finish(record)
 
 
@@ -283,27 +283,14 @@ EXCHANGE_CHOICES = ("auto", "always", "never")
 """``--exchange``: take the exchange path from `EXCHANGE_AT` on, always, or never."""
 
 
-def _path(choice: str, reads: ReadPlan) -> str:
+def _path(choice: str, reads: ReadRecord) -> str:
     """``"exchange"`` or ``"direct"`` for ``--exchange`` `choice` and the plan's reads."""
     if choice == "auto":
         return "exchange" if reads.cached_amplification >= EXCHANGE_AT else "direct"
     return "exchange" if choice == "always" else "direct"
 
 
-def _read_record(reads: ReadPlan, via: str) -> ReadRecord:
-    return ReadRecord(
-        path=via,
-        needed_bytes=reads.needed_bytes,
-        read_bytes=reads.read_bytes,
-        cached_read_bytes=reads.cached_read_bytes,
-        amplification=reads.amplification,
-        cached_amplification=reads.cached_amplification,
-        row_group_reads=reads.row_group_reads,
-        row_groups=reads.row_groups,
-    )
-
-
-def _read_warning(reads: ReadPlan, config: PackConfig, via: str) -> list[str]:
+def _read_warning(reads: ReadRecord, config: PackConfig, via: str) -> list[str]:
     """What the exchange path saved, when the plan's steps are so scattered that fetching them
     would have read the input many times over (`rolltool.readplan`)."""
     if via != "exchange" or reads.cached_amplification < EXCHANGE_AT:

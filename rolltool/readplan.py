@@ -24,31 +24,10 @@ amplification 1.5.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
-
-@dataclass(frozen=True, kw_only=True)
-class ReadPlan:
-    """What fetching a plan's steps reads (see the module docstring)."""
-
-    needed_bytes: int
-    read_bytes: int
-    """Without a cache (only the last decoded row group kept)."""
-    cached_read_bytes: int
-    """With the ``--cache-mb`` cache (an LRU model of it, filled by the scan first)."""
-    row_group_reads: int
-    row_groups: int
-
-    @property
-    def amplification(self) -> float:
-        return self.read_bytes / self.needed_bytes if self.needed_bytes else 1.0
-
-    @property
-    def cached_amplification(self) -> float:
-        return self.cached_read_bytes / self.needed_bytes if self.needed_bytes else 1.0
-
+from rolltool.format import ReadRecord
 
 DECODED_BYTES_PER_TOKEN = 9
 """A decoded row group in the reader's cache: int32 id, uint8 mask, float32 logprob per token."""
@@ -60,11 +39,12 @@ def read_plan(
     lengths: np.ndarray,
     steps: Sequence[np.ndarray],
     cache_bytes: int = 0,
-) -> ReadPlan:
+) -> ReadRecord:
     """The plan's reads: `block_starts` ([B] first sample of each row group, over the ordered
     input), `block_bytes` ([B] its token columns' compressed bytes), `lengths` ([n] tokens per
     sample), `steps` (each step's sample indices, in fetch order); `cache_bytes` the reader's
-    cache (`DECODED_BYTES_PER_TOKEN` per token).
+    cache (`DECODED_BYTES_PER_TOKEN` per token). The manifest's record of it (its ``path``,
+    direct or exchange, is the caller's to set).
 
     >>> starts, size = np.array([0, 10]), np.array([100, 100])
     >>> steps = [np.r_[0:5, 10:15], np.r_[5:10, 15:20]]
@@ -93,10 +73,12 @@ def read_plan(
         cached += int(sum(block_bytes[b] for b in fresh.tolist() if not cache.hit(b)))
         if len(touched):
             last = int(touched[-1])  # the reader decodes in block order and keeps the last
-    return ReadPlan(
+    return ReadRecord(
         needed_bytes=round(needed),
         read_bytes=read,
         cached_read_bytes=cached,
+        amplification=read / needed if needed else 1.0,
+        cached_amplification=cached / needed if needed else 1.0,
         row_group_reads=reads,
         row_groups=len(block_starts),
     )
