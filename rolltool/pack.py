@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime as dt
+import functools
 import os
 import shutil
 import sys
@@ -41,7 +42,7 @@ from rolltool.format import (
 from rolltool.layout import SampleTokens, step_rows
 from rolltool.loss import LOSS_AGGS
 from rolltool.outputs import check_target
-from rolltool.pool import Job, Packed, pack_steps
+from rolltool.pool import Job, Packed, pack_steps, step_tokens
 from rolltool.pool import worth_it as pool_worth_it
 from rolltool.ray_engine import ENGINES
 from rolltool.readplan import read_plan
@@ -191,11 +192,7 @@ def _pack_all(
             writer, reader, steps, config, lambda s, job: pack_steps(s, job, workers), wrap,
             buckets,
         )  # fmt: skip
-    fetch = (
-        (lambda st: buckets.fetch(st.index, st.members[st.order]))
-        if buckets is not None
-        else (lambda st: reader.fetch(st.members[st.order]))
-    )
+    fetch = functools.partial(step_tokens, reader, buckets)
     return [
         write_step(writer, st, tokens, config)
         for st, tokens in wrap(prefetch(fetch, steps), len(steps), "packing steps")

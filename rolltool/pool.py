@@ -71,10 +71,16 @@ class Job:
     """With the exchange path (`rolltool.exchange`): steps read their tokens from these."""
 
     def fetch(self, reader: TokenReader, st: PlannedStep) -> SampleTokens:
-        """Step `st`'s tokens in row order: from its bucket, or from the input."""
-        if self.buckets is not None:
-            return self.buckets.fetch(st.index, st.members[st.order])
-        return reader.fetch(st.members[st.order])
+        """Step `st`'s tokens in row order (`step_tokens`)."""
+        return step_tokens(reader, self.buckets, st)
+
+
+def step_tokens(reader: TokenReader, buckets: Buckets | None, st: PlannedStep) -> SampleTokens:
+    """Step `st`'s tokens in row order: from its bucket on the exchange path, else from the
+    input; what every engine packs a step from."""
+    if buckets is not None:
+        return buckets.fetch(st.index, st.members[st.order])
+    return reader.fetch(st.members[st.order])
 
 
 @dataclass(frozen=True)
