@@ -292,3 +292,14 @@ def test_a_partial_last_batch_over_epochs_verifies(ppo_input: Path, tmp_path: Pa
     ]
     assert sum(s["status"] == "partial" for s in m["steps"]) == 4
     assert cli("verify", out).exit_code == 0
+
+
+def test_mini_batches_and_epochs_must_be_positive(ppo_input: Path, tmp_path: Path) -> None:
+    from rolltool.steps import StepConfig
+
+    for flag in ("--mini-batches", "--epochs"):
+        r = cli("pack", ppo_input, "-o", tmp_path / "x", "--dp", 2, flag, 0)
+        assert r.exit_code == 2 and flag in r.stderr and "Traceback" not in r.stderr
+        assert not (tmp_path / "x").exists()
+    with pytest.raises(RolltoolError, match="--epochs must be at least 1, got 0"):
+        StepConfig(batch_size=8, epochs=0)
