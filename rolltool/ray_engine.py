@@ -24,6 +24,11 @@ naming the steps; the run's temporary directory is then removed (nothing looks c
 error of rolltool's own (e.g. --equal-count, an input changed) is not retried and is raised as
 the local engine raises it.
 
+Memory: at most `RayEngine.window` tasks (``WINDOW_PER_CPU`` per cluster CPU) are submitted
+and not yet collected at any time (`in_order`: the next chunk is submitted as the oldest one's
+result is taken, in order), and a chunk holds at most ``MAX_CHUNK`` items, so the driver and
+the object store hold O(window x chunk) of arguments and results, not the whole run's.
+
 Ray is imported only here, and only when this engine is used (``pip install 'rolltool[ray]'``).
 """
 
@@ -31,12 +36,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import os
 import socket
-from collections.abc import Callable, Iterator, Sequence
+from collections import deque
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from rolltool.errors import RolltoolError
 from rolltool.workers import spans
@@ -50,7 +57,11 @@ ENGINES = ("local", "ray")
 RETRIES = 3
 """Times a failed task is run again (a dead worker, an OSError) before the run stops."""
 CHUNKS_PER_CPU = 4
-"""Batches and steps are cut into about this many contiguous chunks per cluster CPU."""
+"""Batches and steps are cut into at least this many contiguous chunks per cluster CPU ..."""
+MAX_CHUNK = 32
+"""... of at most this many items (batches, steps, files) each."""
+WINDOW_PER_CPU = 2
+"""Tasks submitted and not yet collected, per cluster CPU (`RayEngine.window`)."""
 CRASH_FOR_TESTS = "ROLLTOOL_TEST_RAY_CRASH"
 """Test-only (tests/test_ray.py): when set in the driver's environment, a pack task dies
 (``os._exit``) right after writing its first step, its first shard cut in half, as a killed
@@ -58,6 +69,7 @@ worker would leave it: ``once:PATH`` only the first attempt to create PATH, ``al
 attempt. Never set it otherwise."""
 REACH_TIMEOUT = 10.0
 """Seconds to wait for a cluster's head to accept a connection."""
+A = TypeVar("A")
 SHARED_FS_HINT = (
     "on a cluster of several machines the inputs and the output's parent must be on a "
     "filesystem every node mounts at the same path"
@@ -69,25 +81,39 @@ class RayEngine:
     """A connected Ray cluster and how the run uses it."""
 
     cpus: int
-    """The cluster's CPUs: work is cut into ``CHUNKS_PER_CPU x cpus`` chunks."""
+    """The cluster's CPUs: work is cut into at least ``CHUNKS_PER_CPU x cpus`` chunks."""
+    tasks_in_flight: int = 0
+    """Most tasks submitted and not yet collected; 0: ``WINDOW_PER_CPU x cpus`` (at least 2)."""
 
-    def map_in_order(self, fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
+    @property
+    def window(self) -> int:
+        return self.tasks_in_flight or max(WINDOW_PER_CPU * self.cpus, 2)
+
+    def chunks(self, n: int) -> list[tuple[int, int]]:
+        """``[a, b)`` bounds of the contiguous chunks ``n`` items are cut into."""
+        return spans(n, max(self.cpus * CHUNKS_PER_CPU, -(-n // MAX_CHUNK)))
+
+    def map_in_order(
+        self, fn: Callable[[Any], Any], items: Sequence[Any], what: str = "planning batches"
+    ) -> list[Any]:
         """``[fn(x) for x in items]`` computed by Ray tasks over contiguous chunks, in order
-        (`rolltool.schedule.schedule`'s ``mapper``)."""
+        (`rolltool.schedule.schedule`'s ``mapper``; any ``Mapper``). `what` names the work in
+        the error of a task that keeps failing."""
         import ray
 
         task = ray.remote(_map_chunk).options(max_retries=RETRIES, retry_exceptions=[OSError])
         fn_ref = ray.put(fn)
-        parts = spans(len(items), self.cpus * CHUNKS_PER_CPU)
-        refs = [task.remote(fn_ref, list(items[a:b])) for a, b in parts]
-        try:
-            return [
-                y
-                for (a, b), ref in zip(parts, refs, strict=True)
-                for y in _get(ref, f"planning batches {a}-{b - 1}")
-            ]
-        finally:
-            _cancel(refs)
+
+        def submit(span: tuple[int, int]) -> Any:
+            return task.remote(fn_ref, list(items[span[0] : span[1]]))
+
+        def named(span: tuple[int, int]) -> str:
+            return f"{what} {span[0]}-{span[1] - 1}"
+
+        with contextlib.closing(
+            in_order(submit, self.chunks(len(items)), self.window, named)
+        ) as got:
+            return [y for chunk in got for y in chunk]
 
     def pack_steps(self, steps: Sequence[PlannedStep], job: Job) -> Iterator[Packed]:
         """Every step packed by Ray tasks, yielded in step order (see the module docstring).
@@ -98,13 +124,37 @@ class RayEngine:
         share = dataclasses.replace(job, cache_bytes=job.cache_bytes // self.cpus)
         job_ref = ray.put(share)
         crash = os.environ.get(CRASH_FOR_TESTS)
-        chunks = [list(steps[a:b]) for a, b in spans(len(steps), self.cpus * CHUNKS_PER_CPU)]
-        refs = [task.remote(job_ref, chunk, crash) for chunk in chunks]
-        try:
-            for chunk, ref in zip(chunks, refs, strict=True):
-                yield from _get(ref, f"packing {_steps_named(chunk)}")
-        finally:
-            _cancel(refs)
+        chunks = [list(steps[a:b]) for a, b in self.chunks(len(steps))]
+
+        def submit(chunk: list[PlannedStep]) -> Any:
+            return task.remote(job_ref, chunk, crash)
+
+        def named(chunk: list[PlannedStep]) -> str:
+            return f"packing {_steps_named(chunk)}"
+
+        with contextlib.closing(in_order(submit, chunks, self.window, named)) as got:
+            for done in got:
+                yield from done
+
+
+def in_order(
+    submit: Callable[[A], Any], args: Iterable[A], window: int, named: Callable[[A], str]
+) -> Generator[Any, None, None]:
+    """Each ``submit(a)``'s result (`submit` starts a Ray task and returns its ref), in the
+    order of `args`, with at most `window` tasks submitted and not yet collected: the next is
+    submitted when the oldest one's result has been taken (`_get`; `named(a)` names it in an
+    error). Closing the iterator early cancels the tasks still running."""
+    todo = iter(args)
+    pending: deque[tuple[A, Any]] = deque((a, submit(a)) for a in itertools.islice(todo, window))
+    try:
+        while pending:
+            a, ref = pending[0]
+            result = _get(ref, named(a))
+            pending.popleft()
+            pending.extend((b, submit(b)) for b in itertools.islice(todo, 1))
+            yield result
+    finally:
+        _cancel([ref for _, ref in pending])
 
 
 @contextlib.contextmanager

@@ -102,6 +102,43 @@ def test_same_bytes_on_ray(
     assert seen["batches"] == list(range(len(seen["batches"]))) and seen["batches"]
 
 
+@pytest.mark.parametrize("per_cpu", [1, 3])
+def test_tasks_in_flight_stay_within_the_window(
+    cluster: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, per_cpu: int
+) -> None:
+    """One step (or batch) per task: at no time are more than ``window`` tasks submitted and
+    not yet collected (counted at every submission, not timed), the window is filled, and the
+    bytes are the one-process run's."""
+    window = max(2, 2 * per_cpu)  # the cluster has 2 CPUs
+    count = {"submitted": 0, "collected": 0, "peak": 0}
+    real_in_order, real_get = ray_engine.in_order, ray_engine._get
+
+    def spy_in_order(submit, args, window, named):  # type: ignore[no-untyped-def]
+        def counted(a):  # type: ignore[no-untyped-def]
+            count["submitted"] += 1
+            count["peak"] = max(count["peak"], count["submitted"] - count["collected"])
+            return submit(a)
+
+        return real_in_order(counted, args, window, named)
+
+    def spy_get(ref, what):  # type: ignore[no-untyped-def]
+        got = real_get(ref, what)
+        count["collected"] += 1
+        return got
+
+    monkeypatch.setattr(ray_engine, "in_order", spy_in_order)
+    monkeypatch.setattr(ray_engine, "_get", spy_get)
+    monkeypatch.setattr(ray_engine, "MAX_CHUNK", 1)
+    monkeypatch.setattr(ray_engine, "WINDOW_PER_CPU", per_cpu)
+    config = PackConfig.from_options(dp=2, batch_size=16, order="completion")
+    local = files(pack_with(tmp_path, "local", config, workers=1))
+    on_ray = files(pack_with(tmp_path, "ray", config, engine="ray"))
+    steps = len(json.loads(local["manifest.json"])["steps"])
+    assert count["submitted"] == count["collected"] >= 2 * steps > 2 * window
+    assert count["peak"] == window
+    assert local == on_ray
+
+
 def test_the_exchange_path_on_ray(
     cluster: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
