@@ -19,26 +19,29 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
 from rolltool.advantages import AdvantageInput, compute_advantages, group_stats, reward_moments
 from rolltool.config import PackConfig
 from rolltool.errors import RolltoolError
-from rolltool.format import Denominators, PlanRecord, StepCounts, StepRecord
+from rolltool.format import STATUSES, Denominators, PlanRecord, StepCounts, StepRecord
 from rolltool.loss import sample_weights, step_denominators
 from rolltool.minibatches import epoch_groups, sample_units, split_epoch
 from rolltool.partition import StepPlan, plan_step
 from rolltool.schema import Rollouts
 from rolltool.steps import Assembly, Groups, Step, assemble
-from rolltool.workers import map_in_order, worth_it
+from rolltool.workers import iter_in_order, worth_it
 from rolltool.workload import Workload
 
 Mapper = Callable[[Callable[[Any], Any], Sequence[Any]], list[Any]]
 """``mapper(fn, items) == [fn(x) for x in items]``, computed anywhere, returned in order."""
+
+STATUS_CODE = {name: np.int8(i) for i, name in enumerate(STATUSES)}
+"""A sample's status as the driver stores it: its index in ``STATUSES`` (one byte)."""
 
 WHITENING = {"reinforce_pp_baseline"}
 
@@ -87,22 +90,194 @@ class PlannedStep:
 
 
 @dataclass(frozen=True)
-class Schedule:
-    """The whole run's plan. Arrays have one entry per samples.parquet row: E x n for E
-    ``epochs`` (row ``e * n + i`` is sample i in epoch e), so n without --epochs, indexed by
-    sample_index."""
+class GroupIndex:
+    """Each group's sample indices in input order, in one CSR array (no per-group objects):
+    group g's samples are ``order[starts[g]:starts[g + 1]]``.
 
-    steps: list[PlannedStep]  # the kept steps, in order
+    >>> ix = GroupIndex.of(np.array([1, 0, 1, 0, 2]), 3)
+    >>> ix[1].tolist(), ix.samples(np.array([2, 0])).tolist()
+    ([0, 2], [4, 1, 3])
+    """
+
+    order: np.ndarray  # [n] int32 (int64 from 2**31 samples): samples sorted by group, stably
+    starts: np.ndarray  # [G+1] int64 offsets into ``order``
+
+    @staticmethod
+    def of(group: np.ndarray, num_groups: int) -> GroupIndex:
+        order = np.argsort(group, kind="stable").astype(_index_dtype(len(group)))
+        starts = np.zeros(num_groups + 1, dtype=np.int64)
+        np.cumsum(np.bincount(group, minlength=num_groups), out=starts[1:])
+        return GroupIndex(order, starts)
+
+    def __getitem__(self, g: int) -> np.ndarray:
+        """[k] int64 samples of group g, in input order."""
+        return self.order[self.starts[g] : self.starts[g + 1]].astype(np.int64)
+
+    def samples(self, groups: np.ndarray) -> np.ndarray:
+        """[k] int64 sample indices of `groups` (group codes), group after group."""
+        groups = np.asarray(groups, dtype=np.int64)
+        lo, hi = self.starts[groups], self.starts[groups + 1]
+        counts = hi - lo
+        first = np.cumsum(counts) - counts  # where each group's run starts in the output
+        at = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(lo - first, counts)
+        return self.order[at].astype(np.int64)
+
+
+def _index_dtype(n: int) -> type[np.signedinteger]:
+    """int32 for indices below 2**31, else int64."""
+    return np.int32 if n < 2**31 else np.int64
+
+
+@dataclass(frozen=True)
+class StepOutline:
+    """What the driver keeps of a planned step beside `Schedule`'s flat arrays: its record,
+    plan summary and micro-batch sizes; its samples are `Schedule.rows`' run for the step."""
+
+    index: int
+    record: StepRecord
+    plan: StepPlan  # ``micro_batches`` empty: rebuilt from ``sizes`` by `Schedule.steps`
+    sizes: np.ndarray  # [dp, M] int32 samples in each micro-batch
+    uniform_dropped: np.ndarray  # as `PlannedStep`'s
+    overlong_dropped: np.ndarray
+    count_trimmed: np.ndarray
+    cut: str
+
+    @staticmethod
+    def of(st: PlannedStep) -> StepOutline:
+        sizes = np.array([[len(m) for m in mbs] for mbs in st.plan.micro_batches], np.int32)
+        return StepOutline(
+            index=st.index,
+            record=st.record,
+            plan=dataclasses.replace(st.plan, micro_batches=[]),
+            sizes=sizes.reshape(st.plan.dp, st.plan.num_micro_batches),
+            uniform_dropped=st.uniform_dropped,
+            overlong_dropped=st.overlong_dropped,
+            count_trimmed=st.count_trimmed,
+            cut=st.cut,
+        )
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The whole run's plan, as flat arrays (no per-sample or per-group Python objects).
+
+    Per-sample arrays have one entry per samples.parquet row: E x n for E ``epochs`` (row
+    ``e * n + i`` is sample i in epoch e), so n without --epochs, indexed by sample_index.
+    ``rows[row_starts[s]:row_starts[s + 1]]`` are kept step s's trained samples in the order
+    its rows hold them (rank 0's micro-batches first; ``outlines[s].sizes`` cut them into
+    micro-batches). `steps` gives each step as a `PlannedStep`, built on access; ``status``,
+    ``step``, ``rank`` and ``micro_batch`` give the samples.parquet columns, also on access.
+    About 21 bytes per row (see `nbytes`).
+    """
+
+    outlines: list[StepOutline]  # the kept steps, in order
     assembly: Assembly  # how groups formed the batches (leftovers, dropped partial batch)
-    status: np.ndarray  # [E*n] object: one of STATUSES
-    step: np.ndarray  # [E*n] int64 step a sample went to (or was dropped in), -1 if none
-    rank: np.ndarray  # [E*n] int64, -1 if not trained
-    micro_batch: np.ndarray  # [E*n] int64, -1 if not trained
+    status_code: np.ndarray  # [E*n] int8: index into STATUSES (`STATUS_CODE`)
+    step_code: np.ndarray  # [E*n] int32 step a sample went to (or was dropped in), -1 if none
     advantage: np.ndarray  # [E*n] float32 (whitened over the batch where the estimator whitens)
     weight: np.ndarray  # [E*n] float64 loss weight of each trainable token, 0 if not trained
+    rows: np.ndarray  # [T] int32 (int64 from 2**31 samples): trained samples, step after step
+    row_starts: np.ndarray  # [S+1] int64 offsets of each step's run in ``rows``
     advantages: GroupAdvantages
     epochs: int = 1
     warnings: list[str] = field(default_factory=list)  # for people: what the plan had to do
+
+    @property
+    def num_samples(self) -> int:
+        """n, the input's samples (``len(status_code) // epochs``)."""
+        return len(self.status_code) // self.epochs
+
+    @property
+    def steps(self) -> PlannedSteps:
+        """The kept steps, in order, each a `PlannedStep` built from the flat arrays."""
+        return PlannedSteps(self)
+
+    @property
+    def status(self) -> np.ndarray:
+        """[E*n] object: each row's status name (one of STATUSES)."""
+        return np.array(STATUSES, dtype=object)[self.status_code]
+
+    @property
+    def step(self) -> np.ndarray:
+        """[E*n] int64 step a sample went to (or was dropped in), -1 if none."""
+        return self.step_code.astype(np.int64)
+
+    @property
+    def rank(self) -> np.ndarray:
+        """[E*n] int64 rank of each trained row, -1 if not trained."""
+        return self._slots()[0]
+
+    @property
+    def micro_batch(self) -> np.ndarray:
+        """[E*n] int64 micro-batch (on its rank) of each trained row, -1 if not trained."""
+        return self._slots()[1]
+
+    def _slots(self) -> tuple[np.ndarray, np.ndarray]:
+        rank = np.full(len(self.status_code), -1, dtype=np.int64)
+        mb = np.full(len(self.status_code), -1, dtype=np.int64)
+        for s, o in enumerate(self.outlines):
+            at = (
+                o.record.epoch * self.num_samples
+                + self.rows[self.row_starts[s] : self.row_starts[s + 1]]
+            )
+            dp, m = o.sizes.shape
+            rank[at] = np.repeat(np.arange(dp).repeat(m), o.sizes.ravel())
+            mb[at] = np.repeat(np.tile(np.arange(m), dp), o.sizes.ravel())
+        return rank, mb
+
+    def planned(self, s: int) -> PlannedStep:
+        """Kept step s as a `PlannedStep`: ``members`` in row order, so ``order`` is
+        ``arange`` and each micro-batch a run of consecutive positions."""
+        o = self.outlines[s]
+        members = self.rows[self.row_starts[s] : self.row_starts[s + 1]].astype(np.int64)
+        at = o.record.epoch * self.num_samples + members
+        dp, m = o.sizes.shape
+        runs = np.split(np.arange(len(members), dtype=np.int64), np.cumsum(o.sizes.ravel())[:-1])
+        return PlannedStep(
+            index=o.index,
+            members=members,
+            advantage=self.advantage[at],
+            weight=self.weight[at],
+            plan=dataclasses.replace(
+                o.plan, micro_batches=[runs[r * m : (r + 1) * m] for r in range(dp)]
+            ),
+            record=o.record,
+            uniform_dropped=o.uniform_dropped,
+            overlong_dropped=o.overlong_dropped,
+            count_trimmed=o.count_trimmed,
+            cut=o.cut,
+        )
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the per-sample and per-row arrays (what grows with the input)."""
+        flat = (self.status_code, self.step_code, self.advantage, self.weight, self.rows)
+        return sum(a.nbytes for a in flat) + self.advantages.value.nbytes
+
+
+class PlannedSteps(Sequence[PlannedStep]):
+    """`Schedule.steps`: a sequence of `PlannedStep`, each built when it is read (a slice is a
+    list), so the driver keeps only the flat arrays."""
+
+    def __init__(self, plan: Schedule) -> None:
+        self._plan = plan
+
+    def __len__(self) -> int:
+        return len(self._plan.outlines)
+
+    @overload
+    def __getitem__(self, i: int) -> PlannedStep: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[PlannedStep]: ...
+    def __getitem__(self, i: int | slice) -> PlannedStep | list[PlannedStep]:
+        if isinstance(i, slice):
+            return [self._plan.planned(s) for s in range(*i.indices(len(self)))]
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        return self._plan.planned(i % len(self))
+
+    def __iter__(self) -> Iterator[PlannedStep]:
+        return (self._plan.planned(s) for s in range(len(self)))
 
 
 def schedule(
@@ -117,7 +292,8 @@ def schedule(
     """Plan the run (see the module docstring); `given`: the input's own advantages, if any;
     `workers`: processes that plan batches (`rolltool.workers`: the same plan however many);
     `mapper(fn, batches)`: another way to compute ``[fn(b) for b in batches]`` in order (e.g.
-    on Ray, `rolltool.ray_engine`), used instead of the worker processes."""
+    on Ray, `rolltool.ray_engine`), used instead of the worker processes. Each planned step is
+    folded into the flat arrays as it arrives, so the driver never holds every step's arrays."""
     adv = group_advantages(ro, config, given)
     too_long = over_budget(ro, config)
     groups = _groups(ro, ~too_long, adv.uniform)
@@ -128,25 +304,41 @@ def schedule(
             f"{config.steps.batch_unit}",
             hint="lower --batch-size, or pass --keep-last to keep a partial step",
         )
-    in_group = _by_group(ro)
+    in_group = GroupIndex.of(ro.group, ro.num_groups)
     plan = functools.partial(_plan_batch, ro, config, workload, adv, in_group, too_long, groups.env)
     if mapper is None:
         use = workers if worth_it(workers, len(assembly.steps), ro.num_samples) else 1
-        mapper = functools.partial(map_in_order, workers=use)
-    steps = [st for planned in mapper(plan, assembly.steps) for st in planned]
+        results: Iterable[list[PlannedStep]] = iter_in_order(plan, assembly.steps, use)
+    else:
+        results = mapper(plan, assembly.steps)
+    flat = placement(ro, assembly, in_group, too_long, adv.value, config.steps.epochs)
+    outlines = [flat.add(st) for st in _drain(results)]
     return Schedule(
-        steps=steps,
+        outlines=outlines,
         assembly=assembly,
         advantages=adv,
         epochs=config.steps.epochs,
         warnings=[
-            *_thin_steps(steps, config.dp),
-            *_trim_warning(steps, config.dp),
-            *_cut_warning(steps, config.steps.mini_batches),
-            *filter(None, [step_size_warning([s.record for s in steps], config.steps.batch_unit)]),
+            *_thin_steps(outlines, config.dp),
+            *_trim_warning(outlines, config.dp),
+            *_cut_warning(outlines, config.steps.mini_batches),
+            *filter(
+                None, [step_size_warning([s.record for s in outlines], config.steps.batch_unit)]
+            ),
         ],
-        **placement(ro, assembly, in_group, too_long, steps, adv.value, config.steps.epochs),
+        **flat.arrays(),
     )
+
+
+def _drain(results: Iterable[list[PlannedStep]]) -> Iterator[PlannedStep]:
+    """Every step of every batch's result, in order; a list's entries are let go once read."""
+    if not isinstance(results, list):
+        for batch in results:
+            yield from batch
+        return
+    for i, batch in enumerate(results):
+        results[i] = None
+        yield from batch
 
 
 def _plan_batch(
@@ -154,7 +346,7 @@ def _plan_batch(
     config: PackConfig,
     workload: Workload,
     adv: GroupAdvantages,
-    in_group: list[np.ndarray],
+    in_group: GroupIndex,
     too_long: np.ndarray,
     group_env: np.ndarray,
     batch: Step,
@@ -229,24 +421,22 @@ def plan_one_step(
     workload: Workload,
     adv: GroupAdvantages,
     step: Step,
-    in_group: list[np.ndarray],
+    in_group: GroupIndex,
     too_long: np.ndarray,
     group_env: np.ndarray,
 ) -> PlannedStep:
     """A batch that is one optimizer step: its trained samples, their advantages and loss
     weights, its partition plan and the record that explains its cost and gradient scale."""
-    all_members = _samples_of(step.groups, in_group)
+    all_members = in_group.samples(step.groups)
     kept = _equal_counts(~too_long[all_members], config, step.index)
-    overlong = np.concatenate(
-        [all_members[too_long[all_members]], _samples_of(step.skipped, in_group)]
-    )
+    overlong = np.concatenate([all_members[too_long[all_members]], in_group.samples(step.skipped)])
     advantage = _step_advantages(ro, config, adv, all_members, kept)
     trimmed = all_members[~too_long[all_members] & ~kept]
     if len(trimmed):
         step = _trimmed(ro, step, all_members[kept], config.steps.batch_unit)
     return _planned(
         ro, config, workload, step, all_members[kept], advantage, overlong, trimmed,
-        uniform=adv.uniform, dropped=_samples_of(step.dropped, in_group), group_env=group_env,
+        uniform=adv.uniform, dropped=in_group.samples(step.dropped), group_env=group_env,
         place=(step.index, 0, 0),
     )  # fmt: skip
 
@@ -257,7 +447,7 @@ def plan_batch(
     workload: Workload,
     adv: GroupAdvantages,
     batch: Step,
-    in_group: list[np.ndarray],
+    in_group: GroupIndex,
     too_long: np.ndarray,
     group_env: np.ndarray,
     first: int,
@@ -267,12 +457,12 @@ def plan_batch(
     per optimizer step its own loss weights, equal-count trim, plan and record. The batch's
     dropped and over-long samples are counted at each epoch's first mini-batch."""
     sc = config.steps
-    all_members = _samples_of(batch.groups, in_group)
+    all_members = in_group.samples(batch.groups)
     fits = ~too_long[all_members]
     advantage_of = np.zeros(ro.num_samples, dtype=np.float32)
     advantage_of[all_members[fits]] = _step_advantages(ro, config, adv, all_members, fits)
-    overlong = np.concatenate([all_members[~fits], _samples_of(batch.skipped, in_group)])
-    dropped, none = _samples_of(batch.dropped, in_group), np.zeros(0, np.int64)
+    overlong = np.concatenate([all_members[~fits], in_group.samples(batch.skipped)])
+    dropped, none = in_group.samples(batch.dropped), np.zeros(0, np.int64)
     out: list[PlannedStep] = []
     for epoch in range(sc.epochs):
         groups = epoch_groups(batch.groups, batch.index, epoch, sc.seed)
@@ -469,59 +659,83 @@ def _step_advantages(
     return np.where(whiten, sub.advantage[kept], base).astype(np.float32)
 
 
-def placement(
-    ro: Rollouts,
-    assembly: Assembly,
-    in_group: list[np.ndarray],
-    too_long: np.ndarray,
-    steps: list[PlannedStep],
-    advantage: np.ndarray,
-    epochs: int = 1,
-) -> dict[str, np.ndarray]:
-    """Where every sample went in every epoch (step, rank, micro-batch, advantage, weight), or
-    why it did not train (``status``): arrays of length epochs x n (see `Schedule`)."""
-    n = ro.num_samples
-    status = np.full(n, "leftover", dtype=object)
-    status[_samples_of(assembly.unweighted, in_group)] = "env_unweighted"
-    # Outside kept steps, a sample that could never train says why rather than "leftover":
-    # over-long anywhere, or in a uniform group the dropped partial step skipped.
-    if assembly.partial_dropped is not None:
-        status[_samples_of(assembly.partial_dropped.dropped, in_group)] = "uniform_dropped"
-    status[too_long & (status == "leftover")] = "overlong_dropped"
-    status = np.tile(status, epochs)
-    step_of = np.full(epochs * n, -1, dtype=np.int64)
-    rank_of = np.full(epochs * n, -1, dtype=np.int64)
-    mb_of = np.full(epochs * n, -1, dtype=np.int64)
-    weight = np.zeros(epochs * n, dtype=np.float64)
-    advantage = np.tile(advantage, epochs)
-    for st in steps:
-        at = st.epoch * n  # this epoch's rows
+@dataclass(frozen=True)
+class Placement:
+    """`Schedule`'s flat arrays while the steps arrive (`placement`, then `add` per step in
+    order, then `arrays`)."""
+
+    n: int  # input samples
+    status_code: np.ndarray
+    step_code: np.ndarray
+    advantage: np.ndarray
+    weight: np.ndarray
+    rows: np.ndarray  # [E*n] buffer; the first ``row_starts[-1]`` entries are filled
+    row_starts: list[int]
+
+    def add(self, st: PlannedStep) -> StepOutline:
+        """Where `st`'s samples went (a later step's fate overrides an earlier one's, as they
+        are added in step order); the outline the schedule keeps of it."""
+        at = st.epoch * self.n  # this epoch's rows
         for fate, idx in (
             ("uniform_dropped", st.uniform_dropped),
             ("overlong_dropped", st.overlong_dropped),
             ("count_trimmed", st.count_trimmed),
         ):
-            status[at + idx] = fate
-            step_of[at + idx] = st.index
-        for r, mbs in enumerate(st.plan.micro_batches):
-            for j, m in enumerate(mbs):
-                rank_of[at + st.members[m]] = r
-                mb_of[at + st.members[m]] = j
-        status[at + st.members] = "trained"
-        step_of[at + st.members] = st.index
-        weight[at + st.members] = st.weight
-        advantage[at + st.members] = st.advantage
-    return {
-        "status": status,
-        "step": step_of,
-        "rank": rank_of,
-        "micro_batch": mb_of,
-        "advantage": advantage,
-        "weight": weight,
-    }
+            self.status_code[at + idx] = STATUS_CODE[fate]
+            self.step_code[at + idx] = st.index
+        order = st.order
+        members = st.members[order]
+        self.status_code[at + members] = STATUS_CODE["trained"]
+        self.step_code[at + members] = st.index
+        self.weight[at + members] = st.weight[order]
+        self.advantage[at + members] = st.advantage[order]
+        start = self.row_starts[-1]
+        self.rows[start : start + len(members)] = members
+        self.row_starts.append(start + len(members))
+        return StepOutline.of(st)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """`Schedule`'s array fields."""
+        return {
+            "status_code": self.status_code,
+            "step_code": self.step_code,
+            "advantage": self.advantage,
+            "weight": self.weight,
+            "rows": self.rows[: self.row_starts[-1]],
+            "row_starts": np.array(self.row_starts, dtype=np.int64),
+        }
 
 
-def _cut_warning(steps: list[PlannedStep], mini_batches: int) -> list[str]:
+def placement(
+    ro: Rollouts,
+    assembly: Assembly,
+    in_group: GroupIndex,
+    too_long: np.ndarray,
+    advantage: np.ndarray,
+    epochs: int = 1,
+) -> Placement:
+    """The flat arrays before any step is added: every sample's fate outside the kept steps
+    (leftover, env_unweighted, or why it could never train), arrays of length epochs x n."""
+    n = ro.num_samples
+    code = np.full(n, STATUS_CODE["leftover"], dtype=np.int8)
+    code[in_group.samples(assembly.unweighted)] = STATUS_CODE["env_unweighted"]
+    # Outside kept steps, a sample that could never train says why rather than "leftover":
+    # over-long anywhere, or in a uniform group the dropped partial step skipped.
+    if assembly.partial_dropped is not None:
+        code[in_group.samples(assembly.partial_dropped.dropped)] = STATUS_CODE["uniform_dropped"]
+    code[too_long & (code == STATUS_CODE["leftover"])] = STATUS_CODE["overlong_dropped"]
+    return Placement(
+        n=n,
+        status_code=np.tile(code, epochs),
+        step_code=np.full(epochs * n, -1, dtype=np.int32),
+        advantage=np.tile(advantage.astype(np.float32, copy=False), epochs),
+        weight=np.zeros(epochs * n, dtype=np.float64),
+        rows=np.empty(epochs * n, dtype=_index_dtype(n)),
+        row_starts=[0],
+    )
+
+
+def _cut_warning(steps: list[StepOutline], mini_batches: int) -> list[str]:
     """Batches with fewer groups than --mini-batches: their groups span mini-batches."""
     split = sorted({st.record.batch or 0 for st in steps if st.cut != "groups"})
     if not split:
@@ -540,8 +754,8 @@ def _cut_warning(steps: list[PlannedStep], mini_batches: int) -> list[str]:
     ]
 
 
-def _thin_steps(steps: list[PlannedStep], dp: int) -> list[str]:
-    thin = [st.index for st in steps if len(st.members) < dp]
+def _thin_steps(steps: list[StepOutline], dp: int) -> list[str]:
+    thin = [st.index for st in steps if int(st.sizes.sum()) < dp]
     if not thin:
         return []
     return [
@@ -550,7 +764,7 @@ def _thin_steps(steps: list[PlannedStep], dp: int) -> list[str]:
     ]
 
 
-def _trim_warning(steps: list[PlannedStep], dp: int) -> list[str]:
+def _trim_warning(steps: list[StepOutline], dp: int) -> list[str]:
     trimmed = [st for st in steps if len(st.count_trimmed)]
     if not trimmed:
         return []
@@ -591,13 +805,6 @@ def plan_record(plan: StepPlan) -> PlanRecord:
     d["short"] = tuple(tuple(rc) for rc in d["short"])
     d["samples_per_rank"] = tuple(d["samples_per_rank"])
     return PlanRecord(**d)
-
-
-def _samples_of(groups: np.ndarray, in_group: list[np.ndarray]) -> np.ndarray:
-    """Sample indices of `groups` (group codes), group after group."""
-    if not len(groups):
-        return np.zeros(0, np.int64)
-    return np.concatenate([in_group[g] for g in groups]).astype(np.int64)
 
 
 def _groups(ro: Rollouts, trained: np.ndarray, uniform: np.ndarray) -> Groups:
@@ -681,13 +888,6 @@ def step_counts(
     out: dict[int | None, dict[str, Any]] = {None: counts(np.ones(len(members), bool), None)}
     out.update({e: counts(ro.env[members] == e, e) for e in env_ids})
     return out
-
-
-def _by_group(ro: Rollouts) -> list[np.ndarray]:
-    """Sample indices of each group, in input order."""
-    order = np.argsort(ro.group, kind="stable")
-    bounds = np.searchsorted(ro.group[order], np.arange(ro.num_groups + 1))
-    return [order[bounds[g] : bounds[g + 1]] for g in range(ro.num_groups)]
 
 
 def _check_rows_fit(plan: Any, lengths: np.ndarray, config: PackConfig, step: int) -> None:

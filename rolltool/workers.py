@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import multiprocessing
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any, TypeVar
 
@@ -48,8 +48,16 @@ def map_in_order(fn: Callable[[T], R], items: Sequence[T], workers: int) -> list
     """``[fn(x) for x in items]``, computed by `workers` forked processes in contiguous chunks
     (about four per worker), in order. `fn` and `items` reach the workers by fork, not pickle;
     each result is pickled back. An exception in a worker is raised here, as serially."""
+    return list(iter_in_order(fn, items, workers))
+
+
+def iter_in_order(fn: Callable[[T], R], items: Sequence[T], workers: int) -> Iterator[R]:
+    """`map_in_order`'s results one by one, each yielded as soon as it and those before it
+    are computed (serially: computed when asked for), so a caller that folds them as they
+    come never holds them all. Leaving early stops the pool."""
     if workers <= 1 or len(items) < 2:
-        return [fn(x) for x in items]
+        yield from (fn(x) for x in items)
+        return
     parts = spans(len(items), workers * 4)
     context = multiprocessing.get_context("fork")
     with ProcessPoolExecutor(
@@ -58,8 +66,8 @@ def map_in_order(fn: Callable[[T], R], items: Sequence[T], workers: int) -> list
         initializer=_adopt,
         initargs=(fn, items),
     ) as pool:
-        chunks = pool.map(_run, parts)
-        return [r for chunk in chunks for r in chunk]
+        for chunk in pool.map(_run, parts):
+            yield from chunk
 
 
 def spans(n: int, parts: int) -> list[tuple[int, int]]:
