@@ -50,7 +50,7 @@ from rolltool.workers import spans
 
 if TYPE_CHECKING:  # imported where used: the CLI imports this module for ENGINES
     from rolltool.pool import Job, Packed
-    from rolltool.schedule import PlannedStep
+    from rolltool.schedule import Mapper, PlannedStep
 
 ENGINES = ("local", "ray")
 """What runs the work of ``pack --engine``: worker processes on this machine, or Ray tasks."""
@@ -191,6 +191,32 @@ def attach(address: str | None) -> Iterator[RayEngine]:
     finally:
         if started:
             ray.shutdown()
+
+
+def check_engine(engine: str, address: str | None) -> None:
+    """Refuse an unknown engine, and ``--ray-address`` without ``--engine ray`` (a usage
+    mistake), before any work."""
+    from rolltool.config import OptionConflict
+
+    if engine not in ENGINES:
+        raise RolltoolError(f"unknown engine {engine!r}: one of {', '.join(ENGINES)}")
+    if engine == "local" and address is not None:
+        raise OptionConflict(
+            "--ray-address is for --engine ray", hint="add --engine ray, or drop --ray-address"
+        )
+
+
+@contextlib.contextmanager
+def engine_mapper(engine: str, address: str | None) -> Iterator[Mapper | None]:
+    """What computes a command's per-piece work: None (this process) for ``--engine local``;
+    for ``ray``, `RayEngine.map_in_order` on the cluster at `address` (`attach`), connected
+    for the ``with`` block. Any ``mapper(fn, items)`` parameter takes it (stats; the scan)."""
+    check_engine(engine, address)
+    if engine == "local":
+        yield None
+        return
+    with attach(address) as ray:
+        yield ray.map_in_order
 
 
 def _check_reachable(address: str | None) -> None:

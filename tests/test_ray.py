@@ -156,6 +156,39 @@ def test_the_exchange_path_on_ray(
     assert [k for k in shards if via[k] != direct[k]] == []
 
 
+@pytest.mark.parametrize("view", ["rollouts", "packed"])
+def test_stats_on_ray_prints_the_local_output(
+    cluster: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, view: str
+) -> None:
+    """``stats --engine ray``: every piece of the input (a row group here) or every step is
+    computed by a Ray task, and the tables and --json are the local ones, byte for byte."""
+    import pyarrow.parquet as pq
+
+    from rolltool.stats import rollouts
+
+    if view == "rollouts":
+        pq.write_table(pq.read_table(EXAMPLE), tmp_path / "in.parquet", row_group_size=50)
+        monkeypatch.setattr(rollouts, "PIECE_BYTES", 1)
+        path, pieces = tmp_path / "in.parquet", -(-pq.read_metadata(EXAMPLE).num_rows // 50)
+    else:
+        path = pack_with(tmp_path, "packed", PackConfig.from_options(dp=2, batch_size=32))
+        pieces = len(json.loads((path / "manifest.json").read_text())["steps"])
+    mapped: list[int] = []
+    real_map = RayEngine.map_in_order
+
+    def spy_map(self: RayEngine, fn, items, *args):  # type: ignore[no-untyped-def]
+        mapped.append(len(items))
+        return real_map(self, fn, items, *args)
+
+    monkeypatch.setattr(RayEngine, "map_in_order", spy_map)
+    for args in (["--json"], ["--per-step", "--step", "1"] if view == "packed" else []):
+        local = CliRunner().invoke(main, ["stats", str(path), *args])
+        on_ray = CliRunner().invoke(main, ["stats", str(path), *args, "--engine", "ray"])
+        assert local.exit_code == on_ray.exit_code == 0, on_ray.output
+        assert on_ray.stdout == local.stdout and len(local.stdout) > 1000
+    assert mapped == [pieces, pieces] and pieces > 3
+
+
 def test_ray_tasks_run_elsewhere_in_order(cluster: None) -> None:
     got = RayEngine(cpus=2).map_in_order(lambda x: (x * x, os.getpid()), list(range(20)))
     assert [v for v, _ in got] == [x * x for x in range(20)]

@@ -200,20 +200,39 @@ def test_files_merge_exactly(
     parts = _json(run_cli, tmp_path / "parts")
     assert len(parts["inputs"]) == len(cuts) - 1 >= 3
     assert parts["rows"] == whole["rows"] == n
-    _close(parts["overall"], whole["overall"])
-    _close(parts["envs"], whole["envs"])
+    # exactly, floats too: rollouts are reduced in input order wherever the files were cut
+    assert parts["overall"] == whole["overall"] and list(parts["envs"]) == list(whole["envs"])
+    assert parts["envs"] == whole["envs"]
 
 
-def _close(a: Any, b: Any) -> None:
-    """Equal, floats to rounding (the moments merge in another order)."""
-    if isinstance(a, dict):
-        assert list(a) == list(b)
-        for k in a:
-            _close(a[k], b[k])
-    elif isinstance(a, float):
-        assert a == pytest.approx(b, rel=1e-12)
-    else:
-        assert a == b
+@pytest.mark.parametrize("limit", [None, 50])
+def test_row_group_pieces_give_the_report_of_whole_files(
+    synth_table: pa.Table, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, limit: int | None
+) -> None:
+    """Two files of 7-row row groups (cutting groups and rollouts) read one row group per piece,
+    also under --limit: the report is the one of one piece per file, exactly."""
+    from rolltool.stats import rollouts
+
+    half = synth_table.num_rows // 2
+    for k, part in enumerate([synth_table.slice(0, half), synth_table.slice(half)]):
+        pq.write_table(part, tmp_path / f"p{k}.parquet", row_group_size=7)
+    read: list[int] = []
+    real = rollouts.piece_stats
+
+    def spy(piece: rollouts.Piece, **kw: Any) -> rollouts.RolloutStats:
+        got = real(piece, **kw)
+        read.append(got.rows)
+        return got
+
+    monkeypatch.setattr(rollouts, "piece_stats", spy)
+    whole = compute_stats([str(tmp_path)], limit=limit).report
+    assert len(read) == 2 - (limit is not None)
+    read.clear()
+    monkeypatch.setattr(rollouts, "PIECE_BYTES", 1)
+    cut = compute_stats([str(tmp_path)], limit=limit).report
+    assert len(read) > 5 and max(read) == 7 and sum(read) == whole["rows"]
+    assert whole["rows"] == synth_table.num_rows if limit is None else whole["rows"] < half
+    assert cut == whole
 
 
 def _group_end(ids: list[Any], limit: int) -> int:

@@ -74,6 +74,17 @@ def column_option() -> dict[str, Any]:
                multiple=True, metavar="NEW=OLD", callback=parsed(parse_columns))  # fmt: skip
 
 
+def engine_options(work: str) -> list[dict[str, Any]]:
+    """--engine local|ray and --ray-address: what runs `work` (one phrase, e.g. "reads the
+    pieces of the input"); the same output either way."""
+    from rolltool.ray_engine import ENGINES  # no Ray import: ENGINES only
+
+    return [
+        opt("--engine", ENGINES, "local", f"What {work}: this process, or Ray tasks (the [ray] extra; on several machines the input needs a shared filesystem); the same output either way."),
+        opt("--ray-address", str, None, "The Ray cluster --engine ray attaches to (auto, HOST:6379, ray://HOST:10001) [default: RAY_ADDRESS, else one `ray start` began on this machine, else a new local cluster]."),
+    ]  # fmt: skip
+
+
 def json_option(what: str = "one JSON document instead of tables") -> dict[str, Any]:
     return opt("--json as_json", bool, False, f"Print {what}.")
 

@@ -7,7 +7,7 @@ import sys
 import click
 
 from rolltool.cli._common import err, handle_errors, out, print_json, progress
-from rolltool.cli.options import POSITIVE, column_option, json_option
+from rolltool.cli.options import POSITIVE, column_option, engine_options, json_option
 from rolltool.cli.sections import SectionedCommand, opt, section
 from rolltool.cli.terminal import table_width
 
@@ -21,6 +21,7 @@ from rolltool.cli.terminal import table_width
     "Input",
     opt("--limit", POSITIVE, None, "Read only the first N rows (rollouts) or steps (packed run)."),
     column_option(),
+    *engine_options("reads the pieces of the input (rollouts) or computes the steps (packed run)"),
 )
 @section(
     "Packed run",
@@ -43,6 +44,8 @@ def stats(
     limit: int | None,
     plot_path: str | None,
     columns: dict[str, str],
+    engine: str,
+    ray_address: str | None,
 ) -> None:
     """Statistics of rollout Parquet PATHS (files, directories, globs) or of one packed directory.
 
@@ -53,17 +56,18 @@ def stats(
     imbalance and lockstep overhead, next to a token-count and a count-based split. Packed with
     --sp/--cp: the world (dp x sp|cp GPUs, the per-GPU and the group's budget), the samples over
     the per-GPU budget that the split made trainable, and the CP padding.
+
+    With --engine ray the pieces of the input (runs of row groups) or the steps are computed
+    by Ray tasks and merged in order: the same output.
     """
+    from rolltool.ray_engine import engine_mapper
     from rolltool.stats import compute_stats
     from rolltool.stats.render import render
 
-    result = compute_stats(
-        list(paths),
-        columns=columns,
-        step=step,
-        limit=limit,
-        progress=progress,
-    )
+    with engine_mapper(engine, ray_address) as mapper:
+        result = compute_stats(
+            list(paths), columns=columns, step=step, limit=limit, progress=progress, mapper=mapper
+        )
     if as_json:
         print_json(result.report)
     else:

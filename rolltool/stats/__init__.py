@@ -8,7 +8,9 @@
     render.py       rich tables of either report
     plot.py         a one-page matplotlib figure (optional extra ``plot``, imported lazily)
 
-``compute_stats(paths)`` picks the reader: one directory written by ``rolltool pack``
+The per-piece work (a row-group run of the input, a packed step) is pure; ``mapper`` (``stats
+--engine ray``) may compute it in Ray tasks, and the driver merges the results in order, so the
+report is the same. ``compute_stats(paths)`` picks the reader: one directory written by ``rolltool pack``
 (`rolltool.format.is_packed_dir`) is a packed run; anything else (Parquet files, directories,
 globs) is rollout Parquet. Nothing here imports torch.
 """
@@ -23,7 +25,7 @@ from rolltool.errors import RolltoolError
 from rolltool.format import MANIFEST, Manifest, is_packed_dir
 from rolltool.stats.accumulate import Moments, Stats, ValueCounts
 from rolltool.stats.packed import packed_stats
-from rolltool.stats.rollouts import HINT, rollout_stats
+from rolltool.stats.rollouts import HINT, Mapper, rollout_stats
 
 __all__ = [
     "Moments",
@@ -52,11 +54,14 @@ def compute_stats(
     step: int | None = None,
     limit: int | None = None,
     progress: Any = None,
+    mapper: Mapper | None = None,
 ) -> Stats:
     """Statistics of one packed directory or of rollout Parquet ``paths``.
 
     ``limit``: the first N rows of rollout Parquet, or the first N steps of a packed run;
-    ``step``: one step of a packed run; ``columns``: ``--column NEW=OLD`` pairs (rollouts).
+    ``step``: one step of a packed run; ``columns``: ``--column NEW=OLD`` pairs (rollouts);
+    ``mapper(fn, items)``: computes the per-piece work (a piece of the input, a step) elsewhere,
+    in order (``--engine ray``: `rolltool.ray_engine.RayEngine.map_in_order`), the same result.
     """
     packed = [p for p in paths if _is_packed(p)]
     if packed:
@@ -67,7 +72,7 @@ def compute_stats(
             )
         if columns:
             raise RolltoolError("--column applies to rollout Parquet, not to a packed directory")
-        return packed_stats(paths[0], step=step, limit=limit)
+        return packed_stats(paths[0], step=step, limit=limit, mapper=mapper)
     if step is not None:
         raise RolltoolError(
             "--step applies to a packed directory", hint="rollout Parquet has no steps yet"
@@ -78,4 +83,4 @@ def compute_stats(
             raise RolltoolError(
                 f"{p}: not a rolltool directory (no manifest.json, no *.parquet files)", hint=HINT
             )
-    return rollout_stats(paths, columns=columns, limit=limit, progress=progress)
+    return rollout_stats(paths, columns=columns, limit=limit, progress=progress, mapper=mapper)

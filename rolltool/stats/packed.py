@@ -34,6 +34,7 @@ cost) of rank r's micro-batch j:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,7 @@ from rolltool.partition import metrics, plan_step
 from rolltool.reader import open_packed
 from rolltool.split import GroupSplit, recorded_split
 from rolltool.stats.accumulate import Stats, ValueCounts, percentiles
+from rolltool.stats.rollouts import Mapper
 from rolltool.workload import Workload, make_workload
 
 ALTERNATIVES = ("tokens", "count")
@@ -320,11 +322,13 @@ def packed_stats(
     step: int | None = None,
     limit: int | None = None,
     alternatives: bool = True,
+    mapper: Mapper | None = None,
 ) -> Stats:
     """Statistics of a packed directory: the report dict and trained sample lengths per env (see the module docstring).
 
     ``limit``: only the first N steps; ``step``: the step to show in detail (recorded as
-    ``selected_step``; ``steps`` always lists every step read).
+    ``selected_step``; ``steps`` always lists every step read); ``mapper``: computes each
+    step's figures (`step_stats`, pure) elsewhere, e.g. as Ray tasks, the same report.
     """
     ds = open_packed(path)
     manifest = ds.manifest
@@ -336,11 +340,10 @@ def packed_stats(
     records = manifest.steps[:n_steps]
     world = world_layout(manifest)
     split = GroupSplit(sp=world["sp"], cp=world["cp"])
-    steps = [
-        step_stats(r, by_step.get((r.step,), empty), row_len=world["group_row_len"],
-                   workload=_gpu_workload(r, workload), alternatives=alternatives, split=split)
-        for r in records
-    ]  # fmt: skip
+    fn = functools.partial(_step_figures, row_len=world["group_row_len"], run=workload,
+                           alternatives=alternatives, split=split)  # fmt: skip
+    items = [(r, by_step.get((r.step,), empty)) for r in records]
+    steps = [fn(x) for x in items] if mapper is None else mapper(fn, items)
     across = {k: percentiles(np.array([_get(s, k) for s in steps], dtype=object)) for k in ACROSS}
     report = {
         "kind": "packed",
@@ -384,6 +387,20 @@ def world_layout(manifest: Manifest) -> dict[str, Any]:
         "row_len": row_len,
         "group_row_len": None if row_len is None else row_len * k,
     }
+
+
+def _step_figures(
+    item: tuple[StepRecord, pl.DataFrame],
+    *,
+    row_len: int | None,
+    run: Workload,
+    alternatives: bool,
+    split: GroupSplit,
+) -> dict[str, Any]:
+    """`step_stats` of one (record, trained samples) pair, with the step's per-GPU workload."""
+    record, frame = item
+    return step_stats(record, frame, row_len=row_len, workload=_gpu_workload(record, run),
+                      alternatives=alternatives, split=split)  # fmt: skip
 
 
 def _gpu_workload(record: StepRecord, run: Workload) -> Workload:

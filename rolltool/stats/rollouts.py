@@ -7,9 +7,13 @@ ones the trainable tokens; ``input_ids`` is never read) or ``prompt_ids`` + ``re
 that an id column that is integer in one file and string in another is refused, as ``pack``
 refuses it, rather than merging 1 and "1" into one id.
 
-Each file gives a ``RolloutStats``; ``a + b`` is the ``RolloutStats`` of both inputs, exactly,
-also when a group or a rollout is split over files (rollouts are kept as one small partial row
-each and re-aggregated by ``report``).
+Each piece of the input (`Piece`: a file, or a run of its row groups holding about
+``PIECE_BYTES`` of the token column) gives a ``RolloutStats``; ``a + b`` is the
+``RolloutStats`` of both inputs, exactly, also when a group or a rollout is split over pieces
+(rollouts are kept as one small partial row each and re-aggregated by ``report``, in input row
+order, so the report does not depend on where the pieces were cut). The pieces are independent:
+``mapper`` (``stats --engine ray``: Ray tasks, `rolltool.ray_engine`) may compute them anywhere;
+they are summed on the driver in input order.
 
 Definitions (per env and over all envs):
 
@@ -25,7 +29,8 @@ Definitions (per env and over all envs):
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +47,8 @@ from rolltool.source import (
     file_schema,
     invert_mapping,
     resolve_inputs,
+    row_group_bytes,
+    row_group_rows,
     source_names,
 )
 from rolltool.stats.accumulate import Moments, Stats, ValueCounts, add_dicts, percentiles
@@ -51,6 +58,25 @@ HINT = (
     "prompt_ids/response_ids; --column NEW=OLD maps other names) or a directory written by "
     "`rolltool pack` (with manifest.json)"
 )
+
+PIECE_BYTES = 32_000_000
+"""A file is read in pieces of whole row groups holding at least this many compressed bytes of
+the token column(s) (the last piece may hold less): each piece one polars scan, or one Ray task."""
+TOKEN_COLUMNS = ("loss_mask", "prompt_ids", "response_ids")
+"""The token columns stats reads (one format or the other)."""
+Mapper = Callable[[Callable[[Any], Any], Sequence[Any]], list[Any]]
+"""``mapper(fn, items) == [fn(x) for x in items]``, computed anywhere, in order."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows ``offset .. offset + rows - 1`` of `file` (``rows`` None: to its end); the file's
+    first row is row ``first_row`` of the ordered input."""
+
+    file: InputFile
+    first_row: int
+    offset: int = 0
+    rows: int | None = None
 
 
 @dataclass(frozen=True)
@@ -94,8 +120,9 @@ class RolloutStats:
 
     def report(self) -> dict[str, Any]:
         """The statistics as one JSON-able dict: ``{"overall": {...}, "envs": {env: {...}}}``."""
-        rollouts = _rollouts(self.parts)
-        groups = _groups(rollouts)
+        # in input order: float sums (the reward's mean) do not depend on where pieces were cut
+        rollouts = _rollouts(self.parts).sort("row")
+        groups = _groups(rollouts).sort("row")
         env_order = (
             groups.group_by("env").agg(pl.col("row").min()).sort("row")["env"].to_list()
             if len(groups)
@@ -325,11 +352,16 @@ def group_end(files: Sequence[InputFile], rename: Mapping[str, str], limit: int)
 
 
 def file_stats(
-    file: InputFile, rename: Mapping[str, str], first_row: int, limit: int | None = None
+    file: InputFile,
+    rename: Mapping[str, str],
+    first_row: int,
+    limit: int | None = None,
+    offset: int = 0,
 ) -> RolloutStats:
     """Statistics of one file; ``first_row`` is its first row's index in the ordered input.
 
-    ``limit``: read at most this many rows of the file. One lazy polars scan reads the light
+    ``offset``, ``limit``: read at most ``limit`` rows of the file, from row ``offset`` of it
+    (polars skips the row groups before). One lazy polars scan reads the light
     columns and the token column(s), reduced at once to list lengths (streaming engine: memory
     stays bounded by a morsel of rows, not by the file's tokens).
     """
@@ -360,8 +392,8 @@ def file_stats(
         ).alias("finished"),
     ]
     lf = pl.scan_parquet(file.path, hive_partitioning=False).with_row_index("row", first_row)
-    if limit is not None:
-        lf = lf.head(limit)
+    if offset or limit is not None:
+        lf = lf.slice(offset, limit)
     try:
         df = lf.select(exprs).collect(engine="streaming")
     except (OSError, pl.exceptions.PolarsError) as e:
@@ -386,18 +418,48 @@ def file_stats(
     return RolloutStats(len(df), envs, (rollouts,) if len(df) else (), "finished_at" in has)
 
 
+def pieces(files: Sequence[InputFile], rename: Mapping[str, str], read: int | None) -> list[Piece]:
+    """The input cut into `Piece` s, in order: each file in runs of whole row groups of at least
+    ``PIECE_BYTES`` token-column bytes (footers only); only the first `read` rows (None: all).
+    A file with no row is a piece too (its schema is checked)."""
+    out: list[Piece] = []
+    first = 0
+    for f in files:
+        if read is not None and read - first <= 0:
+            break
+        end = f.rows if read is None else min(f.rows, read - first)
+        offset = 0
+        rows, size = row_group_rows(f), row_group_bytes(f, rename, TOKEN_COLUMNS)
+        held = at = 0
+        for n, b in zip(rows, size, strict=True):
+            at, held = at + n, held + b
+            if held >= PIECE_BYTES and offset < at < end:
+                out.append(Piece(f, first, offset, at - offset))
+                offset, held = at, 0
+        out.append(Piece(f, first, offset, None if read is None else end - offset))
+        first += f.rows
+    return out
+
+
+def piece_stats(piece: Piece, *, rename: Mapping[str, str]) -> RolloutStats:
+    """Statistics of one `Piece` (`file_stats`): pure, it may run in any process."""
+    return file_stats(piece.file, rename, piece.first_row, piece.rows, piece.offset)
+
+
 def rollout_stats(
     inputs: Sequence[str],
     *,
     columns: Mapping[str, str] | None = None,
     limit: int | None = None,
     progress: Any = None,
+    mapper: Mapper | None = None,
 ) -> Stats:
     """Statistics of rollout Parquet ``inputs`` (files, directories, globs).
 
     ``columns``: ``--column NEW=OLD`` pairs; ``limit``: read the first N rows of the ordered
     input and on to the end of the last group started (``group_end``); ``progress(iterable,
-    total, description)`` may wrap the file loop.
+    total, description)`` may wrap the loop over pieces; ``mapper``: computes the pieces
+    elsewhere (Ray tasks), the same report.
     """
     if limit is not None and limit < 1:
         raise RolltoolError(f"--limit must be at least 1, got {limit}")
@@ -411,16 +473,17 @@ def rollout_stats(
             "; ".join(conflicts),
             hint='use one type per id column in every file (1 and "1" are not the same id)',
         )
-    wrap = progress or (lambda it, total, desc: it)
     read = None if limit is None else group_end(files, rename, limit)
+    todo = pieces(files, rename, read)
+    fn = functools.partial(piece_stats, rename=rename)
+    if mapper is None:
+        wrap = progress or (lambda it, total, desc: it)
+        parts = [fn(p) for p in wrap(todo, len(todo), "reading rollouts")]
+    else:
+        parts = mapper(fn, todo)
     acc = RolloutStats()
-    first = 0
-    for f in wrap(files, len(files), "reading rollouts"):
-        left = None if read is None else read - acc.rows
-        if left is not None and left <= 0:
-            break
-        acc = acc + file_stats(f, rename, first, left)
-        first += f.rows
+    for part in parts:  # in input order
+        acc = acc + part
     report = {
         "kind": "rollouts",
         "inputs": [{"path": f.path, "rows": f.rows} for f in files],
