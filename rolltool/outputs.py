@@ -59,8 +59,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rolltool import remote
 from rolltool.errors import RolltoolError
 from rolltool.format import is_packed_dir
+from rolltool.fs import Location, is_remote, locate
 
 LOCK = "lock"
 """The lock file inside a run's temporary directory."""
@@ -176,6 +178,25 @@ def _check_inputs(target: Path, shown: str, inputs: Sequence[str | os.PathLike[s
                 )
 
 
+def _check_remote_inputs(out: Location, inputs: Sequence[str | os.PathLike[str]]) -> None:
+    """`_check_inputs` for an output on object storage: the same refusals, by path prefix on
+    the same kind of filesystem (a glob counts from its first folder with a wildcard)."""
+    for raw in inputs:
+        text = os.fspath(raw)
+        if not is_remote(text):
+            continue
+        inp = locate(text.split("*", 1)[0].split("?", 1)[0].split("[", 1)[0])
+        if inp.fs.type_name != out.fs.type_name:
+            continue
+        a, b = out.path.rstrip("/"), inp.path.rstrip("/")
+        if a == b or b.startswith(a + "/") or a.startswith(b + "/"):
+            raise RolltoolError(
+                f"-o {out.shown} is, contains or lies inside the input {text}: refusing to "
+                "overwrite an input",
+                hint="write the output somewhere else",
+            )
+
+
 def _check_path(target: Path, shown: str) -> None:
     """Refusals that depend on the path alone (no name, a symlink, the current directory)."""
     if target.name in ("", ".", ".."):
@@ -208,6 +229,10 @@ def check_target(
     `inputs` (files, folders or globs as given) may not equal, contain or hold the output.
     """
     shown = os.fspath(path)
+    if is_remote(shown) and not (loc := locate(shown)).local:
+        _check_remote_inputs(loc, inputs)
+        remote.check_target(loc, force)  # object storage: no rename (`rolltool.remote`)
+        return
     target = Path(os.path.abspath(shown))
     _check_path(target, shown)
     repair(target)

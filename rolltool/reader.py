@@ -45,6 +45,8 @@ reads itself (workers share no state). ``rolltool verify`` checks everything, ha
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import os
 import re
 from collections.abc import Callable, Iterable, Iterator
@@ -66,8 +68,9 @@ from rolltool.format import (
     ShardRef,
     StepRecord,
 )
+from rolltool.fs import Location, locate, scheme
 from rolltool.layout import check_rows, unpack_row
-from rolltool.shards import file_record, map_tensors, read_header
+from rolltool.shards import file_record, header_of, map_tensors, read_header, tensors_in
 from rolltool.split import GroupSplit, cp_view, recorded_split, sp_view
 
 VerifyMode = Literal["checks", "hash"]
@@ -77,6 +80,7 @@ maps; ``"hash"`` also hashes each shard on its first read against the manifest's
 
 _HINT = "run `rolltool verify` on the directory; pack again if files changed"
 _RANK_DIR = re.compile(r"rank-(\d{4,})")
+_SHARD = re.compile(r"/[^/]+\.safetensors$")
 _DTYPES = {k: np.dtype(v) for k, v in {**TOKEN_ARRAYS, **SEGMENT_ARRAYS, **ROW_ARRAYS}.items()}
 
 
@@ -89,7 +93,7 @@ class _Listed:
     ref: ShardRef
 
 
-def _list_shards(m: Manifest, where: Path) -> dict[str, _Listed]:
+def _list_shards(m: Manifest, where: Path | str) -> dict[str, _Listed]:
     """Every shard the manifest lists, by path; a path listed twice, a shard with no file
     record or a file record no step lists is a `RolltoolError`."""
     listed: dict[str, _Listed] = {}
@@ -118,7 +122,7 @@ def _list_shards(m: Manifest, where: Path) -> dict[str, _Listed]:
     return listed
 
 
-def _bad(where: Path, text: str) -> RolltoolError:
+def _bad(where: Path | str, text: str) -> RolltoolError:
     return RolltoolError(f"{where}: {text}", hint=_HINT)
 
 
@@ -183,7 +187,46 @@ class PackedDataset:
                 f"verify={verify!r}: not one of {', '.join(map(repr, VERIFY_MODES))}"
             )
         self.verify: VerifyMode = verify
-        self.path = Path(path)
+        self.location: Location = locate(path)
+        """Where the directory is (`rolltool.fs`): local shards are memory-mapped, remote ones
+        (object storage) read whole."""
+        self.path = Path(path) if scheme(os.fspath(path)) is None else Path(self.location.path)
+        self._remote: dict[str, int] | None = None
+        """A remote directory's files and sizes, listed once on open."""
+        if self.location.local:
+            self._check_local()
+            self.manifest: Manifest = Manifest.load(self.path)
+        else:
+            self.manifest = self._open_remote()
+        self.split: GroupSplit = recorded_split(self.manifest.config, str(self._at(MANIFEST)))
+        """How each rank's rows are shared by its sp or cp GPUs (`rolltool.split`)."""
+        self._rank_rows: dict[int, tuple[RowRef, ...]] = {}
+        self._listed_cache: dict[str, _Listed] | None = None
+        self._ranks_checked: set[int] = set()
+        self._hashed: set[str] = set()
+
+    def _at(self, rel: str) -> Path | str:
+        """How messages name `rel` in the directory (a path, or a URI for a remote one)."""
+        return self.path / rel if self.location.local else self.location.show(rel)
+
+    def _open_remote(self) -> Manifest:
+        """A remote directory's listing and manifest; without a manifest it is no output."""
+        loc = self.location
+        self._remote = loc.sizes()
+        if MANIFEST not in self._remote:
+            raise RolltoolError(
+                f"{loc.shown}: no {MANIFEST}: not a finished rolltool output"
+                + (" (files of an unfinished or killed run)" if self._remote else " (empty)"),
+                hint="on object storage the manifest, written last, marks a finished output; "
+                "an interrupted `rolltool pack` leaves none: run it again",
+            )
+        try:
+            doc = json.loads(loc.read_bytes(MANIFEST))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise RolltoolError(f"{loc.show(MANIFEST)}: unreadable manifest ({e})") from None
+        return Manifest.from_json(doc, loc.show(MANIFEST))
+
+    def _check_local(self) -> None:
         if not self.path.is_dir():
             aside = sorted(self.path.parent.glob(f".{glob_escape(self.path.name)}.old-*"))
             raise RolltoolError(
@@ -197,23 +240,16 @@ class PackedDataset:
             )
         if not (self.path / MANIFEST).is_file():
             raise RolltoolError(
-                f"{self.path}: not a rolltool packed directory (no {MANIFEST})",
+                f"{self.path}: no {MANIFEST}: not a finished rolltool output",
                 hint="an interrupted `rolltool pack` leaves no manifest; run it again",
             )
-        self.manifest: Manifest = Manifest.load(self.path)
-        self.split: GroupSplit = recorded_split(self.manifest.config, str(self.path / MANIFEST))
-        """How each rank's rows are shared by its sp or cp GPUs (`rolltool.split`)."""
-        self._rank_rows: dict[int, tuple[RowRef, ...]] = {}
-        self._listed_cache: dict[str, _Listed] | None = None
-        self._ranks_checked: set[int] = set()
-        self._hashed: set[str] = set()
 
     @property
     def _listed(self) -> dict[str, _Listed]:
         """The shards the manifest lists, checked against the directory on the first read (not
         on open: `rolltool verify` opens a directory to report such problems, not raise)."""
         if self._listed_cache is None:
-            listed = _list_shards(self.manifest, self.path / MANIFEST)
+            listed = _list_shards(self.manifest, self._at(MANIFEST))
             self._check_rank_dirs(listed)
             self._listed_cache = listed
         return self._listed_cache
@@ -221,16 +257,19 @@ class PackedDataset:
     def _check_rank_dirs(self, listed: dict[str, _Listed]) -> None:
         """The rank-RRRR folders on disk are those of ranks 0..dp-1 that the manifest gives
         files (cheap: one listing of the directory)."""
-        on_disk = _rank_dirs(self.path)
+        if self._remote is None:
+            on_disk = _rank_dirs(self.path)
+        else:
+            on_disk = {int(m.group(1)) for n in self._remote if (m := _RANK_DIR.match(n))}
         beyond = sorted(r for r in on_disk if r >= self.dp)
         if beyond:
             raise _bad(
-                self.path / MANIFEST,
+                self._at(MANIFEST),
                 f"dp = {self.dp} but the directory holds rank-{beyond[0]:04d}/",
             )
         missing = sorted({x.rank for x in listed.values()} - on_disk)
         if missing:
-            raise _bad(self.path / MANIFEST, f"rank-{missing[0]:04d}/ is listed but missing")
+            raise _bad(self._at(MANIFEST), f"rank-{missing[0]:04d}/ is listed but missing")
 
     def _check_rank_files(self, rank: int) -> None:
         """The rank's folder holds exactly the shards the manifest lists for it (once per rank)."""
@@ -238,18 +277,24 @@ class PackedDataset:
             return
         listed = {p for p, x in self._listed.items() if x.rank == rank}
         folder = f"rank-{rank:04d}"
-        try:
-            names = os.listdir(self.path / folder) if (self.path / folder).exists() else []
-        except OSError as e:
-            raise RolltoolError(f"{self.path / folder}: unreadable ({e.strerror})") from None
-        present = {f"{folder}/{n}" for n in names if n.endswith(".safetensors")}
+        present = self._rank_files(folder)
         for text, paths in (
             ("listed in the manifest but missing", listed - present),
             ("present but not listed in the manifest", present - listed),
         ):
             if paths:
-                raise _bad(self.path / min(paths), f"{text} ({len(paths)} shard(s) of rank {rank})")
+                raise _bad(self._at(min(paths)), f"{text} ({len(paths)} shard(s) of rank {rank})")
         self._ranks_checked.add(rank)
+
+    def _rank_files(self, folder: str) -> set[str]:
+        """The shards in a rank's folder, as paths relative to the directory."""
+        if self._remote is not None:
+            return {n for n in self._remote if n.startswith(f"{folder}/") and _SHARD.search(n)}
+        try:
+            names = os.listdir(self.path / folder) if (self.path / folder).exists() else []
+        except OSError as e:
+            raise RolltoolError(f"{self.path / folder}: unreadable ({e.strerror})") from None
+        return {f"{folder}/{n}" for n in names if n.endswith(".safetensors")}
 
     @property
     def num_steps(self) -> int:
@@ -286,7 +331,7 @@ class PackedDataset:
             refs.extend(RowRef(step, f.first_row + r, f, r) for r in range(f.rows))
         if len(refs) != rec.micro_batches or sum(f.rows for f in rec.files) != len(refs):
             raise RolltoolError(
-                f"{self.path / MANIFEST}: step {step} rank {rank}: its files do not hold rows "
+                f"{self._at(MANIFEST)}: step {step} rank {rank}: its files do not hold rows "
                 f"0..{rec.micro_batches - 1} in order",
                 hint="the manifest was changed; pack again",
             )
@@ -339,7 +384,7 @@ class PackedDataset:
                 try:
                     row = view(row)
                 except RolltoolError as e:
-                    raise _bad(self.path / ref.file.path, f"row {ref.row}: {e.message}") from None
+                    raise _bad(self._at(ref.file.path), f"row {ref.row}: {e.message}") from None
             yield to_tensors(row) if to_tensors is not None else row
 
     def gpu_view(
@@ -356,7 +401,7 @@ class PackedDataset:
             if size == 1:
                 made = f"--{split.kind} {split.size}" if split.kind else "neither --sp nor --cp"
                 raise RolltoolError(
-                    f"{name}={given}: {self.path} was packed with {made}",
+                    f"{name}={given}: {self._at('')} was packed with {made}",
                     hint="pass the rank kind the pack was made for, or none for the whole row",
                 )
             if not isinstance(given, int | np.integer) or not 0 <= given < size:
@@ -371,17 +416,26 @@ class PackedDataset:
         """Map shard `f` after the cheap checks (its header names the (step, rank, first row)
         the manifest lists it for, its size, rows and values); ``verify="hash"``: its sha256 on
         the first read too."""
-        path = self.path / f.path
-        head = read_header(path)
+        path = self._at(f.path)
+        data = None if self._remote is None else self.location.read_bytes(f.path)
+        head = read_header(self.path / f.path) if data is None else header_of(data, str(path))
         self._check_identity(f, head.meta)
         record = self.manifest.files[f.path]
         if head.size != record.bytes:
             raise _bad(path, f"{head.size} bytes, the manifest says {record.bytes}")
         if self.verify == "hash" and f.path not in self._hashed:
-            if file_record(path).sha256 != record.sha256:
+            digest = (
+                file_record(self.path / f.path).sha256
+                if data is None
+                else hashlib.sha256(data).hexdigest()
+            )
+            if digest != record.sha256:
                 raise _bad(path, "sha256 differs from the manifest's (the file changed)")
             self._hashed.add(f.path)
-        arrays = map_tensors(path, head)
+        if data is None:
+            arrays = map_tensors(self.path / f.path, head)
+        else:
+            arrays = tensors_in(np.frombuffer(data, np.uint8), head, str(path))
         broken = check_rows(arrays)
         if broken is None and len(arrays["row_offsets"]) - 1 != f.rows:
             broken = f"{len(arrays['row_offsets']) - 1} rows, the manifest says {f.rows}"
@@ -395,18 +449,18 @@ class PackedDataset:
         """The shard's own header (step, rank, first_row) against where the manifest lists it."""
         want = self._listed[f.path]
         if not isinstance(meta, dict):
-            raise _bad(self.path / f.path, "corrupt safetensors header (metadata is not an object)")
+            raise _bad(self._at(f.path), "corrupt safetensors header (metadata is not an object)")
         try:
             got = (int(meta["step"]), int(meta["rank"]), int(meta["first_row"]))
         except (KeyError, ValueError, TypeError):
-            where = self.path / f.path
+            where = self._at(f.path)
             raise _bad(where, "corrupt shard (no step/rank/first_row in its header)") from None
         if got == (want.step, want.rank, f.first_row):
             return
         at = {(x.step, x.rank, x.ref.first_row): p for p, x in self._listed.items()}
         other = at.get(got)
         raise _bad(
-            self.path / f.path,
+            self._at(f.path),
             f"holds step {got[0]} rank {got[1]} rows from {got[2]} (its header), but the manifest "
             f"lists it as step {want.step} rank {want.rank} rows from {f.first_row}"
             + (f"; those rows belong in {other} (shards swapped or renamed)" if other else ""),

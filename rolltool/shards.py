@@ -157,6 +157,24 @@ def read_header(path: Path) -> ShardHeader:
     return ShardHeader(size=size, meta=meta, tensors=header, base=8 + n)
 
 
+def header_of(data: bytes, where: str) -> ShardHeader:
+    """`read_header` of a shard's bytes held in memory (a shard read from object storage);
+    `where` names it in errors."""
+    try:
+        n = int.from_bytes(data[:8], "little")
+        if not 0 < n <= len(data) - 8:
+            raise ValueError(f"header size {n} does not fit a file of {len(data)} bytes")
+        header = json.loads(data[8 : 8 + n])
+    except ValueError as e:
+        raise RolltoolError(
+            f"{where}: not a readable safetensors shard ({e})", hint=_HINT
+        ) from None
+    if not isinstance(header, dict):
+        raise RolltoolError(f"{where}: corrupt safetensors header (not a JSON object)", hint=_HINT)
+    meta = header.pop("__metadata__", {})
+    return ShardHeader(size=len(data), meta=meta, tensors=header, base=8 + n)
+
+
 def map_tensors(path: Path, head: ShardHeader) -> dict[str, np.ndarray]:
     """Memory-map the tensors `head` describes as read-only NumPy arrays (plain ndarray views
     of the map, no copy)."""
@@ -166,16 +184,22 @@ def map_tensors(path: Path, head: ShardHeader) -> dict[str, np.ndarray]:
         mm = np.memmap(path, dtype=np.uint8, mode="r").view(np.ndarray)
     except (OSError, ValueError) as e:
         raise RolltoolError(f"{path}: not a readable safetensors shard ({e})", hint=_HINT) from None
+    return tensors_in(mm, head, str(path))
+
+
+def tensors_in(buf: np.ndarray, head: ShardHeader, where: str) -> dict[str, np.ndarray]:
+    """The tensors `head` describes as views of `buf` (a shard's bytes as uint8: a memory map,
+    or bytes read whole); `where` names the shard in errors."""
     out: dict[str, np.ndarray] = {}
     try:
         for name, info in head.tensors.items():
             a, b = info["data_offsets"]
-            if not 0 <= a <= b <= len(mm) - head.base:
+            if not 0 <= a <= b <= len(buf) - head.base:
                 raise ValueError(f"tensor {name!r} lies outside the file")
             dtype = _DTYPES[info["dtype"]]
-            out[name] = mm[head.base + a : head.base + b].view(dtype).reshape(info["shape"])
+            out[name] = buf[head.base + a : head.base + b].view(dtype).reshape(info["shape"])
     except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise RolltoolError(f"{path}: corrupt safetensors header ({e!r})", hint=_HINT) from None
+        raise RolltoolError(f"{where}: corrupt safetensors header ({e!r})", hint=_HINT) from None
     return out
 
 

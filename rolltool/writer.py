@@ -10,6 +10,11 @@ without an exception (`rolltool.outputs.atomic_path`); on an exception, or witho
 nothing that looks complete is left. ``manifest.json`` is written last, once every shard is
 written and hashed, and lists every file with its size and sha256.
 
+An output URI on object storage (``s3://...``, `rolltool.fs`) has no rename: files are staged
+in a local temporary folder, uploaded under their final names by the same worker threads
+(and deleted locally), and ``manifest.json`` is uploaded last as the commit
+(`rolltool.remote`). The bytes are those of a local output.
+
 Shards are written and hashed on worker threads while the caller lays out the next rows. Memory
 bound: rows handed to `write_rank` stay alive until written, and `write_rank` blocks while more
 than ``max_pending_bytes`` of shard data are queued, so at most that much plus one rank's rows
@@ -40,8 +45,10 @@ from rolltool.format import (
     ShardRef,
     shard_name,
 )
+from rolltool.fs import is_remote, locate
 from rolltool.layout import PackedRows
 from rolltool.outputs import atomic_path
+from rolltool.remote import RemoteRun, staged
 from rolltool.shards import file_record, row_bytes, split_rows, write_shard
 
 DEFAULT_PENDING_BYTES = 256_000_000
@@ -97,6 +104,7 @@ class PackedWriter:
         threads: int = 2,
     ) -> None:
         self.target = Path(root)
+        self.shown = os.fspath(root)
         self.force = force
         self.shard_bytes = shard_bytes
         self.max_pending_bytes = max_pending_bytes
@@ -107,9 +115,17 @@ class PackedWriter:
         self._finished = False
         self._stack = ExitStack()
         self.root: Path | None = None
+        self._remote: RemoteRun | None = None
 
     def __enter__(self) -> PackedWriter:
-        root = self._stack.enter_context(atomic_path(self.target, force=self.force, directory=True))
+        loc = locate(self.shown) if is_remote(self.shown) else None
+        if loc is not None and not loc.local:
+            self._remote = RemoteRun(loc, self.force)
+            root = self._stack.enter_context(staged(self._remote))
+        else:
+            root = self._stack.enter_context(
+                atomic_path(self.target, force=self.force, directory=True)
+            )
         root.mkdir(parents=True, exist_ok=True)
         self._pool = self._stack.enter_context(ThreadPoolExecutor(max_workers=self.threads))
         self.root = root
@@ -143,23 +159,43 @@ class PackedWriter:
         for part, (a, b) in enumerate(parts):
             nbytes = int(sizes[a:b].sum())
             self._wait_for_room(nbytes)
-            fut = self._pool.submit(write_shard, root, step, rank, part, rows, a, b)
+            fut = self._pool.submit(self._write_shard, root, step, rank, part, rows, a, b)
             self._pending.append((nbytes, fut))
             self._pending_bytes += nbytes
         return record
 
+    def _write_shard(
+        self, root: Path, step: int, rank: int, part: int, rows: PackedRows, a: int, b: int
+    ) -> tuple[str, FileRecord]:
+        name, record = write_shard(root, step, rank, part, rows, a, b)
+        return self._put(root, name, record)
+
+    def _put(self, root: Path, name: str, record: FileRecord) -> tuple[str, FileRecord]:
+        """A remote output's file uploaded under its final name, then deleted here."""
+        if self._remote is not None:
+            self._remote.upload(root / name, name)
+            (root / name).unlink()
+        return name, record
+
     def adopt(self, files: dict[str, FileRecord]) -> None:
         """Shards another process wrote into `root` (`DirectWriter`): listed like this
-        writer's own, and checked the same way in `finish`."""
-        self._root()
-        self._files.update(files)
+        writer's own, and checked the same way in `finish` (a remote output's are uploaded
+        on the worker threads first)."""
+        root = self._root()
+        if self._remote is None:
+            self._files.update(files)
+            return
+        for name, record in files.items():
+            self._wait_for_room(record.bytes)
+            self._pending.append((record.bytes, self._pool.submit(self._put, root, name, record)))
+            self._pending_bytes += record.bytes
 
     def write_samples(self, table: pa.Table) -> None:
         """``samples.parquet``: one row per input sample."""
-        path = self._root() / SAMPLES
-        pq.write_table(table, path, compression="zstd")
-        path.chmod(0o644)
-        self._files[SAMPLES] = file_record(path)
+        root = self._root()
+        pq.write_table(table, root / SAMPLES, compression="zstd")
+        (root / SAMPLES).chmod(0o644)
+        self._files[SAMPLES] = self._put(root, SAMPLES, file_record(root / SAMPLES))[1]
 
     def finish(self, manifest: Manifest) -> Manifest:
         """Wait for every shard, check the manifest names exactly the files written, add their
@@ -193,11 +229,17 @@ class PackedWriter:
 
     def _check_on_disk(self, root: Path) -> None:
         """Every file written is still there with its size (nobody deleted or cut it)."""
-        missing = self._missing(root, self._files)
+        if self._remote is not None:
+            sizes = self._remote.loc.sizes()
+            missing = [n for n, r in self._files.items() if sizes.get(n) != r.bytes]
+            where = self._remote.loc.shown
+        else:
+            missing, where = self._missing(root, self._files), str(root)
         if missing:
+            shown = self.shown if self._remote is not None else self.target
             raise RolltoolError(
-                f"{root}: {len(missing)} written file(s) vanished or changed before the commit "
-                f"(first: {missing[0]}); nothing was written to {self.target}",
+                f"{where}: {len(missing)} written file(s) vanished or changed before the commit "
+                f"(first: {missing[0]}); nothing was written to {shown}",
                 hint="another process removed this run's temporary files; run again",
             )
 

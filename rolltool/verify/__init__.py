@@ -52,12 +52,15 @@ are all found (``recorded_inputs``); the report's ``input`` says what happened: 
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from rolltool.errors import RolltoolError
 from rolltool.format import SAMPLES
+from rolltool.fs import is_remote
 from rolltool.problems import Problem, Problems
 from rolltool.reader import open_packed
 from rolltool.tokens import TokenReader
@@ -147,7 +150,25 @@ def run_verify(
     recorded_inputs: bool = True,
 ) -> VerifyReport:
     """Check a packed directory; never raises on bad data (a missing or malformed manifest, or
-    a given input that does not exist, is a `RolltoolError`)."""
+    a given input that does not exist, is a `RolltoolError`). A directory on object storage
+    (a URI, `rolltool.fs`) without a manifest is refused, like the reader does; one with a
+    manifest is copied into a local temporary folder and checked there (verify reads every
+    byte anyway)."""
+    if is_remote(os.fspath(path)):
+        remote = open_packed(path)  # refuses a prefix without a manifest
+        if not remote.location.local:
+            with tempfile.TemporaryDirectory(prefix="rolltool-verify-") as tmp:
+                remote.location.download(Path(tmp) / "packed")
+                return _run_verify(Path(tmp) / "packed", hashes, inputs, recorded_inputs)
+    return _run_verify(path, hashes, inputs, recorded_inputs)
+
+
+def _run_verify(
+    path: str | os.PathLike[str],
+    hashes: bool,
+    inputs: Sequence[str | os.PathLike[str]] | None,
+    recorded_inputs: bool,
+) -> VerifyReport:
     ds = open_packed(path)
     m = ds.manifest
     problems = Problems()

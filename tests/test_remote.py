@@ -1,0 +1,210 @@
+"""Outputs and reads on a filesystem without rename (object storage), without network: the
+``norename://`` filesystem of tests/fs_helpers.py (a local folder whose ``move`` is refused).
+
+A pack there holds exactly the bytes of a local pack (one process and worker processes),
+verifies and reads back; the manifest is the commit marker (no manifest: the reader and verify
+refuse the prefix); --force replaces only a finished rolltool output; a run killed mid-way
+leaves no manifest, and the next run deletes its files and claim by run id."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import fs_helpers
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from click.testing import Result
+from fault_hooks import HERE, Injector
+
+from rolltool import remote
+from rolltool.errors import RolltoolError
+from rolltool.fs import locate
+from rolltool.reader import open_packed
+from rolltool.synth import SynthConfig, generate
+from rolltool.verify import run_verify
+
+PACK = ("--dp", 2, "--batch-size", 16, "--keep-last")
+
+RunCli = Callable[..., Result]
+
+
+@pytest.fixture(autouse=True)
+def _norename(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(fs_helpers.rfs.SCHEMES, fs_helpers.SCHEME, fs_helpers._open)
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
+    fs_helpers.refused.clear()
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """96 samples of synthetic rollouts, in row groups of 16."""
+    path = tmp_path_factory.mktemp("data") / "in.parquet"
+    pq.write_table(generate(SynthConfig(groups=8, max_len=2048)), path, row_group_size=16)
+    return path
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    """Every file under `root` (folders left empty by deletes do not count)."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def _pack(run_cli: RunCli, data: Path, out: str | Path, *extra: Any) -> Result:
+    return run_cli("pack", data, "-o", out, *PACK, *extra)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_pack_without_rename_holds_the_local_bytes_verifies_and_reads_back(
+    workers: int, data: Path, tmp_path: Path, run_cli: RunCli, small_pools: None
+) -> None:
+    local, far = tmp_path / "local", tmp_path / "far"
+    assert _pack(run_cli, data, local, "--workers", workers).exit_code == 0
+    done = _pack(run_cli, data, fs_helpers.uri(far), "--workers", workers)
+    assert done.exit_code == 0, done.output
+    ours, theirs = _files(local), _files(far)
+    assert len(ours) >= 4 and ours.keys() == theirs.keys()  # shards, samples, manifest
+    assert all(ours[k] == theirs[k] for k in ours), [k for k in ours if ours[k] != theirs[k]]
+    report = run_verify(fs_helpers.uri(far))
+    assert report.ok and report.checked["files"] == len(ours) - 1, report.problems.listed()
+    a, b = open_packed(local), open_packed(fs_helpers.uri(far), verify="hash")
+    rows = 0
+    for rank in range(a.dp):
+        for (s1, m1, r1), (s2, m2, r2) in zip(a.rank_iter(rank), b.rank_iter(rank), strict=True):
+            assert (s1, m1) == (s2, m2) and r1.keys() == r2.keys()
+            assert all(np.array_equal(r1[k], r2[k]) for k in r1)
+            rows += 1
+    assert rows == sum(r.micro_batches for st in a.manifest.steps for r in st.ranks) > 0
+
+
+def test_no_manifest_is_no_output_for_the_reader_and_verify(
+    data: Path, tmp_path: Path, run_cli: RunCli
+) -> None:
+    far = tmp_path / "far"
+    assert _pack(run_cli, data, fs_helpers.uri(far)).exit_code == 0
+    (far / "manifest.json").unlink()
+    for open_it in (open_packed, run_verify):
+        with pytest.raises(RolltoolError, match=r"no manifest\.json: not a finished rolltool"):
+            open_it(fs_helpers.uri(far))
+    result = run_cli("verify", fs_helpers.uri(far))
+    assert result.exit_code == 1 and "no manifest.json" in result.stderr
+    assert "Traceback" not in result.output
+    with pytest.raises(RolltoolError, match=r"no manifest\.json"):  # a local folder: the same
+        open_packed(far)
+
+
+def test_force_replaces_only_a_finished_rolltool_output(
+    data: Path, tmp_path: Path, run_cli: RunCli
+) -> None:
+    far, ref = tmp_path / "far", tmp_path / "ref"
+    assert _pack(run_cli, data, fs_helpers.uri(far), "--dp", 4).exit_code == 0
+    refused = _pack(run_cli, data, fs_helpers.uri(far))
+    assert refused.exit_code == 1 and "already exists" in refused.stderr
+    before = _files(far)
+    assert any(k.startswith("rank-0003/") for k in before)
+    # --force: the dp=4 output's files all go (rank-0002/3 would not be overwritten), the new
+    # output is a local pack's bytes
+    assert _pack(run_cli, data, fs_helpers.uri(far), "--force").exit_code == 0
+    assert _pack(run_cli, data, ref).exit_code == 0
+    assert _files(far) == _files(ref)
+    # a file rolltool did not write: --force refuses and deletes nothing
+    (far / "notes.txt").write_text("mine")
+    kept = _files(far)
+    foreign = _pack(run_cli, data, fs_helpers.uri(far), "--force")
+    assert foreign.exit_code == 1 and "notes.txt" in foreign.stderr
+    assert _files(far) == kept
+    assert fs_helpers.refused == []
+
+
+def test_a_failed_run_deletes_what_it_wrote(
+    data: Path, tmp_path: Path, run_cli: RunCli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rolltool.writer import PackedWriter
+
+    far = tmp_path / "far"
+
+    def boom(self: PackedWriter, manifest: Any) -> Any:
+        assert _files(far)  # shards and samples were uploaded, a claim is there
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(PackedWriter, "finish", boom)
+    result = _pack(run_cli, data, fs_helpers.uri(far))
+    assert result.exit_code == 1 and "No space left" in result.stderr
+    assert _files(far) == {}
+
+
+CHILD = f"""
+import sys
+sys.path.insert(0, {HERE!r})
+import fault_hooks, fs_helpers
+fs_helpers.register()
+fault_hooks.Injector.from_env().install_global()
+from rolltool.cli import main
+main(sys.argv[1:])
+"""
+
+
+def test_a_killed_run_leaves_no_manifest_and_the_next_cleans_up_by_run_id(
+    data: Path, tmp_path: Path, run_cli: RunCli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    far, ref = tmp_path / "far", tmp_path / "ref"
+    assert _pack(run_cli, data, ref).exit_code == 0
+    argv = [sys.executable, "-c", CHILD, "pack", data, "-o", fs_helpers.uri(far), *PACK]
+    env = Injector(at=3, only="write_shard").env()
+    killed = subprocess.run(list(map(str, argv)), env=env, capture_output=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    left = _files(far)
+    claims = [k for k in left if k.startswith(remote.CLAIM_PREFIX)]
+    assert len(claims) == 1 and "manifest.json" not in left
+    assert any(k.endswith(".safetensors") for k in left)  # shards of the killed run
+    with pytest.raises(RolltoolError, match=r"no manifest\.json"):
+        open_packed(fs_helpers.uri(far))
+    # while the claim is fresh the run counts as alive: the prefix is busy
+    busy = _pack(run_cli, data, fs_helpers.uri(far), "--force")
+    assert busy.exit_code == 1 and "another rolltool run" in busy.stderr
+    assert _files(far) == left
+    run_id = json.loads(left[claims[0]])["run_id"]
+    assert claims[0] == f"{remote.CLAIM_PREFIX}{run_id}.json"
+    # once its heartbeat is older than STALE_S it is dead: the next run deletes its files
+    monkeypatch.setattr(remote, "STALE_S", 0.0)
+    assert remote.repair(locate(fs_helpers.uri(far))) == [*sorted(set(left) - {claims[0]}), *claims]
+    assert _files(far) == {}
+    killed = subprocess.run(list(map(str, argv)), env=env, capture_output=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL
+    again = _pack(run_cli, data, fs_helpers.uri(far))  # no --force: leftovers are no output
+    assert again.exit_code == 0, again.output
+    assert _files(far) == _files(ref)
+
+
+def test_a_heartbeat_keeps_a_long_run_alive(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(remote, "HEARTBEAT_S", 0.01)
+    loc = locate(fs_helpers.uri(tmp_path / "far"))
+    run = remote.RemoteRun(loc, force=False)
+    run.start()
+    first = json.loads(loc.read_bytes(run.claim.name))["beat"]
+    deadline = time.time() + 30
+    while json.loads(loc.read_bytes(run.claim.name))["beat"] == first:
+        assert time.time() < deadline, "the claim was never rewritten"
+        time.sleep(0.01)
+    run.abort()
+    assert loc.files() == []
+
+
+def test_filesystem_errors_are_one_line_with_a_hint(run_cli: RunCli, data: Path) -> None:
+    with pytest.raises(RolltoolError, match="foo://x/packed: cannot reach") as e:
+        locate("foo://x/packed")
+    assert e.value.hint is not None and "s3://" in e.value.hint
+    result = run_cli("pack", data, "-o", "foo://x/packed", "--dp", 2)
+    assert result.exit_code == 1 and len(result.stderr.strip().splitlines()) == 2, result.stderr
+    result = run_cli("verify", "foo://x/packed")
+    assert result.exit_code == 1 and "cannot reach" in result.stderr
+    assert not os.path.exists("foo:")
