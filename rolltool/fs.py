@@ -179,6 +179,12 @@ def locate(given: str | os.PathLike[str]) -> Location:
     return Location(fs, path.rstrip("/") or path, text)
 
 
+def local_path(given: str | os.PathLike[str]) -> str:
+    """A plain path as given; a ``file://`` URI's path (``file:///tmp/x`` -> ``/tmp/x``)."""
+    text = os.fspath(given)
+    return locate(text).path if scheme(text) == "file" else text
+
+
 def is_remote(given: str | os.PathLike[str]) -> bool:
     """A URI whose filesystem is not this machine's (``file://`` is local)."""
     text = os.fspath(given)

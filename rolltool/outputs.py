@@ -62,7 +62,7 @@ import pyarrow.parquet as pq
 from rolltool import remote
 from rolltool.errors import RolltoolError
 from rolltool.format import is_packed_dir
-from rolltool.fs import Location, is_remote, locate
+from rolltool.fs import Location, is_remote, local_path, locate
 
 LOCK = "lock"
 """The lock file inside a run's temporary directory."""
@@ -233,7 +233,7 @@ def check_target(
         _check_remote_inputs(loc, inputs)
         remote.check_target(loc, force)  # object storage: no rename (`rolltool.remote`)
         return
-    target = Path(os.path.abspath(shown))
+    target = Path(os.path.abspath(local_path(shown)))
     _check_path(target, shown)
     repair(target)
     _check_inputs(target, shown, inputs)
@@ -486,7 +486,7 @@ def atomic_path(path: str | os.PathLike[str], *, force: bool, directory: bool) -
     `path`.
     """
     shown = os.fspath(path)
-    target = Path(os.path.abspath(shown))
+    target = Path(os.path.abspath(local_path(shown)))
     check_target(shown, force)
     try:
         tmp, fd = _make_temp(target)

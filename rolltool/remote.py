@@ -18,9 +18,10 @@ the rolltool-named files the manifest does not list. The dead runs' claims go la
 cut short is done again by the next run. While another run's claim is live, a run refuses to
 start (two runs would write the same names); two starting at once may both refuse.
 
-``--force`` replaces only a finished rolltool output whose every file the manifest lists: the
-previous manifest is deleted first (from then on the prefix is not a finished output), then its
-files, then the new run writes. So, unlike a local output, the previous output is gone from the
+``--force`` replaces only a finished rolltool output whose every file the manifest lists (or,
+without a manifest, files rolltool names whose run's claim is gone): the previous manifest is
+deleted first (from then on the prefix is not a finished output), then its files, then the new
+run writes. So, unlike a local output, the previous output is gone from the
 start of a --force run, not from its end (no rename swaps it in one step). Without --force any
 file under the prefix refuses the run. A run that fails with an exception deletes what it wrote
 and its claim; one that is killed leaves them to the next run's repair.
@@ -44,7 +45,7 @@ from pathlib import Path
 
 from rolltool.errors import RolltoolError
 from rolltool.format import FORMAT, MANIFEST, SAMPLES
-from rolltool.fs import Location, locate
+from rolltool.fs import Location
 
 CLAIM_PREFIX = ".rolltool-tmp-"
 """A run's claim is ``<prefix>/.rolltool-tmp-<run id>.json``."""
@@ -160,8 +161,8 @@ def check_target(loc: Location, force: bool) -> set[str]:
         return set()
     if not force:
         raise RolltoolError(f"{loc.shown} already exists", hint="pass --force to replace it")
-    listed = _listed(loc, names)
-    foreign = [n for n in names if listed is None or n not in listed]
+    listed = _listed(loc, names)  # None: files of a run whose claim is gone
+    foreign = [n for n in names if not (rolltool_named(n) if listed is None else n in listed)]
     if foreign:
         raise RolltoolError(
             f"{loc.shown} exists and is not an output rolltool wrote (it holds {foreign[0]}): "
@@ -182,6 +183,7 @@ class RemoteRun:
     written: set[str] = field(default_factory=set)
     _stop: threading.Event = field(default_factory=threading.Event)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _beating: threading.Thread | None = None
 
     def start(self) -> None:
         previous = check_target(self.loc, self.force)
@@ -194,7 +196,8 @@ class RemoteRun:
             raise _refuse_busy(self.loc, other)
         for name in sorted(previous, key=lambda n: n != MANIFEST):  # the manifest first
             self.loc.delete(name)
-        threading.Thread(target=self._heartbeat, daemon=True, name="rolltool-claim").start()
+        self._beating = threading.Thread(target=self._heartbeat, daemon=True, name="rolltool-claim")
+        self._beating.start()
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
@@ -211,14 +214,21 @@ class RemoteRun:
     def commit(self, manifest: bytes) -> None:
         """Write ``manifest.json`` (the commit), then drop the claim."""
         self.loc.write_bytes(MANIFEST, manifest)
-        self._stop.set()
+        self._stop_heartbeat()
         with contextlib.suppress(RolltoolError):
             self.loc.delete(self.claim.name)
+
+    def _stop_heartbeat(self) -> None:
+        """Stop rewriting the claim (waiting for a rewrite under way, which would otherwise
+        put a deleted claim back)."""
+        self._stop.set()
+        if self._beating is not None:
+            self._beating.join()
 
     def abort(self) -> None:
         """Delete what this run wrote, then its claim (best effort: what is left, the next
         run's `repair` deletes)."""
-        self._stop.set()
+        self._stop_heartbeat()
         with contextlib.suppress(RolltoolError):
             for name in sorted(self.written):
                 self.loc.delete(name)
@@ -239,9 +249,3 @@ def staged(run: RemoteRun) -> Iterator[Path]:
     except BaseException:
         run.abort()
         raise
-
-
-def remote_output(path: str | os.PathLike[str]) -> Location | None:
-    """The output's `Location` when it is not on the local filesystem, else None."""
-    loc = locate(path)
-    return None if loc.local else loc

@@ -45,7 +45,7 @@ from rolltool.format import (
     ShardRef,
     shard_name,
 )
-from rolltool.fs import is_remote, locate
+from rolltool.fs import is_remote, local_path, locate
 from rolltool.layout import PackedRows
 from rolltool.outputs import atomic_path
 from rolltool.remote import RemoteRun, staged
@@ -103,8 +103,8 @@ class PackedWriter:
         max_pending_bytes: int = DEFAULT_PENDING_BYTES,
         threads: int = 2,
     ) -> None:
-        self.target = Path(root)
         self.shown = os.fspath(root)
+        self.target = Path(local_path(self.shown))
         self.force = force
         self.shard_bytes = shard_bytes
         self.max_pending_bytes = max_pending_bytes

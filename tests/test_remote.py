@@ -208,3 +208,30 @@ def test_filesystem_errors_are_one_line_with_a_hint(run_cli: RunCli, data: Path)
     result = run_cli("verify", "foo://x/packed")
     assert result.exit_code == 1 and "cannot reach" in result.stderr
     assert not os.path.exists("foo:")
+
+
+def test_a_file_uri_is_a_local_path(data: Path, tmp_path: Path, run_cli: RunCli) -> None:
+    """``file://`` outputs take the local (rename) path: the same files as a plain path."""
+    assert _pack(run_cli, data, tmp_path / "plain").exit_code == 0
+    done = _pack(run_cli, data, f"file://{tmp_path}/uri")
+    assert done.exit_code == 0, done.output
+    assert _files(tmp_path / "uri") == _files(tmp_path / "plain")
+    assert (
+        open_packed(f"file://{tmp_path}/uri").num_steps == open_packed(tmp_path / "uri").num_steps
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plain", "uri"]  # no "file:" folder
+
+
+def test_force_takes_over_rolltool_files_whose_claim_is_gone(
+    data: Path, tmp_path: Path, run_cli: RunCli
+) -> None:
+    """A killed run's files whose claim someone deleted: no output without --force; --force
+    replaces them (they are all names rolltool writes), unlike a folder with other files."""
+    far, ref = tmp_path / "far", tmp_path / "ref"
+    assert _pack(run_cli, data, fs_helpers.uri(far), "--dp", 4).exit_code == 0
+    (far / "manifest.json").unlink()
+    refused = _pack(run_cli, data, fs_helpers.uri(far))
+    assert refused.exit_code == 1 and "already exists" in refused.stderr
+    assert _pack(run_cli, data, fs_helpers.uri(far), "--force").exit_code == 0
+    assert _pack(run_cli, data, ref).exit_code == 0
+    assert _files(far) == _files(ref)
