@@ -168,7 +168,7 @@ def test_stats_on_ray_prints_the_local_output(
 
     if view == "rollouts":
         pq.write_table(pq.read_table(EXAMPLE), tmp_path / "in.parquet", row_group_size=50)
-        monkeypatch.setattr(rollouts, "PIECE_BYTES", 1)
+        monkeypatch.setattr(rollouts, "PIECE_TOKENS", 1)
         path, pieces = tmp_path / "in.parquet", -(-pq.read_metadata(EXAMPLE).num_rows // 50)
     else:
         path = pack_with(tmp_path, "packed", PackConfig.from_options(dp=2, batch_size=32))

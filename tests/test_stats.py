@@ -228,7 +228,7 @@ def test_row_group_pieces_give_the_report_of_whole_files(
     whole = compute_stats([str(tmp_path)], limit=limit).report
     assert len(read) == 2 - (limit is not None)
     read.clear()
-    monkeypatch.setattr(rollouts, "PIECE_BYTES", 1)
+    monkeypatch.setattr(rollouts, "PIECE_TOKENS", 1)
     cut = compute_stats([str(tmp_path)], limit=limit).report
     assert len(read) > 5 and max(read) == 7 and sum(read) == whole["rows"]
     assert whole["rows"] == synth_table.num_rows if limit is None else whole["rows"] < half

@@ -8,7 +8,7 @@ that an id column that is integer in one file and string in another is refused, 
 refuses it, rather than merging 1 and "1" into one id.
 
 Each piece of the input (`Piece`: a file, or a run of its row groups holding about
-``PIECE_BYTES`` of the token column) gives a ``RolloutStats``; ``a + b`` is the
+``PIECE_TOKENS`` tokens) gives a ``RolloutStats``; ``a + b`` is the
 ``RolloutStats`` of both inputs, exactly, also when a group or a rollout is split over pieces
 (rollouts are kept as one small partial row each and re-aggregated by ``report``, in input row
 order, so the report does not depend on where the pieces were cut). The pieces are independent:
@@ -45,10 +45,9 @@ from rolltool.source import (
     InputFile,
     check_mapping,
     file_schema,
+    footer,
     invert_mapping,
     resolve_inputs,
-    row_group_bytes,
-    row_group_rows,
     source_names,
 )
 from rolltool.stats.accumulate import Moments, Stats, ValueCounts, add_dicts, percentiles
@@ -59,9 +58,10 @@ HINT = (
     "`rolltool pack` (with manifest.json)"
 )
 
-PIECE_BYTES = 32_000_000
-"""A file is read in pieces of whole row groups holding at least this many compressed bytes of
-the token column(s) (the last piece may hold less): each piece one polars scan, or one Ray task."""
+PIECE_TOKENS = 32_000_000
+"""A file is read in pieces of whole row groups holding at least this many tokens (values of
+the token column(s), from the footers; the last piece may hold fewer): each piece one polars
+scan, or one Ray task."""
 TOKEN_COLUMNS = ("loss_mask", "prompt_ids", "response_ids")
 """The token columns stats reads (one format or the other)."""
 Mapper = Callable[[Callable[[Any], Any], Sequence[Any]], list[Any]]
@@ -420,7 +420,7 @@ def file_stats(
 
 def pieces(files: Sequence[InputFile], rename: Mapping[str, str], read: int | None) -> list[Piece]:
     """The input cut into `Piece` s, in order: each file in runs of whole row groups of at least
-    ``PIECE_BYTES`` token-column bytes (footers only); only the first `read` rows (None: all).
+    ``PIECE_TOKENS`` tokens (footers only); only the first `read` rows (None: all).
     A file with no row is a piece too (its schema is checked)."""
     out: list[Piece] = []
     first = 0
@@ -429,15 +429,28 @@ def pieces(files: Sequence[InputFile], rename: Mapping[str, str], read: int | No
             break
         end = f.rows if read is None else min(f.rows, read - first)
         offset = 0
-        rows, size = row_group_rows(f), row_group_bytes(f, rename, TOKEN_COLUMNS)
         held = at = 0
-        for n, b in zip(rows, size, strict=True):
+        for n, b in _row_groups(f, rename):
             at, held = at + n, held + b
-            if held >= PIECE_BYTES and offset < at < end:
+            if held >= PIECE_TOKENS and offset < at < end:
                 out.append(Piece(f, first, offset, at - offset))
                 offset, held = at, 0
         out.append(Piece(f, first, offset, None if read is None else end - offset))
         first += f.rows
+    return out
+
+
+def _row_groups(file: InputFile, rename: Mapping[str, str]) -> list[tuple[int, int]]:
+    """(rows, values of the token columns) of each row group, from the footer."""
+    meta = footer(file.path)
+    names = source_names(meta.schema.to_arrow_schema().names, rename)
+    wanted = {names[c] for c in TOKEN_COLUMNS if c in names}
+    out = []
+    for rg in range(meta.num_row_groups):
+        group = meta.row_group(rg)
+        chunks = (group.column(j) for j in range(group.num_columns))
+        size = sum(c.num_values for c in chunks if c.path_in_schema.split(".")[0] in wanted)
+        out.append((group.num_rows, size))
     return out
 
 
