@@ -22,7 +22,8 @@ chunk's end), so contiguous columns make the bytes independent of the input's ro
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from functools import partial
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -150,14 +151,21 @@ def append_columns(
     *,
     max_rows: int,
     max_bytes: int,
+    check: Callable[[int, pa.Table], None] | None = None,
 ) -> None:
     """Write the input's rows, in order, with ``new``'s (one entry per input row) appended, in
-    the row groups `file_plan` gives each file (zstd, as ``schema`` says)."""
+    the row groups `file_plan` gives each file (zstd, as ``schema`` says).
+
+    ``check(file_index, table)`` sees every input row group as read, before its rows are
+    written (``rolltool advantages``: the row rules its deferred scan left undone); what it
+    raises stops the copy.
+    """
     start = 0
     with pq.ParquetWriter(target, schema, compression="zstd") as writer:
-        for file in files:
+        for k, file in enumerate(files):
             plan = file_plan(file, max_rows=max_rows, max_bytes=max_bytes)
-            for table in _regrouped(file, rename, plan):
+            seen = None if check is None else partial(check, k)
+            for table in _regrouped(file, rename, plan, seen):
                 n = table.num_rows
                 cols = {name: arr.slice(start, n) for name, arr in new.items()}
                 writer.write_table(_conform(table, file, schema, replaced, cols), n)
@@ -168,7 +176,10 @@ def append_columns(
 
 
 def _regrouped(
-    file: InputFile, rename: Mapping[str, str], plan: Sequence[int]
+    file: InputFile,
+    rename: Mapping[str, str],
+    plan: Sequence[int],
+    check: Callable[[pa.Table], None] | None = None,
 ) -> Iterator[pa.Table]:
     """The file's rows as tables of ``plan`` rows each, read row group by row group: memory
     holds one output row group, the input row group it ends in and one column's copy."""
@@ -176,6 +187,8 @@ def _regrouped(
     chunks: dict[str, list[pa.Array]] = {}
     held, k = 0, 0
     for _, piece in iter_row_groups(file, rename):
+        if check is not None:
+            check(piece)
         names = piece.column_names
         for name in names:
             chunks.setdefault(name, []).extend(piece.column(name).chunks)

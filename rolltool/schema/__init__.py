@@ -44,7 +44,7 @@ from rolltool.schema.columns import (
     id_type_conflicts,
     token_format,
 )
-from rolltool.schema.rollouts import Rollouts, scan
+from rolltool.schema.rollouts import Rollouts, scan, scan_deferred
 
 __all__ = [
     "DEFAULT_ENV",
@@ -54,5 +54,6 @@ __all__ = [
     "Rollouts",
     "id_type_conflicts",
     "scan",
+    "scan_deferred",
     "token_format",
 ]

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import polars as pl
@@ -16,14 +17,24 @@ from rolltool.schema.across import CROSS_RULES
 from rolltool.schema.columns import (
     DEFAULT_ENV,
     INPUT_RULES,
-    SCAN_COLUMNS,
     STOPPING,
     FileColumns,
     file_columns,
     is_id_type,
-    plain_columns,
 )
-from rolltool.schema.rows import ROW_RULES, Flagged, row_batch
+from rolltool.schema.pieces import (
+    MIN_ROW_GROUPS,
+    DeferredProblem,
+    Mapper,
+    Piece,
+    RowCheck,
+    ScanJob,
+    map_pieces,
+    name_rows,
+    scan_table,
+    tasks,
+)
+from rolltool.schema.rows import Flagged
 from rolltool.source import InputFile, check_mapping, file_schema, iter_row_groups
 
 HINT = "fix these rows or columns; map differently named columns with --column NEW=OLD"
@@ -82,6 +93,16 @@ class _Columns:
     ids: dict[str, list[pa.Array]] = field(default_factory=lambda: defaultdict(list))
     values: dict[str, list[np.ndarray]] = field(default_factory=lambda: defaultdict(list))
 
+    def add(self, piece: Piece, problems: Problems) -> None:
+        """Keep a piece's light columns and report its problems."""
+        for found in piece.found:
+            found.report(problems)
+        for name, arr in piece.ids.items():
+            self.ids[name].append(arr)
+        for name, values in piece.values.items():
+            self.values[name].append(values)
+        self.rows += piece.rows
+
     def cat(self, name: str, dtype: type) -> np.ndarray:
         parts = self.values[name]
         return np.concatenate(parts) if parts else np.zeros(0, dtype)
@@ -94,17 +115,6 @@ class _Columns:
         return np.concatenate(parts)
 
 
-def _name(path: str, sid: pa.Array, first_row: int) -> Callable[[int], str]:
-    """Where row i of a batch is: its file and sample_id (its row number if it has none)."""
-
-    def name(i: int) -> str:
-        if not sid[i].is_valid:
-            return f"{path}: row {first_row + int(i)} of the ordered input"
-        return f"{path}: sample {sid[i].as_py()!r}"
-
-    return name
-
-
 def _describe(f: Flagged, where: Callable[[int], str]) -> Callable[[int], tuple[str, str]]:
     return lambda i: (where(int(i)), f.text(int(i)))
 
@@ -115,66 +125,52 @@ def _report(problems: Problems, flagged: Iterable[Flagged], where: Callable[[int
             problems.many(f.kind, f.rows, _describe(f, where))
 
 
-def _scan_batch(
-    batch: pa.RecordBatch, fc: FileColumns, first_row: int, acc: _Columns, problems: Problems
-) -> None:
-    """Run the row rules on one batch and keep its light columns."""
-    b = row_batch(batch, fc.token_format or "", fc.skip)
-    if "sample_id" in b.cols:
-        sid = b.cols["sample_id"]
-    else:
-        sid = pa.array(np.arange(first_row, first_row + batch.num_rows, dtype=np.int64))
-    for rule in ROW_RULES:
-        _report(problems, rule(b), _name(fc.file.path, sid, first_row))
-    acc.ids["sample_id"].append(sid)
-    for col in ("group_id", "rollout_id", "env"):
-        if col in b.cols:
-            acc.ids[col].append(b.cols[col])
-    acc.values["reward"].append(b.reward)
-    acc.values["length"].append(b.length)
-    acc.values["trainable"].append(b.trainable)
-    for col in ("finished_at", "advantage"):
-        if (values := b.floats(col)) is not None:
-            acc.values[col].append(values)
-
-
-def _batches(
-    k: int,
-    fc: FileColumns,
-    rename: Mapping[str, str],
-    table: pa.Table | None,
-    on_row_group: Callable[[int, int, pa.Table], None] | None,
-) -> Iterator[pa.RecordBatch]:
-    """The file's scanned columns in batches, dictionary and string_view columns decoded."""
-    if table is not None:
-        yield from map(plain_columns, table.to_batches(max_chunksize=65_536))
-        return
-    for rg, t in iter_row_groups(fc.file, rename, [c for c in SCAN_COLUMNS if c not in fc.skip]):
-        if on_row_group is not None:
-            on_row_group(k, rg, t)
-        yield from map(plain_columns, t.to_batches(max_chunksize=65_536))
-
-
-def _scan_rows(
-    checked: Sequence[FileColumns],
-    rename: Mapping[str, str],
-    tables: Iterable[pa.Table] | None,
-    on_row_group: Callable[[int, int, pa.Table], None] | None,
-    problems: Problems,
-) -> _Columns:
-    """Stream every file whose columns passed, running the row rules; skipped files keep
-    their place in the row numbering."""
-    acc = _Columns()
-    table_iter = iter(tables) if tables is not None else None
-    for k, fc in enumerate(checked):
+def _serial(job: ScanJob, run: ScanRun) -> Iterator[tuple[int, Piece]]:
+    """(file index, piece) of every scanned file, read here row group by row group; skipped
+    files keep their place in the row numbering."""
+    table_iter = iter(run.tables) if run.tables is not None else None
+    first = 0
+    for k, fc in enumerate(job.checked):
         table = next(table_iter) if table_iter is not None else None
+        if fc.token_format is None:
+            first += fc.file.rows
+            continue
+        if table is not None:
+            read: Iterable[tuple[int, pa.Table]] = [(-1, table)]
+        else:
+            read = iter_row_groups(fc.file, job.rename, job.columns(fc))
+        for rg, t in read:
+            if run.on_row_group is not None and rg >= 0:
+                run.on_row_group(k, rg, t)
+            for piece in scan_table(t, fc, first):
+                yield k, piece
+                first += piece.rows
+
+
+def _pieces(job: ScanJob, run: ScanRun) -> Iterator[tuple[int, Piece]]:
+    """(file index, piece) in input order: by the mapper when it has enough row groups to pay."""
+    if run.mapper is not None and run.tables is None:
+        todo = tasks(job)
+        if len(todo) >= MIN_ROW_GROUPS:
+            return ((task.file, piece) for task, piece in map_pieces(job, todo, run.mapper))
+    return _serial(job, run)
+
+
+def _scan_rows(job: ScanJob, run: ScanRun, problems: Problems) -> _Columns:
+    """Fold the pieces of every file whose columns passed, in order, keeping their light
+    columns and reporting their problems; skipped files keep their place in the numbering."""
+    acc = _Columns()
+    by_file = itertools.groupby(_pieces(job, run), key=lambda kp: kp[0])
+    group = next(by_file, None)
+    for k, fc in enumerate(job.checked):
         if fc.token_format is None:
             acc.rows += fc.file.rows
             continue
         start = acc.rows
-        for batch in _batches(k, fc, rename, table, on_row_group):
-            _scan_batch(batch, fc, acc.rows, acc, problems)
-            acc.rows += batch.num_rows
+        if group is not None and group[0] == k:
+            for _, piece in group[1]:
+                acc.add(piece, problems)
+            group = next(by_file, None)
         acc.file_index.append(np.full(acc.rows - start, k, dtype=np.int32))
     return acc
 
@@ -257,7 +253,11 @@ def _check_schemas(
     return checked, list(dict.fromkeys(n for s in schemas for n in s.names)), blocking
 
 
-def _raise_if_any(problems: Problems) -> None:
+def _raise_if_any(problems: Problems, deferred: bool) -> None:
+    if deferred and problems:
+        raise DeferredProblem(
+            "the input has problems the deferred scan does not list", hint="scan it in full"
+        )
     about_advantage = any("'advantage'" in p.text for p in problems.listed())
     problems.raise_if_any("the input", hint=HINT + ADVANTAGE_HINT * about_advantage)
 
@@ -269,6 +269,7 @@ def scan(
     on_row_group: Callable[[int, int, pa.Table], None] | None = None,
     *,
     ignore: Collection[str] = (),
+    mapper: Mapper | None = None,
 ) -> Rollouts:
     """Check the input and return its light columns; raises RolltoolError listing every problem.
 
@@ -279,14 +280,58 @@ def scan(
     whole input's schemas stop before any row is read. Columns in `ignore` are neither read nor
     checked (``rolltool advantages`` replaces an input 'advantage' column: ``{"advantage"}``);
     `Rollouts.columns` still lists them.
+
+    `mapper` scans the row groups (`rolltool.schema.pieces`: ``--workers``, Ray tasks) when
+    there are at least ``MIN_ROW_GROUPS``: the result and every message are the serial scan's.
+    It cannot feed `on_row_group`.
     """
+    if mapper is not None and on_row_group is not None:
+        raise ValueError("on_row_group sees row groups read here: pass no mapper")
+    return _scan(files, rename, ScanRun(tables, on_row_group, mapper), ignore, deferred=False)[0]
+
+
+def scan_deferred(
+    files: Sequence[InputFile],
+    rename: Mapping[str, str] | None = None,
+    *,
+    ignore: Collection[str] = (),
+    mapper: Mapper | None = None,
+) -> tuple[Rollouts, RowCheck]:
+    """`scan` reading only the light columns (`rolltool.schema.pieces.DEFERRED`), and the row
+    rules it left undone as a ``check(file_index, table)`` for a job that reads every column
+    anyway (`rolltool.rewrite.append_columns`). The Rollouts equal `scan`'s once the check has
+    passed on every row group. Where a row breaks a rule, the deferred scan or the check raises
+    `DeferredProblem`, not the listing: the caller runs `scan` for that.
+    """
+    ro, job = _scan(files, rename, ScanRun(None, None, mapper), ignore, deferred=True)
+    return ro, RowCheck(replace(job, deferred=False))
+
+
+@dataclass(frozen=True)
+class ScanRun:
+    """How the rows are read: given tables, a row-group callback, a mapper (see `scan`)."""
+
+    tables: Iterable[pa.Table] | None
+    on_row_group: Callable[[int, int, pa.Table], None] | None
+    mapper: Mapper | None
+
+
+def _scan(
+    files: Sequence[InputFile],
+    rename: Mapping[str, str] | None,
+    run: ScanRun,
+    ignore: Collection[str],
+    *,
+    deferred: bool,
+) -> tuple[Rollouts, ScanJob]:
     rename = dict(rename or {})
     check_mapping(files, rename)
     problems = Problems()
     checked, columns, blocking = _check_schemas(files, rename, ignore, problems)
-    acc = _scan_rows(checked, rename, tables, on_row_group, problems)
+    job = ScanJob(checked=tuple(checked), rename=rename, deferred=deferred)
+    acc = _scan_rows(job, run, problems)
     if blocking:  # rows can't be compared across the input: stop here
-        _raise_if_any(problems)
+        _raise_if_any(problems, deferred)
     sample_id = _concat_ids(acc.ids["sample_id"])
     advantage = acc.optional("advantage")
     df = _frame(acc, sample_id, advantage)
@@ -294,16 +339,17 @@ def scan(
     df = df.with_columns(pl.Series("rollout", rollout))
     for rule in CROSS_RULES:
         _report(problems, rule(df), _input_name(checked, acc, sample_id))
-    _raise_if_any(problems)
-    return _rollouts(checked, columns, acc, df, sample_id, (rollout, rollout_uniques), advantage)
+    _raise_if_any(problems, deferred)
+    light = (rollout, rollout_uniques)
+    return _rollouts(checked, columns, acc, df, sample_id, light, advantage), job
 
 
 def _input_name(
     checked: Sequence[FileColumns], acc: _Columns, sample_id: pa.Array
 ) -> Callable[[int], str]:
-    """Where row i of the input is (as `_name` says it for a batch)."""
+    """Where row i of the input is (as `name_rows` says it for a batch)."""
     fidx = np.concatenate(acc.file_index) if acc.file_index else np.zeros(0, np.int32)
-    return lambda i: _name(checked[int(fidx[i])].file.path, sample_id, 0)(i)
+    return lambda i: name_rows(checked[int(fidx[i])].file.path, sample_id, 0)(i)
 
 
 def _rollouts(

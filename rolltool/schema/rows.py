@@ -119,10 +119,15 @@ def _trainable(mask: pa.Array) -> np.ndarray:
 
 
 def row_batch(batch: pa.RecordBatch, fmt: str, skip: Collection[str] = ()) -> RowBatch:
-    """Decode a batch's light values; columns in `skip` (mistyped) are left out."""
+    """Decode a batch's light values; columns in `skip` (mistyped) are left out.
+
+    A batch without ``input_ids`` (a deferred scan: `rolltool.schema.pieces`) takes the
+    sequence length from ``loss_mask``: equal once `mask_length` has seen both columns.
+    """
     cols = {k: v for k, v in zip(batch.schema.names, batch.columns, strict=True) if k not in skip}
     if fmt == "input_ids":
-        ids, mask = cols["input_ids"], cols["loss_mask"]
+        mask = cols["loss_mask"]
+        ids = cols.get("input_ids", mask)
         length, trainable = _lengths(ids), _trainable(mask)
         tokens_null = _null(ids) | _null(mask)
     else:
@@ -233,7 +238,7 @@ def mask_values(b: RowBatch) -> Iterator[Flagged]:
 def token_ids(b: RowBatch) -> Iterator[Flagged]:
     """``token.range``: a token id that is null, negative, or above 2**31 - 1 (packed as int32)."""
     for col in FORMAT_COLUMNS[b.fmt]:
-        if col == "loss_mask":
+        if col == "loss_mask" or col not in b.cols:  # not read by a deferred scan
             continue
         offsets, values = _list_parts(b.cols[col])
         if values.null_count == 0:
@@ -272,6 +277,8 @@ def logprobs_values(b: RowBatch) -> Iterator[Flagged]:
     if "logprobs" not in b.cols:
         return
     offsets, values = _list_parts(b.cols["logprobs"])
+    if _plain_floats(values):
+        return  # the common case: neither rule flags anything
     if pa.types.is_floating(values.type):
         finite = pc.is_finite(values).fill_null(False)
     else:  # integers: only a null can be wrong
@@ -281,6 +288,20 @@ def logprobs_values(b: RowBatch) -> Iterator[Flagged]:
         text = _says("column 'logprobs' holds null or non-finite values")
         yield Flagged("logprobs.value", rows, text)
     yield from _logprobs_range(offsets, values)
+
+
+def _plain_floats(values: pa.Array) -> bool:
+    """Floats without a null, a nan, an infinity or a value float32 cannot hold, decided in two
+    passes without a copy: a float64 sum is finite only if every value is (it may overflow
+    where they all are: then the exact rules run), then the extremes are in range."""
+    if values.null_count or values.type not in (pa.float32(), pa.float64()) or not len(values):
+        return False
+    with np.errstate(over="ignore", invalid="ignore"):
+        total = np.sum(values.to_numpy(zero_copy_only=True), dtype=np.float64)
+    if not np.isfinite(total):
+        return False
+    lo_hi = pc.min_max(values)
+    return max(-lo_hi["min"].as_py(), lo_hi["max"].as_py()) < FLOAT32_LIMIT
 
 
 def _logprobs_range(offsets: np.ndarray, values: pa.Array) -> Iterator[Flagged]:
