@@ -1,6 +1,7 @@
 """Benchmark: scale-out (issue 12): workers, the exchange path, the plan at millions of samples, Ray.
 
     python benchmarks/scale.py [--groups 2000] [--repeats 3] [--samples 1000000 10000000]
+                               [--sections workers exchange plan] [--plan-trees DIR ...]
                                [--ray] [--ray-nodes]
 
 Sections (each in fresh processes, on the same synth input, medians of --repeats):
@@ -11,7 +12,10 @@ Sections (each in fresh processes, on the same synth input, medians of --repeats
   exchange  --order shuffle with --cache-mb 64 (the input is >= 4x the token cache): the plan's
             read amplification, then the run with --exchange never and --exchange always
   plan      `rolltool.schedule.schedule` on synthetic light columns of N samples (groups of 8,
-            log-normal lengths, one env): seconds and the process's peak RSS, per N
+            log-normal lengths, one env): seconds, the process's peak RSS, and per sample what
+            planning adds over the light columns at its peak and what the returned plan keeps
+            (RSS); --plan-trees A B ... runs it on other checkouts too (e.g. a `git worktree`
+            of an older commit), interleaved, to compare before/after in one run
   ray       (--ray) the pack with --engine ray starting its own local cluster, against
             --workers 1; (--ray-nodes) the same job attached to a simulated 2-node cluster
             (ray.cluster_utils.Cluster, 1 CPU per node), overheads included as measured
@@ -33,11 +37,15 @@ from _data import synth_dataset
 from pack import _floor
 
 
-def _run(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, int, dict]:
+def _run(
+    cmd: list[str], env: dict[str, str] | None = None, cwd: str | None = None
+) -> tuple[float, int, dict]:
     """(seconds, peak RSS MB of the process, its JSON output) of one command in a new process."""
     t0 = time.perf_counter()
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env={**os.environ, **(env or {})})
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=err, env={**os.environ, **(env or {})}, cwd=cwd or None
+        )
         _, status, usage = os.wait4(proc.pid, 0)
         dt = time.perf_counter() - t0
         if os.waitstatus_to_exitcode(status):
@@ -94,12 +102,14 @@ def exchange(src: Path, work: Path, repeats: int) -> None:
 
 
 PLAN = """
-import resource, sys, time
+import gc, json, os, resource, sys, time
 import numpy as np, pyarrow as pa
 from rolltool.config import PackConfig
 from rolltool.schedule import schedule
 from rolltool.schema.rollouts import Rollouts
 from rolltool.source import InputFile
+def rss():  # bytes resident now
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 n = int(sys.argv[1]) // 8 * 8
 rng = np.random.default_rng(0)
 length = np.clip(rng.lognormal(7.5, 1.0, n), 64, 32768).astype(np.int64)
@@ -110,26 +120,44 @@ ro = Rollouts(files=[InputFile("synthetic.parquet", n, resolved="/synthetic.parq
     env_names=["math"], reward=rng.integers(0, 2, n).astype(np.float64), length=length,
     trainable=(length * 0.6).astype(np.int64), finished_at=None, token_format="input_ids",
     has_logprobs=False, columns=[])
+gc.collect()
 light = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+before = rss()
 config = PackConfig.from_options(dp=8, batch_size=1024)
 t0 = time.perf_counter()
 plan = schedule(ro, config, config.workload(), workers=int(sys.argv[2]))
 dt = time.perf_counter() - t0
+gc.collect()
+kept = rss() - before
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
-print(f'{{"seconds": {dt}, "steps": {len(plan.steps)}, "light_mb": {light}, "peak_mb": {peak}}}')
+print(json.dumps({"seconds": dt, "steps": len(plan.steps), "light_mb": light, "peak_mb": peak,
+                  "kept_bytes": kept, "n": n}))
 """
 
 
-def plan(sizes: list[int]) -> None:
+def plan(sizes: list[int], repeats: int, trees: list[str]) -> None:
+    """Per N and workers: medians over `repeats` (runs interleaved over `trees`, "" = this
+    checkout). ``+peak B/s``: the peak over the light columns, per sample; ``kept B/s``: the
+    RSS the returned plan holds, per sample; ``B/s``: the whole peak less ~90 MB (interpreter
+    and imports), per sample."""
     print("\n## plan: schedule() on synthetic light columns (dp 8, 1,024 rollouts per step)")
-    print(f"{'samples':>12}{'workers':>8}{'steps':>7}{'seconds':>9}{'light MB':>10}{'peak MB':>9}"
-          f"{'bytes/sample':>14}")  # fmt: skip
+    print(f"{'tree':<12}{'samples':>12}{'workers':>8}{'steps':>7}{'seconds':>9}{'light MB':>10}"
+          f"{'peak MB':>9}{'+peak B/s':>10}{'kept B/s':>9}{'B/s':>6}")  # fmt: skip
     for n in sizes:
         for w in (1, 2):
-            _, _, r = _run([sys.executable, "-c", PLAN, str(n), str(w)])
-            per = (r["peak_mb"] - 90) * 1e6 / n  # ~90 MB: the interpreter and imports
-            print(f"{n:>12,}{w:>8}{r['steps']:>7,}{r['seconds']:>9.1f}{r['light_mb']:>10,}"
-                  f"{r['peak_mb']:>9,}{per:>14,.0f}")  # fmt: skip
+            runs: dict[str, list[dict]] = {t: [] for t in trees}
+            for _ in range(repeats):
+                for t in trees:
+                    env = {"PYTHONPATH": t} if t else None
+                    runs[t].append(
+                        _run([sys.executable, "-c", PLAN, str(n), str(w)], env, cwd=t)[2]
+                    )
+            for t, rs in runs.items():
+                r = {k: statistics.median(x[k] for x in rs) for k in rs[0]}
+                print(f"{Path(t).name or 'this':<12}{n:>12,}{w:>8}{r['steps']:>7,.0f}"
+                      f"{r['seconds']:>9.1f}{r['light_mb']:>10,.0f}{r['peak_mb']:>9,.0f}"
+                      f"{(r['peak_mb'] - r['light_mb']) * 2**20 / n:>10,.0f}"
+                      f"{r['kept_bytes'] / n:>9,.0f}{(r['peak_mb'] - 90) * 2**20 / n:>6,.0f}")  # fmt: skip
 
 
 RAY_NODES = """
@@ -174,18 +202,22 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--samples", type=int, nargs="*", default=[1_000_000])
     ap.add_argument("--sections", nargs="*", default=["workers", "exchange", "plan"])
+    ap.add_argument("--plan-trees", nargs="*", default=[""], help="checkouts for the plan section")
     ap.add_argument("--ray", action="store_true", help="also the ray section")
     ap.add_argument("--ray-nodes", action="store_true", help="and a simulated 2-node cluster")
     args = ap.parse_args()
-    src = synth_dataset(args.groups)
     work = Path(tempfile.mkdtemp())
-    print(f"input: {src} ({src.stat().st_size / 1e6:,.0f} MB), {os.cpu_count()} CPUs")
+    src = Path()  # the plan section makes its own light columns
+    if args.ray or {"workers", "exchange"} & set(args.sections):
+        src = synth_dataset(args.groups)
+        print(f"input: {src} ({src.stat().st_size / 1e6:,.0f} MB)")
+    print(f"{os.cpu_count()} CPUs")
     if "workers" in args.sections:
         workers(src, work, args.repeats)
     if "exchange" in args.sections:
         exchange(src, work, args.repeats)
     if "plan" in args.sections:
-        plan(args.samples)
+        plan(args.samples, args.repeats, args.plan_trees)
     if args.ray:
         ray(src, work, args.repeats, args.ray_nodes)
 
