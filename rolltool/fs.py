@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
+from urllib.parse import urlsplit
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -45,6 +46,20 @@ _HINTS = (
     ("libjvm", "HDFS needs Java and libhdfs (JAVA_HOME, HADOOP_HOME, CLASSPATH)"),
     ("Unrecognized filesystem", "use a local path or an s3://, gs://, hdfs:// or file:// URI"),
 )  # fmt: skip
+
+
+_QUERY = re.compile(r"\?[\w.-]+=[^/?]*(?:&[\w.-]+=[^/?]*)*$")
+
+
+def split_query(uri: str) -> tuple[str, str]:
+    """A URI without and with its query string (``?region=us-east-1``; a ``?`` that starts
+    none, as in a glob, stays in the path).
+
+    >>> split_query("s3://b/x?region=eu-west-1"), split_query("s3://b/r?n/*")
+    (('s3://b/x', '?region=eu-west-1'), ('s3://b/r?n/*', ''))
+    """
+    m = _QUERY.search(uri)
+    return (uri[: m.start()], m.group()) if m else (uri, "")
 
 
 def scheme(text: str) -> str | None:
@@ -83,8 +98,11 @@ class Location:
         return f"{self.path}/{rel}" if rel else self.path
 
     def show(self, rel: str = "") -> str:
-        """How messages name `rel` under this location."""
-        return f"{self.shown.rstrip('/')}/{rel}" if rel else self.shown
+        """How messages name `rel` under this location (a URI's query string stays last)."""
+        if not rel:
+            return self.shown
+        base, query = split_query(self.shown)
+        return f"{base.rstrip('/')}/{rel}{query}"
 
     def info(self, rel: str = "") -> pafs.FileInfo:
         return self._do(rel, "cannot read", lambda p: self.fs.get_file_info(p))
@@ -177,6 +195,26 @@ def locate(given: str | os.PathLike[str]) -> Location:
     except (pa.ArrowException, OSError, ValueError) as e:
         raise location_error(text, e) from None
     return Location(fs, path.rstrip("/") or path, text)
+
+
+_ROOTS: dict[str, tuple[pafs.FileSystem, str]] = {}
+"""Filesystems of input URIs by ``scheme://authority?query``: one `FileSystem.from_uri` (for S3
+a network round trip to find the bucket's region) per bucket, not per file."""
+
+
+def locate_input(uri: str) -> Location:
+    """`locate` for URIs of input files: the filesystem made once per bucket (`_ROOTS`)."""
+    parts = urlsplit(uri)
+    if scheme(uri) is None or scheme(uri) in SCHEMES:
+        return locate(uri)
+    key = f"{parts.scheme}://{parts.netloc}?{parts.query}"
+    if key not in _ROOTS:
+        loc = locate(uri)
+        if not loc.path.endswith(parts.path.rstrip("/")):
+            return loc  # a filesystem that maps paths its own way: no sharing
+        _ROOTS[key] = (loc.fs, loc.path[: len(loc.path) - len(parts.path.rstrip("/"))])
+    fs, prefix = _ROOTS[key]
+    return Location(fs, (prefix + parts.path).rstrip("/"), uri)
 
 
 def local_path(given: str | os.PathLike[str]) -> str:

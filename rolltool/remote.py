@@ -84,7 +84,8 @@ class Claim:
 
 
 def _claims(loc: Location, names: Iterable[str]) -> list[Claim]:
-    """The claims among `names`; one that cannot be parsed (cut short) counts as dead."""
+    """The claims among `names`; one that cannot be parsed (being rewritten where writes are
+    not atomic, or cut short) beats when it was last modified."""
     out = []
     for name in names:
         m = _CLAIM.fullmatch(name)
@@ -94,7 +95,10 @@ def _claims(loc: Location, names: Iterable[str]) -> list[Claim]:
             doc = json.loads(loc.read_bytes(name))
             out.append(Claim(**{k: doc[k] for k in ("run_id", "host", "pid", "started", "beat")}))
         except (RolltoolError, ValueError, KeyError, TypeError):
-            out.append(Claim(m.group(1), "?", -1, 0.0, 0.0))
+            with contextlib.suppress(RolltoolError):
+                when = loc.info(name).mtime
+                beat = when.timestamp() if when is not None else 0.0
+                out.append(Claim(m.group(1), "?", -1, beat, beat))
     return out
 
 

@@ -21,23 +21,33 @@ footer once, not once per row group (with thousands of row groups that was quadr
 
 Example: ``data/env=math/part-0.parquet`` read through the input ``data`` gets a column
 ``env = "math"`` unless the file already has one.
+
+Inputs may be URIs on any `pyarrow.fs` filesystem (``s3://bucket/rollouts/``, ``gs://...``,
+``hdfs://...``; `rolltool.fs`): files, folders (listed recursively, with the same skips and
+hive partitions) and globs (``*``, ``?``, ``[...]`` within a name, ``**`` across folders). A
+file's URI is its identity (no symlinks there); its footer is cached by size and modification
+time like a local file's.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from rolltool.errors import RolltoolError
-from rolltool.format import is_packed_dir
+from rolltool.format import FORMAT, MANIFEST, is_packed_dir
+from rolltool.fs import Location, is_remote, local_path, locate_input, split_query
 
 
 @dataclass(frozen=True)
@@ -55,7 +65,8 @@ class InputFile:
 
     def __post_init__(self) -> None:
         if not self.resolved:
-            object.__setattr__(self, "resolved", str(Path(self.path).resolve()))
+            resolved = self.path if is_remote(self.path) else str(Path(self.path).resolve())
+            object.__setattr__(self, "resolved", resolved)
 
 
 def _partitions(root: Path, file: Path) -> dict[str, str]:
@@ -133,6 +144,86 @@ def _expand(text: str) -> list[tuple[Path, dict[str, str]]]:
     raise RolltoolError(f"{text}: no such file or directory")
 
 
+def _packed_remote(loc: Location, manifest: str) -> bool:
+    """`is_packed_dir` on a filesystem: `manifest` (a path under `loc`) is rolltool's."""
+    try:
+        return b'"format":"' + FORMAT.encode() + b'"' in loc.read_bytes(manifest)[:4096]
+    except RolltoolError:
+        return False
+
+
+def _remote_partitions(rel: str) -> dict[str, str]:
+    parts: dict[str, str] = {}
+    for piece in rel.split("/")[:-1]:
+        key, sep, value = piece.partition("=")
+        if sep and key:
+            parts[key] = value
+    return parts
+
+
+def _expand_folder(text: str, loc: Location) -> list[tuple[str, dict[str, str]]]:
+    """`_walk` on a filesystem: the folder's *.parquet files by URI with their partitions."""
+    names = loc.files()
+    if MANIFEST in names and _packed_remote(loc, MANIFEST):
+        raise RolltoolError(
+            f"{text}: is a directory written by `rolltool pack`, not rollout Parquet",
+            hint="give the rollout files it was packed from; `rolltool stats` reads it",
+        )
+    packed = [
+        n[: -len(MANIFEST)] for n in names if n.endswith(f"/{MANIFEST}") and _packed_remote(loc, n)
+    ]
+    files = [
+        n
+        for n in names
+        if n.endswith(".parquet")
+        and not any(_skipped(piece) for piece in n.split("/"))
+        and not any(n.startswith(folder) for folder in packed)
+    ]
+    if not files:
+        raise RolltoolError(
+            f"{text}: directory holds no *.parquet files "
+            "(names starting with '.' or '_' and folders written by `rolltool pack` are skipped)"
+        )
+    return [(loc.show(n), _remote_partitions(n)) for n in files]
+
+
+def _glob_match(pattern: Sequence[str], name: Sequence[str]) -> bool:
+    """`name`'s folders and file match `pattern`'s (``**``: any number of folders; a name
+    starting with ``.`` only where the pattern's does, as `glob.glob` does)."""
+    if not pattern:
+        return not name
+    if pattern[0] == "**":
+        hidden = next((i for i, n in enumerate(name) if n.startswith(".")), len(name))
+        return any(_glob_match(pattern[1:], name[i:]) for i in range(hidden + 1))
+    return bool(
+        name
+        and (not name[0].startswith(".") or pattern[0].startswith("."))
+        and fnmatch.fnmatchcase(name[0], pattern[0])
+        and _glob_match(pattern[1:], name[1:])
+    )
+
+
+def _expand_remote(text: str) -> list[tuple[str, dict[str, str]]]:
+    """`_expand` for a URI: a file, a folder or a glob on its filesystem."""
+    loc = locate_input(text)
+    kind = loc.info().type
+    if kind == pafs.FileType.File:
+        return [(text, {})]
+    if kind == pafs.FileType.Directory:
+        return _expand_folder(text, loc)
+    base, query = split_query(text)
+    if glob.has_magic(base):
+        magic = min(base.index(c) for c in "*?[" if c in base)
+        root = base[: base.rindex("/", 0, magic)]
+        pattern = base[len(root) + 1 :].split("/")
+        where = locate_input(root + query)
+        matches = [n for n in where.files() if _glob_match(pattern, n.split("/"))]
+        if not matches:
+            raise RolltoolError(f"{text}: no file matches this pattern")
+        return [(where.show(n), {}) for n in matches]
+    raise RolltoolError(f"{text}: no such file or directory")
+
+
 FOOTERS_KEPT = 4
 """Parsed footers kept (files, most recently read); a footer of 16,000 row groups is a few MB."""
 
@@ -143,13 +234,33 @@ _footers_lock = threading.Lock()
 def footer(path: str | os.PathLike[str]) -> pq.FileMetaData:
     """The file's parsed footer, from the cache while the file (inode, size, mtime) is unchanged
     (pyarrow errors and OSError as they come)."""
+    if is_remote(path):
+        return _remote_footer(os.fspath(path))
     st = os.stat(path)
     key = (os.path.abspath(path), st.st_ino, st.st_size, st.st_mtime_ns)
     with _footers_lock:
         if key in _footers:
             _footers.move_to_end(key)
             return _footers[key]
-    meta = pq.read_metadata(path)
+    return _keep(key, pq.read_metadata(path))
+
+
+def _remote_footer(uri: str) -> pq.FileMetaData:
+    """`footer` of a file on a filesystem (cached by URI, size and modification time)."""
+    loc = locate_input(uri)
+    info = loc.info()
+    if info.type != pafs.FileType.File:
+        raise FileNotFoundError(2, "no such file", uri)
+    key = (uri, 0, info.size, info.mtime_ns or 0)
+    with _footers_lock:
+        if key in _footers:
+            _footers.move_to_end(key)
+            return _footers[key]
+    with loc.fs.open_input_file(loc.path) as f:
+        return _keep(key, pq.read_metadata(f))
+
+
+def _keep(key: tuple[str, int, int, int], meta: pq.FileMetaData) -> pq.FileMetaData:
     with _footers_lock:
         _footers[key] = meta
         while len(_footers) > FOOTERS_KEPT:
@@ -157,9 +268,17 @@ def footer(path: str | os.PathLike[str]) -> pq.FileMetaData:
     return meta
 
 
-def _open(path: str | os.PathLike[str]) -> pq.ParquetFile:
+@contextmanager
+def _open(path: str | os.PathLike[str]) -> Iterator[pq.ParquetFile]:
     """The file opened for one read, its footer parsed at most once while it is unchanged."""
-    return pq.ParquetFile(path, metadata=footer(path))
+    meta = footer(path)
+    if not is_remote(path):
+        with pq.ParquetFile(path, metadata=meta) as pf:
+            yield pf
+        return
+    loc = locate_input(os.fspath(path))
+    with loc.fs.open_input_file(loc.path) as f, pq.ParquetFile(f, metadata=meta) as pf:
+        yield pf
 
 
 JSON_SUFFIXES = (".jsonl", ".ndjson", ".json")
@@ -236,7 +355,11 @@ def resolve_inputs(inputs: Sequence[str | os.PathLike[str]]) -> list[InputFile]:
         )
     found: dict[str, tuple[str, dict[str, str]]] = {}  # resolved -> (first spelling, partitions)
     for raw in inputs:
-        for path, partitions in _expand(os.fspath(raw)):
+        if is_remote(raw):
+            for uri, partitions in _expand_remote(os.fspath(raw)):
+                found.setdefault(uri, (uri, partitions))
+            continue
+        for path, partitions in _expand(local_path(raw)):
             found.setdefault(str(path.resolve()), (str(path), partitions))
     return [
         InputFile(path=path, rows=_rows(path), partitions=partitions, resolved=resolved)

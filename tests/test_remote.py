@@ -183,6 +183,13 @@ def test_a_killed_run_leaves_no_manifest_and_the_next_cleans_up_by_run_id(
     assert _files(far) == _files(ref)
 
 
+def _beat(loc: Any, name: str) -> float | None:
+    try:
+        return float(json.loads(loc.read_bytes(name))["beat"])
+    except ValueError:
+        return None  # caught mid-rewrite (a local file is not replaced atomically)
+
+
 def test_a_heartbeat_keeps_a_long_run_alive(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -190,9 +197,9 @@ def test_a_heartbeat_keeps_a_long_run_alive(
     loc = locate(fs_helpers.uri(tmp_path / "far"))
     run = remote.RemoteRun(loc, force=False)
     run.start()
-    first = json.loads(loc.read_bytes(run.claim.name))["beat"]
+    first = run.claim.beat
     deadline = time.time() + 30
-    while json.loads(loc.read_bytes(run.claim.name))["beat"] == first:
+    while _beat(loc, run.claim.name) in (first, None):
         assert time.time() < deadline, "the claim was never rewritten"
         time.sleep(0.01)
     run.abort()
@@ -235,3 +242,60 @@ def test_force_takes_over_rolltool_files_whose_claim_is_gone(
     assert _pack(run_cli, data, fs_helpers.uri(far), "--force").exit_code == 0
     assert _pack(run_cli, data, ref).exit_code == 0
     assert _files(far) == _files(ref)
+
+
+@pytest.fixture(scope="module")
+def hive(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Rollouts in hive folders (env=...), with files and folders the walk must skip."""
+    root = tmp_path_factory.mktemp("hive")
+    table = generate(SynthConfig(groups=12, max_len=1024)).drop_columns(["env"])
+    for i, env in enumerate(("code", "math")):
+        (root / f"env={env}").mkdir()
+        part = table.slice(i * 40, 40)
+        pq.write_table(part.slice(0, 24), root / f"env={env}" / "part-1.parquet")
+        pq.write_table(part.slice(24), root / f"env={env}" / "part-0.parquet")
+    (root / "_SUCCESS").write_text("")
+    (root / ".tmp").mkdir()
+    pq.write_table(table.slice(0, 4), root / ".tmp" / "x.parquet")
+    return root
+
+
+def test_inputs_by_uri_are_listed_like_local_ones(hive: Path) -> None:
+    from rolltool.source import resolve_inputs
+
+    local = resolve_inputs([hive])
+    far = resolve_inputs([fs_helpers.uri(hive)])
+    assert len(local) == 4
+    assert [f.path for f in far] == [fs_helpers.uri(f.path) for f in local]
+    assert [(f.rows, dict(f.partitions)) for f in far] == [
+        (f.rows, dict(f.partitions)) for f in local
+    ]
+    assert [f.resolved for f in far] == [f.path for f in far]  # a URI is its own identity
+    for pattern in ("**/*.parquet", "env=*/part-0.parquet", "env=m?th/*"):
+        got = [f.path for f in resolve_inputs([fs_helpers.uri(f"{hive}/{pattern}")])]
+        want = [fs_helpers.uri(f.path) for f in resolve_inputs([f"{hive}/{pattern}"])]
+        assert got == want and got, pattern
+    # named twice (a folder and a glob): read once
+    twice = resolve_inputs([fs_helpers.uri(hive), fs_helpers.uri(f"{hive}/**/*.parquet")])
+    assert [f.path for f in twice] == [f.path for f in far]
+    for missing, why in (("nope", "no such file or directory"), ("*.nope", "no file matches")):
+        with pytest.raises(RolltoolError, match=why):
+            resolve_inputs([fs_helpers.uri(f"{hive}/{missing}")])
+
+
+def test_a_pack_of_inputs_by_uri_equals_a_pack_of_the_local_files(
+    hive: Path, tmp_path: Path, run_cli: RunCli
+) -> None:
+    local, far = tmp_path / "local", tmp_path / "far"
+    args = ("--dp", 2, "--batch-size", 16)
+    assert run_cli("pack", hive, "-o", local, *args).exit_code == 0
+    done = run_cli("pack", fs_helpers.uri(hive), "-o", fs_helpers.uri(far), *args)
+    assert done.exit_code == 0, done.output
+    ours, theirs = _files(local), _files(far)
+    manifest = json.loads(theirs.pop("manifest.json"))
+    assert json.loads(ours.pop("manifest.json"))["files"] == manifest["files"]
+    assert ours == theirs  # shards and samples.parquet byte for byte
+    assert all(r["path"].startswith("norename://") for r in manifest["inputs"])
+    report = run_verify(fs_helpers.uri(far))  # the recorded inputs are found by URI
+    assert report.ok and report.input == "compared", report.problems.listed()
+    assert report.checked["input_samples"] > 0

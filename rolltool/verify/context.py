@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 
 from rolltool.errors import RolltoolError
 from rolltool.format import SAMPLES, STATUSES, InputRecord, Manifest
+from rolltool.fs import is_remote, locate_input
 from rolltool.problems import Problem
 from rolltool.source import InputFile, footer, invert_mapping, iter_batches, resolve_inputs
 from rolltool.split import GroupSplit, recorded_split
@@ -215,11 +216,22 @@ def candidates(record: InputRecord, root: Path) -> list[Path]:
     return found
 
 
-def locate_recorded(manifest: Manifest, root: Path) -> tuple[list[Path], list[str]]:
-    """(the recorded input files where they are found, the recorded paths that are not)."""
-    found: list[Path] = []
+def _remote_file(uri: str) -> bool:
+    try:
+        return locate_input(uri).is_file()
+    except RolltoolError:
+        return False
+
+
+def locate_recorded(manifest: Manifest, root: Path) -> tuple[list[Path | str], list[str]]:
+    """(the recorded input files where they are found, the recorded paths that are not);
+    an input recorded by URI (`rolltool.fs`) is looked for there only."""
+    found: list[Path | str] = []
     missing: list[str] = []
     for record in manifest.inputs:
+        if is_remote(record.path):
+            (found if _remote_file(record.path) else missing).append(record.path)
+            continue
         hit = next((p for p in candidates(record, root) if p.is_file()), None)
         if hit is None:
             missing.append(record.path)
