@@ -1,5 +1,9 @@
 """Atomic outputs: write into a hidden sibling, rename into place when complete.
 
+This is for local paths (and ``file://`` URIs). An output on object storage (``s3://``, ...)
+cannot be renamed into place: `rolltool.remote` writes it under its final names with
+``manifest.json`` last as the commit marker, and `check_target` hands it the checks.
+
 What may be replaced. An existing output is refused unless ``force``, and ``force`` replaces
 only what rolltool wrote (`rolltool_output`): a packed directory, a Parquet file whose footer
 carries rolltool's ``OUTPUT_KEY`` (``advantages``, ``synth``), a bench calibration file. An

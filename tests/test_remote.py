@@ -299,3 +299,44 @@ def test_a_pack_of_inputs_by_uri_equals_a_pack_of_the_local_files(
     report = run_verify(fs_helpers.uri(far))  # the recorded inputs are found by URI
     assert report.ok and report.input == "compared", report.problems.listed()
     assert report.checked["input_samples"] > 0
+
+
+def test_an_output_inside_an_input_by_uri_is_refused_before_any_work(
+    hive: Path, run_cli: RunCli
+) -> None:
+    inside = fs_helpers.uri(hive / "env=math" / "packed")
+    result = run_cli("pack", fs_helpers.uri(hive), "-o", inside, "--dp", 2)
+    assert result.exit_code == 1 and "refusing to overwrite an input" in result.stderr
+    assert not (hive / "env=math" / "packed").exists()
+    result = run_cli("verify", fs_helpers.uri(hive / "env=math" / "part-0.parquet"))
+    assert result.exit_code == 1 and "is a file, not a packed directory" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("only", "after"), [("write_shard", False), ("write_samples", False), ("finish", True)]
+)
+def test_a_force_run_killed_anywhere_leaves_no_finished_output_and_is_repaired(
+    only: str,
+    after: bool,
+    data: Path,
+    tmp_path: Path,
+    run_cli: RunCli,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Killed over an existing output (--force) before the first shard, before samples.parquet,
+    or just before the manifest goes up: the old output was invalidated first, no manifest is
+    left, and a run without --force cleans the killed run's files and finishes."""
+    far, ref = tmp_path / "far", tmp_path / "ref"
+    assert _pack(run_cli, data, ref).exit_code == 0
+    assert _pack(run_cli, data, fs_helpers.uri(far), "--dp", 4).exit_code == 0
+    argv = [sys.executable, "-c", CHILD, "pack", data, "-o", fs_helpers.uri(far), *PACK, "--force"]
+    env = Injector(at=1, only=only, after=after).env()
+    killed = subprocess.run(list(map(str, argv)), env=env, capture_output=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    left = _files(far)
+    assert "manifest.json" not in left
+    assert sum(k.startswith(remote.CLAIM_PREFIX) for k in left) == 1
+    monkeypatch.setattr(remote, "STALE_S", 0.0)
+    again = _pack(run_cli, data, fs_helpers.uri(far))
+    assert again.exit_code == 0, again.output
+    assert _files(far) == _files(ref)

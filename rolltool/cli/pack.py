@@ -90,7 +90,7 @@ BUDGET = (f"Hard token budget per micro-batch and GPU [default: --row-len when g
 )  # fmt: skip
 @section(
     "Output",
-    opt("-o --output", click.Path(file_okay=False), None, "Directory to write.", required=True),
+    opt("-o --output", click.Path(file_okay=False), None, "Directory to write: a path, or a URI (s3://, gs://, hdfs://; manifest.json written last marks it finished).", required=True),
     opt("--shard-mb", float, D.shard_mb, "Largest shard file, MB."),
     force_option("an existing output directory"),
     json_option("the manifest as one JSON document"),

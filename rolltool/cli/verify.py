@@ -9,13 +9,14 @@ import click
 
 from rolltool.cli._common import handle_errors, out, print_json, warn
 from rolltool.errors import RolltoolError
+from rolltool.fs import is_remote, locate
 
 
 def _check_packed_path(path: str) -> None:
     """A file where a packed directory is expected is named as such, before anything opens it
     (the reader would only say "no such directory")."""
     p = Path(path)
-    if p.is_file():
+    if p.is_file() if not is_remote(path) else locate(path).is_file():
         hint = (
             f"verify checks what `rolltool pack {path} -o DIR` wrote: give DIR; to look at "
             f"rollout Parquet, run `rolltool stats {path}`"
