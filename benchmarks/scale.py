@@ -124,24 +124,28 @@ gc.collect()
 light = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
 before = rss()
 config = PackConfig.from_options(dp=8, batch_size=1024)
-t0 = time.perf_counter()
+def cpu():  # CPU seconds of this process and its finished children
+    return sum(resource.getrusage(w).ru_utime + resource.getrusage(w).ru_stime
+               for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+t0, c0 = time.perf_counter(), cpu()
 plan = schedule(ro, config, config.workload(), workers=int(sys.argv[2]))
-dt = time.perf_counter() - t0
+dt, cpu_s = time.perf_counter() - t0, cpu() - c0
 gc.collect()
 kept = rss() - before
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
-print(json.dumps({"seconds": dt, "steps": len(plan.steps), "light_mb": light, "peak_mb": peak,
+print(json.dumps({"seconds": dt, "cpu": cpu_s, "steps": len(plan.steps), "light_mb": light, "peak_mb": peak,
                   "kept_bytes": kept, "n": n}))
 """
 
 
 def plan(sizes: list[int], repeats: int, trees: list[str]) -> None:
     """Per N and workers: medians over `repeats` (runs interleaved over `trees`, "" = this
-    checkout). ``+peak B/s``: the peak over the light columns, per sample; ``kept B/s``: the
+    checkout). ``cpu s``: CPU seconds of the planning process and its workers (steadier than
+    wall time on a shared machine). ``+peak B/s``: the peak over the light columns, per sample; ``kept B/s``: the
     RSS the returned plan holds, per sample; ``B/s``: the whole peak less ~90 MB (interpreter
     and imports), per sample."""
     print("\n## plan: schedule() on synthetic light columns (dp 8, 1,024 rollouts per step)")
-    print(f"{'tree':<12}{'samples':>12}{'workers':>8}{'steps':>7}{'seconds':>9}{'light MB':>10}"
+    print(f"{'tree':<12}{'samples':>12}{'workers':>8}{'steps':>7}{'seconds':>9}{'cpu s':>7}{'light MB':>10}"
           f"{'peak MB':>9}{'+peak B/s':>10}{'kept B/s':>9}{'B/s':>6}")  # fmt: skip
     for n in sizes:
         for w in (1, 2):
@@ -155,7 +159,7 @@ def plan(sizes: list[int], repeats: int, trees: list[str]) -> None:
             for t, rs in runs.items():
                 r = {k: statistics.median(x[k] for x in rs) for k in rs[0]}
                 print(f"{Path(t).name or 'this':<12}{n:>12,}{w:>8}{r['steps']:>7,.0f}"
-                      f"{r['seconds']:>9.1f}{r['light_mb']:>10,.0f}{r['peak_mb']:>9,.0f}"
+                      f"{r['seconds']:>9.1f}{r['cpu']:>7.1f}{r['light_mb']:>10,.0f}{r['peak_mb']:>9,.0f}"
                       f"{(r['peak_mb'] - r['light_mb']) * 2**20 / n:>10,.0f}"
                       f"{r['kept_bytes'] / n:>9,.0f}{(r['peak_mb'] - 90) * 2**20 / n:>6,.0f}")  # fmt: skip
 

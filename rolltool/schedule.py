@@ -67,7 +67,7 @@ class PlannedStep:
     index: int
     members: np.ndarray  # [n] int64 sample indices trained in the step (plan positions index it)
     advantage: np.ndarray  # [n] float32 (whitened over the step where the estimator whitens)
-    weight: np.ndarray  # [n] float64 loss weight of each trainable token
+    weight: np.ndarray  # [n] float64 loss weight of each trainable token (float32 from `Schedule`)
     plan: StepPlan
     record: StepRecord  # counts, denominators and plan summary; ``ranks`` are added on write
     uniform_dropped: np.ndarray  # [u] int64 samples of uniform groups skipped while filling it
@@ -167,7 +167,7 @@ class Schedule:
     its rows hold them (rank 0's micro-batches first; ``outlines[s].sizes`` cut them into
     micro-batches). `steps` gives each step as a `PlannedStep`, built on access; ``status``,
     ``step``, ``rank`` and ``micro_batch`` give the samples.parquet columns, also on access.
-    About 21 bytes per row (see `nbytes`).
+    17 bytes per row (see `nbytes`).
     """
 
     outlines: list[StepOutline]  # the kept steps, in order
@@ -175,7 +175,9 @@ class Schedule:
     status_code: np.ndarray  # [E*n] int8: index into STATUSES (`STATUS_CODE`)
     step_code: np.ndarray  # [E*n] int32 step a sample went to (or was dropped in), -1 if none
     advantage: np.ndarray  # [E*n] float32 (whitened over the batch where the estimator whitens)
-    weight: np.ndarray  # [E*n] float64 loss weight of each trainable token, 0 if not trained
+    weight: np.ndarray  # [E*n] float32 loss weight of each trainable token, 0 if not trained
+    """(`rolltool.loss` computes float64, and each step's record sums that; the shards and
+    samples.parquet store float32, so the driver keeps the float32 values: the same bytes.)"""
     rows: np.ndarray  # [T] int32 (int64 from 2**31 samples): trained samples, step after step
     row_starts: np.ndarray  # [S+1] int64 offsets of each step's run in ``rows``
     advantages: GroupAdvantages
@@ -729,7 +731,7 @@ def placement(
         status_code=np.tile(code, epochs),
         step_code=np.full(epochs * n, -1, dtype=np.int32),
         advantage=np.tile(advantage.astype(np.float32, copy=False), epochs),
-        weight=np.zeros(epochs * n, dtype=np.float64),
+        weight=np.zeros(epochs * n, dtype=np.float32),
         rows=np.empty(epochs * n, dtype=_index_dtype(n)),
         row_starts=[0],
     )
