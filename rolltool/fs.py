@@ -17,7 +17,8 @@ from __future__ import annotations
 import functools
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -163,6 +164,13 @@ class Location:
         for rel in names:
             self._do(rel, "cannot read", functools.partial(copy, rel))
         return names
+
+    def delete_all(self, names: Iterable[str], threads: int = 16) -> None:
+        """Delete the files `names`, several at a time (an object store takes one request per
+        file); the first failure is raised once the others are done."""
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            for _ in pool.map(self.delete, list(names)):
+                pass
 
     def delete(self, rel: str) -> None:
         """Delete the file `rel`; one already gone is fine."""

@@ -131,8 +131,8 @@ def repair(loc: Location) -> list[str]:
         for n in names
         if rolltool_named(n) and not _CLAIM.fullmatch(n) and (listed is None or n not in listed)
     ]
-    for name in [*garbage, *(c.name for c in claims)]:
-        loc.delete(name)
+    loc.delete_all(garbage)
+    loc.delete_all(c.name for c in claims)  # last: a repair cut short is done again
     return [*garbage, *(c.name for c in claims)]
 
 
@@ -198,10 +198,15 @@ class RemoteRun:
         if other is not None:  # started at the same time: both may refuse, never both write
             self.loc.delete(self.claim.name)
             raise _refuse_busy(self.loc, other)
-        for name in sorted(previous, key=lambda n: n != MANIFEST):  # the manifest first
-            self.loc.delete(name)
         self._beating = threading.Thread(target=self._heartbeat, daemon=True, name="rolltool-claim")
         self._beating.start()
+        try:
+            if MANIFEST in previous:  # first: from here on the prefix is no finished output
+                self.loc.delete(MANIFEST)
+            self.loc.delete_all(previous - {MANIFEST})
+        except BaseException:
+            self.abort()
+            raise
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
@@ -234,8 +239,7 @@ class RemoteRun:
         run's `repair` deletes)."""
         self._stop_heartbeat()
         with contextlib.suppress(RolltoolError):
-            for name in sorted(self.written):
-                self.loc.delete(name)
+            self.loc.delete_all(sorted(self.written))
             self.loc.delete(self.claim.name)
 
 
