@@ -58,6 +58,24 @@ def test_pool_really_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     assert os.getpid() not in {pid for _, pid in got}
 
 
+def test_iter_in_order_yields_each_result_when_it_is_asked_for() -> None:
+    """Serially a result is computed only when the caller asks for it (so `schedule` folds one
+    batch's steps before planning the next); in two processes the results and their order are
+    the serial ones."""
+    calls: list[int] = []
+
+    def square(x: int) -> int:
+        calls.append(x)
+        return x * x
+
+    it = workers.iter_in_order(square, list(range(5)), 1)
+    assert calls == [] and next(it) == 0 and calls == [0]
+    assert list(it) == [1, 4, 9, 16] and calls == list(range(5))
+    assert list(workers.iter_in_order(lambda x: x * x, list(range(20)), 2)) == [
+        x * x for x in range(20)
+    ]
+
+
 def test_an_error_in_a_worker_is_the_serial_error(tmp_path: Path) -> None:
     config = PackConfig.from_options(dp=7, batch_size=32, equal_count=True)
     messages = []
