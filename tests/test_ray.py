@@ -189,6 +189,47 @@ def test_stats_on_ray_prints_the_local_output(
     assert mapped == [pieces, pieces] and pieces > 3
 
 
+def test_the_advantages_scan_on_ray_writes_the_local_file(cluster: None, tmp_path: Path) -> None:
+    """`run_advantages` with `RayEngine.map_in_order` as its mapper (what ``advantages --engine
+    ray`` passes): every row group is scanned by a Ray task, the file written and the report are
+    the local run's, and a row that breaks a rule stops both runs with the same message."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rolltool.advantages import AdvantageConfig
+    from rolltool.jobs import run_advantages
+
+    table = pq.read_table(EXAMPLE)
+    mask = table["loss_mask"].to_pylist()
+    mask[200] = mask[200][:-1]  # shorter than its input_ids
+    broken = table.set_column(table.schema.get_field_index("loss_mask"), "loss_mask",
+                              pa.array(mask, table.schema.field("loss_mask").type))  # fmt: skip
+    pq.write_table(table, tmp_path / "in.parquet", row_group_size=40)
+    pq.write_table(broken, tmp_path / "broken.parquet", row_group_size=40)
+    groups = pq.read_metadata(tmp_path / "in.parquet").num_row_groups
+    mapped: list[int] = []
+
+    def mapper(fn, items):  # type: ignore[no-untyped-def]
+        mapped.append(len(items))
+        return RayEngine(cpus=2).map_in_order(fn, items, "scanning row groups")
+
+    config = AdvantageConfig()
+    local = run_advantages([str(tmp_path / "in.parquet")], tmp_path / "l.parquet", config)
+    ray = run_advantages([str(tmp_path / "in.parquet")], tmp_path / "r.parquet", config,
+                         mapper=mapper)  # fmt: skip
+    assert mapped == [groups] and groups >= 8
+    assert (tmp_path / "l.parquet").read_bytes() == (tmp_path / "r.parquet").read_bytes()
+    assert {**ray, "output": local["output"]} == local
+    messages = []
+    for name, kw in {"local": {}, "ray": {"mapper": mapper}}.items():
+        with pytest.raises(RolltoolError) as e:
+            run_advantages([str(tmp_path / "broken.parquet")], tmp_path / f"{name}.bad", config,
+                           **kw)  # type: ignore[arg-type]  # fmt: skip
+        messages.append(str(e.value))
+        assert not (tmp_path / f"{name}.bad").exists()
+    assert messages[0] == messages[1] and "sample" in messages[0] and len(mapped) > 1
+
+
 def test_ray_tasks_run_elsewhere_in_order(cluster: None) -> None:
     got = RayEngine(cpus=2).map_in_order(lambda x: (x * x, os.getpid()), list(range(20)))
     assert [v for v, _ in got] == [x * x for x in range(20)]
