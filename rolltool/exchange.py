@@ -19,7 +19,7 @@ step reads nothing but its bucket. `Buckets` is picklable: a worker process read
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -84,9 +84,11 @@ def exchange(
     root: Path,
     *,
     buffer_bytes: int = BUFFER_BYTES,
+    progress: Callable[..., Iterable[int]] | None = None,
 ) -> Buckets:
     """Stream the input once into one bucket per step: `steps` lists (step, its sample indices);
-    `root` (an empty directory) receives the files."""
+    `root` (an empty directory) receives the files. `progress(items, total, description,
+    size=..., unit=...)` may wrap the loop over row groups (`rolltool.pack.Progress`)."""
     n = reader.num_rows
     none = np.zeros(0, np.int64)
     pairs_step = np.concatenate([np.full(len(m), s, np.int64) for s, m in steps] or [none])
@@ -104,7 +106,12 @@ def exchange(
     lengths: dict[int, list[np.ndarray]] = {s: [] for s, _ in steps}
     samples: dict[int, list[np.ndarray]] = {s: [] for s, _ in steps}
     starts = np.append(reader.block_starts, n)
-    for b in range(len(reader.block_starts)):
+    blocks: Iterable[int] = range(len(reader.block_starts))
+    if progress is not None:
+        rows = np.diff(starts).tolist()
+        blocks = progress(blocks, len(starts) - 1, "exchange: reading the input into step buckets",
+                          size=rows.__getitem__, unit="samples")  # fmt: skip
+    for b in blocks:
         lo, hi = np.searchsorted(pairs_sample, [starts[b], starts[b + 1]])
         if lo == hi:
             continue

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -48,7 +48,7 @@ from rolltool.ray_engine import ENGINES
 from rolltool.readplan import read_plan
 from rolltool.schedule import PlannedStep, Schedule, schedule
 from rolltool.schema import Rollouts, scan
-from rolltool.source import invert_mapping, resolve_inputs
+from rolltool.source import InputFile, invert_mapping, resolve_inputs
 from rolltool.tokens import TokenReader
 from rolltool.workers import default_workers
 from rolltool.workload import Workload
@@ -94,7 +94,7 @@ def run_pack(
     rename = invert_mapping(columns or {})
     files = resolve_inputs(inputs)
     reader = TokenReader(files, rename, cache_bytes=int(config.cache_mb * 1e6))
-    ro = scan(files, rename, on_row_group=reader.offer)
+    ro = _scan(files, rename, reader, progress or _no_progress)
     workers = default_workers() if workers is None else workers
     if workers < 1:
         raise RolltoolError(f"--workers must be at least 1, got {workers}")
@@ -111,8 +111,12 @@ def run_pack(
         shard_bytes = int(config.shard_mb * 1e6)
         via = _path(exchange_path, reads)
         with PackedWriter(output, force=force, shard_bytes=shard_bytes) as writer:
-            buckets = _exchange(writer, reader, plan.steps, progress) if via == "exchange" else None
-            steps = _pack_all(writer, reader, plan.steps, config, workers, progress, ray, buckets)
+            wrap = progress or _no_progress
+            buckets = _exchange(writer, reader, plan.steps, wrap) if via == "exchange" else None
+            label = "packing steps" + (" from buckets" if buckets else _reads_label(reads))
+            steps = _pack_all(
+                writer, reader, plan.steps, config, workers, wrap, ray, buckets, label
+            )
             if buckets is not None:
                 shutil.rmtree(buckets.root)  # before the commit: not part of the output
             writer.write_samples(samples_table(ro, plan))
@@ -128,7 +132,61 @@ def run_pack(
             return writer.finish(record)
 
 
-Progress = Callable[[Iterable[Any], int, str], Iterable[Any]]
+T = TypeVar("T")
+
+
+class Progress(Protocol):
+    """How the CLI shows a loop's progress (`rolltool.cli.progress`): yields `items` unchanged;
+    `size(item)` counts the item's `unit`s (for a rate)."""
+
+    def __call__(
+        self,
+        items: Iterable[T],
+        total: int,
+        description: str,
+        *,
+        size: Callable[[T], int] | None = None,
+        unit: str = "tokens",
+    ) -> Iterable[T]: ...
+
+
+def _no_progress(
+    items: Iterable[T],
+    total: int,
+    description: str,
+    *,
+    size: Callable[[T], int] | None = None,
+    unit: str = "tokens",
+) -> Iterable[T]:
+    return items
+
+
+def _scan(files: Sequence[InputFile], rename: Mapping[str, str], reader: TokenReader,
+          progress: Progress) -> Rollouts:  # fmt: skip
+    """`schema.scan`, feeding the reader's cache, with progress over the input's row groups."""
+    rows = np.diff(np.append(reader.block_starts, reader.num_rows)).tolist()
+    ticks = iter(progress(range(len(rows)), len(rows), "checking the input",
+                          size=rows.__getitem__, unit="samples"))  # fmt: skip
+
+    def offer(file_index: int, row_group: int, table: pa.Table) -> None:
+        reader.offer(file_index, row_group, table)
+        next(ticks, None)
+
+    try:
+        ro = scan(files, rename, on_row_group=offer)
+        for _ in ticks:  # the last row group counted (the bar closes, a last log line)
+            pass
+    finally:
+        getattr(ticks, "close", lambda: None)()
+    return ro
+
+
+def _reads_label(reads: ReadRecord) -> str:
+    """How many times over fetching the steps reads what they need (`rolltool.readplan`); nothing
+    when every row group they need is in the scan's cache."""
+    if not reads.cached_read_bytes:
+        return ""
+    return f" (reading {reads.cached_amplification:.1f}x the bytes needed)"
 
 
 def _check_engine(engine: str, address: str | None, workers: int | None) -> None:
@@ -160,7 +218,7 @@ def _exchange(
     writer: PackedWriter,
     reader: TokenReader,
     steps: Sequence[PlannedStep],
-    progress: Progress | None,
+    progress: Progress,
 ) -> Buckets:
     """The exchange path (`rolltool.exchange`): the input read once into step buckets, in a
     folder of the writer's temporary directory (removed with it on any failure)."""
@@ -168,7 +226,7 @@ def _exchange(
     root = writer.root / ".exchange"
     root.mkdir()
     wanted = [(st.index, st.members[st.order]) for st in steps]
-    return exchange(reader, wanted, root)
+    return exchange(reader, wanted, root, progress=progress)
 
 
 def _pack_all(
@@ -177,26 +235,31 @@ def _pack_all(
     steps: Sequence[PlannedStep],
     config: PackConfig,
     workers: int,
-    progress: Progress | None,
+    wrap: Progress,
     ray: RayEngine | None,
     buckets: Buckets | None = None,
+    label: str = "packing steps",
 ) -> list[StepRecord]:
     """Every step packed and written, records in step order: by Ray tasks, by worker processes
     (`rolltool.pool`, for runs big enough), or here; tokens from `buckets` when the exchange
     path ran."""
-    wrap = progress or _no_progress
     if ray is not None:
-        return _adopt_all(writer, reader, steps, config, ray.pack_steps, wrap, buckets)
+        return _adopt_all(writer, reader, steps, config, ray.pack_steps, wrap, buckets, label)
     if pool_worth_it(workers, steps):
         return _adopt_all(
             writer, reader, steps, config, lambda s, job: pack_steps(s, job, workers), wrap,
-            buckets,
+            buckets, label,
         )  # fmt: skip
     fetch = functools.partial(step_tokens, reader, buckets)
+    fetched = prefetch(fetch, steps)
     return [
         write_step(writer, st, tokens, config)
-        for st, tokens in wrap(prefetch(fetch, steps), len(steps), "packing steps")
+        for st, tokens in wrap(fetched, len(steps), label, size=_fetched_tokens)
     ]
+
+
+def _fetched_tokens(item: tuple[PlannedStep, SampleTokens]) -> int:
+    return item[0].record.sampled_tokens
 
 
 def _adopt_all(
@@ -207,6 +270,7 @@ def _adopt_all(
     pack: Callable[[Sequence[PlannedStep], Job], Iterable[Packed]],
     wrap: Progress,
     buckets: Buckets | None = None,
+    label: str = "packing steps",
 ) -> list[StepRecord]:
     """Every step packed by other processes (`pack`: `rolltool.pool.pack_steps` or
     `rolltool.ray_engine.RayEngine.pack_steps`) into the writer's directory, adopted in step
@@ -221,14 +285,14 @@ def _adopt_all(
         buckets=buckets,
     )
     records = []
-    for done in wrap(pack(steps, job), len(steps), "packing steps"):
+    for done in wrap(pack(steps, job), len(steps), label, size=_packed_tokens):
         writer.adopt(done.files)
         records.append(done.record)
     return records
 
 
-def _no_progress(it: Iterable[Any], total: int, desc: str) -> Iterable[Any]:
-    return it
+def _packed_tokens(done: Packed) -> int:
+    return done.record.sampled_tokens
 
 
 def prefetch(

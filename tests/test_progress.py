@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import io
 import itertools
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from rich.console import Console
@@ -96,3 +101,38 @@ def test_tally_line_without_total_or_size() -> None:
     t.add(0)
     t.add(0)
     assert t.line("scanning row groups", 3725.0) == "scanning row groups: 2, 1:02:05 elapsed"
+
+
+def _pack(src: Path, out: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    cmd = ["pack", str(src), "-o", str(out), "--dp", "2", "--batch-size", "64", "--json"]
+    return subprocess.run(
+        [sys.executable, "-m", "rolltool", *cmd],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **env},
+    )
+
+
+def test_a_pack_in_a_log_says_how_far_each_phase_is(synth_path: Path, tmp_path: Path) -> None:
+    """Piped stderr (a cluster log): with a tiny interval every row group and step is a line;
+    the last line of each phase is its 100% line; stdout is still one JSON document."""
+    proc = _pack(synth_path, tmp_path / "out", {"ROLLTOOL_PROGRESS_S": "1e-9"})
+    assert proc.returncode == 0, proc.stderr
+    steps = len(json.loads(proc.stdout)["steps"])
+    lines = [line for line in proc.stderr.splitlines() if not line.startswith("Warning")]
+    scan = [line for line in lines if line.startswith("checking the input: ")]
+    packing = [line for line in lines if line.startswith("packing steps")]
+    assert scan and packing and len(scan) + len(packing) == len(lines)
+    assert scan[-1].startswith("checking the input: ") and "(100%)" in scan[-1]
+    assert f"{steps}/{steps} (100%)" in packing[-1] and "tokens/s" in packing[-1]
+    assert lines.index(scan[-1]) < lines.index(packing[0])  # the scan ends before packing
+
+
+def test_a_bad_interval_stops_the_pack_with_nothing_written(
+    synth_path: Path, tmp_path: Path
+) -> None:
+    proc = _pack(synth_path, tmp_path / "out", {"ROLLTOOL_PROGRESS_S": "often"})
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.startswith("Error: ROLLTOOL_PROGRESS_S must be a number")
+    assert [p.name for p in tmp_path.iterdir()] == [synth_path.name]  # no output, no temp

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import click
 from rich.console import Console
 
+from rolltool.cli.progress import progress as progress_on
 from rolltool.errors import RolltoolError
 from rolltool.jsonable import jsonable
 
@@ -149,18 +150,17 @@ def warn(message: str) -> None:
 T = TypeVar("T")
 
 
-def progress(items: Iterable[T], total: int | None, description: str) -> Iterator[T]:
-    """Iterate with a rich progress bar on stderr, only when stderr is a terminal."""
-    if not err.is_terminal:
-        yield from items
-        return
-    from rich.progress import Progress
-
-    with Progress(console=err, transient=True) as bar:
-        task = bar.add_task(description, total=total)
-        for item in items:
-            yield item
-            bar.advance(task)
+def progress(
+    items: Iterable[T],
+    total: int | None,
+    description: str,
+    *,
+    size: Callable[[T], int] | None = None,
+    unit: str = "tokens",
+) -> Iterator[T]:
+    """Iterate telling stderr how far the loop is (`rolltool.cli.progress`): a bar on a
+    terminal, a line every 30 s in a log; `size(item)` counts `unit`s for the rate."""
+    return progress_on(err, items, total, description, size=size, unit=unit)
 
 
 def parse_mapping(pairs: Iterable[str], option: str) -> dict[str, str]:
