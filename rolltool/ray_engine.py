@@ -136,6 +136,14 @@ class RayEngine:
             for done in got:
                 yield from done
 
+    def exchange_steps(self, steps: Sequence[PlannedStep], job: Job) -> Iterator[Packed]:
+        """The exchange path on Ray: every step packed from its samples brought together by
+        Ray Data's hash shuffle (`rolltool.ray_exchange`), yielded in step order; instead of
+        local step buckets (``job.buckets`` is not used)."""
+        from rolltool.ray_exchange import exchange_steps
+
+        return exchange_steps(steps, dataclasses.replace(job, buckets=None), self.cpus)
+
 
 def in_order(
     submit: Callable[[A], Any], args: Iterable[A], window: int, named: Callable[[A], str]
