@@ -9,7 +9,11 @@ and returns the plans in batch order; `pack_steps` packs contiguous chunks of st
 each step's record and files in step order, for the driver to adopt. The driver writes
 samples.parquet and the manifest last, as always: identity comes from the pure per-batch and
 per-step functions and fixed shard names, not from Ray options (tests/test_ray.py compares every
-file with the local engine's).
+file with the local engine's). On the exchange path `exchange_steps` brings each step's samples
+together with Ray Data's hash shuffle instead of local buckets (`rolltool.ray_exchange`).
+
+Other commands: `engine_mapper` gives ``stats`` and the scan of ``advantages`` a ``mapper(fn,
+items)`` that is `map_in_order` on the cluster (``--engine ray``) or None (this process).
 
 Files: tasks write the shards straight into the driver's temporary output directory, so on a
 cluster of several machines the inputs and the output's parent must be on a filesystem every

@@ -666,13 +666,21 @@ def test_errors_are_for_people(run_cli: Any, tmp_path: Path, write_parquet: Any,
 
 
 def test_stats_does_not_import_torch(synth_path: Path, packed: Path) -> None:
+    """Nor Ray, without --engine ray."""
     code = (
         "import sys; from rolltool.cli import main; from rolltool.stats import compute_stats; "
         "from rolltool.stats import render; "
         f"compute_stats([{str(synth_path)!r}]); compute_stats([{str(packed)!r}]); "
-        "assert 'torch' not in sys.modules, 'torch imported'"
+        "assert 'torch' not in sys.modules, 'torch imported'; "
+        "assert 'ray' not in sys.modules, 'ray imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_ray_address_needs_engine_ray(run_cli: Any, synth_path: Path) -> None:
+    result = run_cli("stats", synth_path, "--ray-address", "auto")
+    assert result.exit_code == 2 and "--ray-address is for --engine ray" in result.stderr
+    assert result.stdout == ""
 
 
 def test_column_mapping_from_a_column_no_file_has(run_cli: Any, synth_path: Path) -> None:
