@@ -30,6 +30,7 @@ several machines, as `rolltool.ray_engine` says); the buckets are not.
 from __future__ import annotations
 
 import contextlib
+import logging
 import pickle
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -227,16 +228,20 @@ def _tokens(rows: pa.Table) -> SampleTokens:
 
 @contextlib.contextmanager
 def _data_context(cpus: int) -> Iterator[None]:
-    """Ray Data set for this pipeline (hash shuffle, no progress bars on the terminal), as it
-    was afterwards."""
+    """Ray Data set for this pipeline (hash shuffle, no progress bars, its INFO and WARNING
+    lines kept off stderr), as it was afterwards."""
     from ray.data.context import DataContext, ShuffleStrategy
 
     ctx = DataContext.get_current()
+    log = logging.getLogger("ray.data")
     saved = (ctx.shuffle_strategy, ctx.enable_progress_bars, ctx.default_hash_shuffle_parallelism)
+    level = log.level
     ctx.shuffle_strategy = ShuffleStrategy.HASH_SHUFFLE
     ctx.enable_progress_bars = False
     ctx.default_hash_shuffle_parallelism = max(cpus, 1)
+    log.setLevel(logging.ERROR)
     try:
         yield
     finally:
         ctx.shuffle_strategy, ctx.enable_progress_bars, ctx.default_hash_shuffle_parallelism = saved
+        log.setLevel(level)
