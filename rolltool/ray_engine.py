@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import os
 import socket
@@ -219,16 +220,17 @@ def check_engine(engine: str, address: str | None) -> None:
 
 
 @contextlib.contextmanager
-def engine_mapper(engine: str, address: str | None) -> Iterator[Mapper | None]:
+def engine_mapper(engine: str, address: str | None, what: str) -> Iterator[Mapper | None]:
     """What computes a command's per-piece work: None (this process) for ``--engine local``;
     for ``ray``, `RayEngine.map_in_order` on the cluster at `address` (`attach`), connected
-    for the ``with`` block. Any ``mapper(fn, items)`` parameter takes it (stats; the scan)."""
+    for the ``with`` block, naming the work `what` in its errors ("scanning row groups").
+    Any ``mapper(fn, items)`` parameter takes it (stats; the scan of advantages)."""
     check_engine(engine, address)
     if engine == "local":
         yield None
         return
     with attach(address) as ray:
-        yield ray.map_in_order
+        yield functools.partial(ray.map_in_order, what=what)
 
 
 def _check_reachable(address: str | None) -> None:

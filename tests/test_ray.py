@@ -227,9 +227,9 @@ def test_stats_on_ray_prints_the_local_output(
     mapped: list[int] = []
     real_map = RayEngine.map_in_order
 
-    def spy_map(self: RayEngine, fn, items, *args):  # type: ignore[no-untyped-def]
+    def spy_map(self: RayEngine, fn, items, **kw):  # type: ignore[no-untyped-def]
         mapped.append(len(items))
-        return real_map(self, fn, items, *args)
+        return real_map(self, fn, items, **kw)
 
     monkeypatch.setattr(RayEngine, "map_in_order", spy_map)
     for args in (["--json"], ["--per-step", "--step", "1"] if view == "packed" else []):

@@ -64,7 +64,7 @@ def stats(
     from rolltool.stats import compute_stats
     from rolltool.stats.render import render
 
-    with engine_mapper(engine, ray_address) as mapper:
+    with engine_mapper(engine, ray_address, "reading pieces of the input or steps") as mapper:
         result = compute_stats(
             list(paths), columns=columns, step=step, limit=limit, progress=progress, mapper=mapper
         )
