@@ -112,10 +112,12 @@ def run_pack(
         via = _path(exchange_path, reads)
         with PackedWriter(output, force=force, shard_bytes=shard_bytes) as writer:
             wrap = progress or _no_progress
-            buckets = _exchange(writer, reader, plan.steps, wrap) if via == "exchange" else None
+            shuffle = via == "exchange" and ray is not None and ray.data_exchange  # no buckets
+            local = via == "exchange" and not shuffle
+            buckets = _exchange(writer, reader, plan.steps, wrap) if local else None
             label = "packing steps" + (" from buckets" if buckets else _reads_label(reads))
             steps = _pack_all(
-                writer, reader, plan.steps, config, workers, wrap, ray, buckets, label
+                writer, reader, plan.steps, config, workers, wrap, ray, buckets, label, shuffle
             )
             if buckets is not None:
                 shutil.rmtree(buckets.root)  # before the commit: not part of the output
@@ -239,12 +241,14 @@ def _pack_all(
     ray: RayEngine | None,
     buckets: Buckets | None = None,
     label: str = "packing steps",
+    shuffle: bool = False,
 ) -> list[StepRecord]:
     """Every step packed and written, records in step order: by Ray tasks, by worker processes
     (`rolltool.pool`, for runs big enough), or here; tokens from `buckets` when the exchange
-    path ran."""
+    path ran, or from Ray Data's shuffle (`shuffle`, `rolltool.ray_exchange`)."""
     if ray is not None:
-        return _adopt_all(writer, reader, steps, config, ray.pack_steps, wrap, buckets, label)
+        pack = ray.exchange_steps if shuffle else ray.pack_steps
+        return _adopt_all(writer, reader, steps, config, pack, wrap, buckets, label)
     if pool_worth_it(workers, steps):
         return _adopt_all(
             writer, reader, steps, config, lambda s, job: pack_steps(s, job, workers), wrap,

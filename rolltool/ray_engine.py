@@ -67,6 +67,10 @@ MAX_CHUNK = 32
 """... of at most this many items (batches, steps, files) each."""
 WINDOW_PER_CPU = 2
 """Tasks submitted and not yet collected, per cluster CPU (`RayEngine.window`)."""
+DATA_EXCHANGE_NODES = 2
+"""The exchange path runs on Ray Data (`RayEngine.exchange_steps`) on a cluster of at least this
+many nodes, where it spreads the read over them; on one node the driver's local buckets are
+~4x faster (a 90 MB synth, 2 CPUs: 2.0 s against 8.5 s), the same bytes either way."""
 CRASH_FOR_TESTS = "ROLLTOOL_TEST_RAY_CRASH"
 """Test-only (tests/test_ray.py): when set in the driver's environment, a pack task dies
 (``os._exit``) right after writing its first step, its first shard cut in half, as a killed
@@ -89,10 +93,17 @@ class RayEngine:
     """The cluster's CPUs: work is cut into at least ``CHUNKS_PER_CPU x cpus`` chunks."""
     tasks_in_flight: int = 0
     """Most tasks submitted and not yet collected; 0: ``WINDOW_PER_CPU x cpus`` (at least 2)."""
+    nodes: int = 1
+    """The cluster's live nodes."""
 
     @property
     def window(self) -> int:
         return self.tasks_in_flight or max(WINDOW_PER_CPU * self.cpus, 2)
+
+    @property
+    def data_exchange(self) -> bool:
+        """Whether the exchange path runs on Ray Data here (``DATA_EXCHANGE_NODES``)."""
+        return self.nodes >= DATA_EXCHANGE_NODES
 
     def chunks(self, n: int) -> list[tuple[int, int]]:
         """``[a, b)`` bounds of the contiguous chunks ``n`` items are cut into."""
@@ -200,7 +211,8 @@ def attach(address: str | None) -> Iterator[RayEngine]:
                 "local cluster",
             ) from None
     try:
-        yield RayEngine(cpus=max(int(ray.cluster_resources().get("CPU", 1)), 1))
+        cpus = max(int(ray.cluster_resources().get("CPU", 1)), 1)
+        yield RayEngine(cpus=cpus, nodes=max(sum(n["Alive"] for n in ray.nodes()), 1))
     finally:
         if started:
             ray.shutdown()

@@ -105,9 +105,9 @@ def test_same_bytes_on_ray(
 def test_the_exchange_path_through_ray_data(
     cluster: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Forced onto the exchange path with Ray Data's shuffle (`RayEngine.exchange_steps`, in
-    place of the local buckets): the shards and samples.parquet equal the direct one-process
-    run's; with --epochs 2 every sample is shuffled to two steps."""
+    """Forced onto the exchange path on a cluster taken for two nodes, Ray Data's shuffle
+    (`RayEngine.exchange_steps`) replaces the local buckets: the shards and samples.parquet equal
+    the direct one-process run's; with --epochs 2 every sample is shuffled to two steps."""
     from rolltool import pack as pack_module
 
     config = PackConfig.from_options(dp=2, batch_size=32, mini_batches=2, epochs=2,
@@ -122,9 +122,11 @@ def test_the_exchange_path_through_ray_data(
             yield done
 
     monkeypatch.setattr(pack_module, "EXCHANGE_AT", 0.0)
-    monkeypatch.setattr(pack_module, "_exchange", lambda *a, **k: None)  # no local buckets
-    monkeypatch.setattr(RayEngine, "pack_steps", via_ray_data)
+    monkeypatch.setattr(ray_engine, "DATA_EXCHANGE_NODES", 1)  # as on a cluster of 2+ nodes
+    monkeypatch.setattr(pack_module, "_exchange", None)  # no local buckets
+    monkeypatch.setattr(RayEngine, "exchange_steps", via_ray_data)
     via = files(pack_with(tmp_path, "ray", config, engine="ray"))
+    assert json.loads(via["manifest.json"])["reads"]["path"] == "exchange"
     steps = len(json.loads(direct["manifest.json"])["steps"])
     assert shuffled == list(range(steps)) and steps > 4
     shards = [k for k in direct if k != "manifest.json"]
@@ -143,9 +145,15 @@ def test_an_input_changed_before_the_ray_data_exchange_is_refused(
 
     copy = tmp_path / "in.parquet"
     shutil.copy(EXAMPLE, copy)
+    real = RayEngine.exchange_steps
+
+    def changed_first(self: RayEngine, steps, job):  # type: ignore[no-untyped-def]
+        os.utime(copy, (0, 0))
+        return real(self, steps, job)
+
     monkeypatch.setattr(pack_module, "EXCHANGE_AT", 0.0)
-    monkeypatch.setattr(pack_module, "_exchange", lambda *a, **k: os.utime(copy, (0, 0)))
-    monkeypatch.setattr(RayEngine, "pack_steps", RayEngine.exchange_steps)
+    monkeypatch.setattr(ray_engine, "DATA_EXCHANGE_NODES", 1)
+    monkeypatch.setattr(RayEngine, "exchange_steps", changed_first)
     config = PackConfig.from_options(dp=2, batch_size=32, order="shuffle", cache_mb=0)
     with pytest.raises(RolltoolError, match="changed while rolltool was reading it") as e:
         run_pack([str(copy)], tmp_path / "out", config, command=COMMAND, engine="ray")
