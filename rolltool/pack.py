@@ -287,10 +287,11 @@ def _adopt_all(
         shard_bytes=writer.shard_bytes,
         config=config,
         buckets=buckets,
+        upload=writer.remote,
     )
     records = []
     for done in wrap(pack(steps, job), len(steps), label, size=_packed_tokens):
-        writer.adopt(done.files)
+        writer.adopt(done.files, uploaded=done.uploaded)
         records.append(done.record)
     return records
 

@@ -32,6 +32,7 @@ from rolltool.config import PackConfig
 from rolltool.errors import RolltoolError
 from rolltool.exchange import Buckets
 from rolltool.format import FileRecord, StepRecord
+from rolltool.fs import Location
 from rolltool.layout import SampleTokens
 from rolltool.schedule import PlannedStep
 from rolltool.tokens import ReaderState, TokenReader
@@ -69,6 +70,12 @@ class Job:
     config: PackConfig
     buckets: Buckets | None = None
     """With the exchange path (`rolltool.exchange`): steps read their tokens from these."""
+    upload: Location | None = None
+    """A remote output (`PackedWriter.remote`): workers upload their shards themselves."""
+
+    def writer(self) -> DirectWriter:
+        """How a worker writes one step (into ``root``, or uploaded to ``upload``)."""
+        return DirectWriter(self.root, self.shard_bytes, self.upload)
 
     def fetch(self, reader: TokenReader, st: PlannedStep) -> SampleTokens:
         """Step `st`'s tokens in row order (`step_tokens`)."""
@@ -89,6 +96,8 @@ class Packed:
 
     record: StepRecord
     files: dict[str, FileRecord]
+    uploaded: bool = False
+    """The files are already under the remote output's final names (`Job.upload`)."""
 
 
 _STATE: tuple[Job, TokenReader] | None = None  # set in each worker by _start
@@ -107,9 +116,9 @@ def pack_chunk(
         reader = TokenReader.resume(job.reader, cache_bytes=job.cache_bytes)
     out = []
     for st in steps:
-        writer = DirectWriter(job.root, job.shard_bytes)
+        writer = job.writer()
         record = write_step(writer, st, job.fetch(reader, st), job.config)
-        out.append(Packed(record, writer.files))
+        out.append(Packed(record, writer.files, uploaded=job.upload is not None))
     return out
 
 

@@ -220,6 +220,11 @@ class RemoteRun:
             self.written.add(name)
         self.loc.upload(local, name)
 
+    def adopt(self, names: Iterable[str]) -> None:
+        """Files another process uploaded for this run (`rolltool.writer.DirectWriter`)."""
+        with self._lock:
+            self.written.update(names)
+
     def commit(self, manifest: bytes) -> None:
         """Write ``manifest.json`` (the commit), then drop the claim."""
         self.loc.write_bytes(MANIFEST, manifest)
@@ -236,10 +241,14 @@ class RemoteRun:
 
     def abort(self) -> None:
         """Delete what this run wrote, then its claim (best effort: what is left, the next
-        run's `repair` deletes)."""
+        run's `repair` deletes). What this run wrote includes shards that worker processes
+        uploaded and never reported (a task failed after its upload): the prefix held no
+        rolltool file but the claims when the run started (`start`), so every other
+        rolltool-named file in it now is this run's."""
         self._stop_heartbeat()
         with contextlib.suppress(RolltoolError):
-            self.loc.delete_all(sorted(self.written))
+            ours = {n for n in self.loc.files() if rolltool_named(n) and not _CLAIM.fullmatch(n)}
+            self.loc.delete_all(sorted(self.written | ours))
             self.loc.delete(self.claim.name)
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import tempfile
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
@@ -45,7 +46,7 @@ from rolltool.format import (
     ShardRef,
     shard_name,
 )
-from rolltool.fs import is_remote, local_path, locate
+from rolltool.fs import Location, is_remote, local_path, locate
 from rolltool.layout import PackedRows
 from rolltool.outputs import atomic_path
 from rolltool.remote import RemoteRun, staged
@@ -76,18 +77,30 @@ def rank_record(
 
 class DirectWriter:
     """Writes a (step, rank)'s shards at once into an existing directory and keeps their
-    records: how a worker process (`rolltool.pool`) writes into its driver's `PackedWriter`
-    directory, which then `adopt`s the records."""
+    records: how a worker process (`rolltool.pool`, a Ray task) writes into its driver's
+    `PackedWriter` directory, which then `adopt`s the records.
 
-    def __init__(self, root: Path, shard_bytes: int) -> None:
-        self.root, self.shard_bytes = root, shard_bytes
+    With `upload` (a remote output's location, `PackedWriter.remote`) each shard is written
+    to a temporary folder of this machine, uploaded under its final name and deleted here: a
+    worker on another node needs no filesystem shared with the driver."""
+
+    def __init__(self, root: Path, shard_bytes: int, upload: Location | None = None) -> None:
+        self.root, self.shard_bytes, self.upload = root, shard_bytes, upload
         self.files: dict[str, FileRecord] = {}
 
     def write_rank(self, step: int, rank: int, rows: PackedRows) -> RankRecord:
         record, parts = rank_record(rows, step, rank, self.shard_bytes)
-        for part, (a, b) in enumerate(parts):
-            name, file = write_shard(self.root, step, rank, part, rows, a, b)
-            self.files[name] = file
+        if self.upload is None:
+            for part, (a, b) in enumerate(parts):
+                name, file = write_shard(self.root, step, rank, part, rows, a, b)
+                self.files[name] = file
+            return record
+        with tempfile.TemporaryDirectory(prefix="rolltool-part-") as tmp:
+            for part, (a, b) in enumerate(parts):
+                name, file = write_shard(Path(tmp), step, rank, part, rows, a, b)
+                self.upload.upload(Path(tmp) / name, name)
+                (Path(tmp) / name).unlink()
+                self.files[name] = file
         return record
 
 
@@ -177,12 +190,19 @@ class PackedWriter:
             (root / name).unlink()
         return name, record
 
-    def adopt(self, files: dict[str, FileRecord]) -> None:
-        """Shards another process wrote into `root` (`DirectWriter`): listed like this
-        writer's own, and checked the same way in `finish` (a remote output's are uploaded
-        on the worker threads first)."""
+    @property
+    def remote(self) -> Location | None:
+        """The output's location when it is remote (object storage), else None."""
+        return None if self._remote is None else self._remote.loc
+
+    def adopt(self, files: dict[str, FileRecord], *, uploaded: bool = False) -> None:
+        """Shards another process wrote into `root` (`DirectWriter`), or uploaded itself to
+        the remote output (`uploaded`): listed like this writer's own, and checked the same way
+        in `finish` (a remote output's local ones are uploaded on the worker threads first)."""
         root = self._root()
-        if self._remote is None:
+        if self._remote is None or uploaded:
+            if self._remote is not None:
+                self._remote.adopt(files)
             self._files.update(files)
             return
         for name, record in files.items():
