@@ -310,3 +310,15 @@ def test_bit_row_sums_counts_the_ones_of_each_list(
     offsets, values = _list_parts(arr)
     want = [sum(x) for x in lists[lo : lo + len(arr)]]
     assert bit_row_sums(offsets, values).tolist() == want
+
+
+def test_advantages_cli_workers_write_the_same_bytes(
+    tmp_path: Path, synth_table: pa.Table, run_cli: Any
+) -> None:
+    paths = _many_groups(tmp_path, synth_table)
+    outs = [tmp_path / f"w{n}.parquet" for n in (1, 2)]
+    for n, out in zip((1, 2), outs, strict=True):
+        result = run_cli("advantages", *paths, "-o", out, "--workers", str(n), "--json")
+        assert result.exit_code == 0, result.output
+    assert outs[0].read_bytes() == outs[1].read_bytes()
+    assert run_cli("advantages", *paths, "-o", outs[0], "--workers", "0").exit_code == 2

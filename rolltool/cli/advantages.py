@@ -6,7 +6,13 @@ import click
 
 from rolltool.advantages import ESTIMATORS, AdvantageConfig
 from rolltool.cli._common import err, handle_errors, out, print_json, warn
-from rolltool.cli.options import column_option, estimator_options, force_option, json_option
+from rolltool.cli.options import (
+    POSITIVE,
+    column_option,
+    estimator_options,
+    force_option,
+    json_option,
+)
 from rolltool.cli.sections import SectionedCommand, opt, section
 from rolltool.cli.terminal import table_width
 
@@ -17,7 +23,11 @@ from rolltool.cli.terminal import table_width
 )
 @click.argument("inputs", nargs=-1, required=True)
 @section("Advantages", *estimator_options(ESTIMATORS, AdvantageConfig()))
-@section("Input", column_option())
+@section(
+    "Input",
+    column_option(),
+    opt("--workers", POSITIVE, None, "Processes that scan the input's row groups, when it has 8 or more (the same output whatever the number) [default: the cores available]."),
+)  # fmt: skip
 @section(
     "Output",
     opt("-o --output", click.Path(dir_okay=False), None, "Parquet file to write.", required=True),
@@ -32,6 +42,7 @@ def advantages(
     env_estimators: dict[str, str],
     std_eps: float,
     columns: dict[str, str],
+    workers: int | None,
     force: bool,
     as_json: bool,
 ) -> None:
@@ -39,13 +50,17 @@ def advantages(
 
     Writes every input row plus advantage, group_size, group_reward_mean, group_reward_std and
     group_uniform. Reads the input twice, one row group at a time (light columns, then the
-    copy): memory holds the light columns and one output row group, not the input.
+    copy, which checks the token columns): memory holds the light columns and one output row
+    group, not the input.
     """
     from rolltool.jobs import run_advantages
+    from rolltool.schema.pieces import local_mapper
     from rolltool.stats.render import render_advantages
+    from rolltool.workers import default_workers
 
     config = AdvantageConfig(estimator=estimator, env_estimators=env_estimators, std_eps=std_eps)
-    report = run_advantages(inputs, output, config, columns=columns, force=force)
+    mapper = local_mapper(default_workers() if workers is None else workers)
+    report = run_advantages(inputs, output, config, columns=columns, force=force, mapper=mapper)
     for w in report["warnings"]:  # to stderr, with --json too (the report also lists them)
         warn(w)
     if as_json:
