@@ -6,11 +6,16 @@ Generates synth datasets of N and 2N groups (``rolltool synth --groups N --seed 
 up to 32,768 tokens, row groups of 4,096 rows; cached under /tmp) and, on each, runs in a fresh
 process per repeat:
   floor      pyarrow.parquet.read_table + write_table (zstd): the whole input in memory
-  api        rolltool.jobs.run_advantages (scan, compute grpo, copy row group by row group)
+  api        rolltool.jobs.run_advantages (deferred scan: light columns and loss_mask; compute
+             grpo; copy row group by row group, checking input_ids and logprobs as it goes)
+  workers2   the same with the row groups scanned by 2 forked processes (``--workers 2``)
   unbounded  the same with ``ROW_GROUP_BYTES`` unbounded: output row groups of 65,536 rows
              whatever their bytes, as the job wrote them before issue 12 (below 65,536 rows the
              whole input is one output row group, held in memory)
   cli        `rolltool advantages` (adds interpreter start-up and the CLI's imports)
+  scan       the full scan alone (every rule, token columns decoded), as the job ran it
+             before the scan was deferred
+  deferred   the deferred scan alone (what the job's first pass now reads)
 and prints the median seconds (floor and api timed inside their process, cli as the process's
 wall time), the ratio to the floor, and the largest peak resident memory of the process
 (``ru_maxrss`` from ``wait4``), next to that of a process that only imports rolltool. The job
@@ -43,6 +48,27 @@ API = """
 from rolltool.advantages import AdvantageConfig
 from rolltool.jobs import run_advantages
 run_advantages([IN], OUT, AdvantageConfig(estimator="grpo"), force=True)
+"""
+
+WORKERS = """
+from rolltool.advantages import AdvantageConfig
+from rolltool.jobs import run_advantages
+from rolltool.schema.pieces import local_mapper
+run_advantages([IN], OUT, AdvantageConfig(estimator="grpo"), force=True, mapper=local_mapper(2))
+"""
+
+SCAN = """
+from rolltool.jobs import ADVANTAGE_COLUMNS
+from rolltool.schema import scan
+from rolltool.source import resolve_inputs
+scan(resolve_inputs([IN]), ignore=ADVANTAGE_COLUMNS)
+"""
+
+DEFERRED = """
+from rolltool.jobs import ADVANTAGE_COLUMNS
+from rolltool.schema import scan_deferred
+from rolltool.source import resolve_inputs
+scan_deferred(resolve_inputs([IN]), ignore=ADVANTAGE_COLUMNS)
 """
 
 UNBOUNDED = (
@@ -87,7 +113,10 @@ def _measure(path: Path, folder: Path, repeats: int) -> dict[str, tuple[float, f
     variants = {
         "floor": [sys.executable, "-c", TIMED.format(body=FLOOR), str(path), str(floor)],
         "api": [sys.executable, "-c", TIMED.format(body=API), str(path), str(out)],
+        "workers2": [sys.executable, "-c", TIMED.format(body=WORKERS), str(path), str(out)],
         "unbounded": [sys.executable, "-c", TIMED.format(body=UNBOUNDED), str(path), str(out)],
+        "scan": [sys.executable, "-c", TIMED.format(body=SCAN), str(path), str(out)],
+        "deferred": [sys.executable, "-c", TIMED.format(body=DEFERRED), str(path), str(out)],
         "cli": [
             sys.executable,
             "-m",
