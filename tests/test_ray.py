@@ -102,65 +102,6 @@ def test_same_bytes_on_ray(
     assert seen["batches"] == list(range(len(seen["batches"]))) and seen["batches"]
 
 
-def test_the_exchange_path_through_ray_data(
-    cluster: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Forced onto the exchange path on a cluster taken for two nodes, Ray Data's shuffle
-    (`RayEngine.exchange_steps`) replaces the local buckets: the shards and samples.parquet equal
-    the direct one-process run's; with --epochs 2 every sample is shuffled to two steps."""
-    from rolltool import pack as pack_module
-
-    config = PackConfig.from_options(dp=2, batch_size=32, mini_batches=2, epochs=2,
-                                     order="shuffle", cache_mb=0)  # fmt: skip
-    direct = files(pack_with(tmp_path, "direct", config, workers=1))
-    shuffled: list[int] = []
-    real = RayEngine.exchange_steps
-
-    def via_ray_data(self: RayEngine, steps, job):  # type: ignore[no-untyped-def]
-        for done in real(self, steps, job):
-            shuffled.append(done.record.step)
-            yield done
-
-    monkeypatch.setattr(pack_module, "EXCHANGE_AT", 0.0)
-    monkeypatch.setattr(ray_engine, "DATA_EXCHANGE_NODES", 1)  # as on a cluster of 2+ nodes
-    monkeypatch.setattr(pack_module, "_exchange", None)  # no local buckets
-    monkeypatch.setattr(RayEngine, "exchange_steps", via_ray_data)
-    via = files(pack_with(tmp_path, "ray", config, engine="ray"))
-    assert json.loads(via["manifest.json"])["reads"]["path"] == "exchange"
-    steps = len(json.loads(direct["manifest.json"])["steps"])
-    assert shuffled == list(range(steps)) and steps > 4
-    shards = [k for k in direct if k != "manifest.json"]
-    assert shards and via.keys() == direct.keys()
-    assert [k for k in shards if via[k] != direct[k]] == []
-
-
-def test_an_input_changed_before_the_ray_data_exchange_is_refused(
-    cluster: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A Ray Data task that finds the input changed since the scan raises rolltool's own error
-    (not Ray's wrapper), and nothing is left behind."""
-    import shutil
-
-    from rolltool import pack as pack_module
-
-    copy = tmp_path / "in.parquet"
-    shutil.copy(EXAMPLE, copy)
-    real = RayEngine.exchange_steps
-
-    def changed_first(self: RayEngine, steps, job):  # type: ignore[no-untyped-def]
-        os.utime(copy, (0, 0))
-        return real(self, steps, job)
-
-    monkeypatch.setattr(pack_module, "EXCHANGE_AT", 0.0)
-    monkeypatch.setattr(ray_engine, "DATA_EXCHANGE_NODES", 1)
-    monkeypatch.setattr(RayEngine, "exchange_steps", changed_first)
-    config = PackConfig.from_options(dp=2, batch_size=32, order="shuffle", cache_mb=0)
-    with pytest.raises(RolltoolError, match="changed while rolltool was reading it") as e:
-        run_pack([str(copy)], tmp_path / "out", config, command=COMMAND, engine="ray")
-    assert "\n" not in e.value.message and str(copy) in e.value.message
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.parquet"]
-
-
 @pytest.mark.parametrize("per_cpu", [1, 3])
 def test_tasks_in_flight_stay_within_the_window(
     cluster: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, per_cpu: int
@@ -382,3 +323,66 @@ def test_ray_is_imported_only_for_engine_ray(tmp_path: Path) -> None:
         "assert 'ray' not in sys.modules, 'ray imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# Ray Data last: its driver threads (a prefetcher, ...) live until the cluster shuts down, and a
+# fork of a process with a thread holding a lock can hang (the local runs above fork workers).
+
+
+def test_the_exchange_path_through_ray_data(
+    cluster: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Forced onto the exchange path on a cluster taken for two nodes, Ray Data's shuffle
+    (`RayEngine.exchange_steps`) replaces the local buckets: the shards and samples.parquet equal
+    the direct one-process run's; with --epochs 2 every sample is shuffled to two steps."""
+    from rolltool import pack as pack_module
+
+    config = PackConfig.from_options(dp=2, batch_size=32, mini_batches=2, epochs=2,
+                                     order="shuffle", cache_mb=0)  # fmt: skip
+    direct = files(pack_with(tmp_path, "direct", config, workers=1))
+    shuffled: list[int] = []
+    real = RayEngine.exchange_steps
+
+    def via_ray_data(self: RayEngine, steps, job):  # type: ignore[no-untyped-def]
+        for done in real(self, steps, job):
+            shuffled.append(done.record.step)
+            yield done
+
+    monkeypatch.setattr(pack_module, "EXCHANGE_AT", 0.0)
+    monkeypatch.setattr(ray_engine, "DATA_EXCHANGE_NODES", 1)  # as on a cluster of 2+ nodes
+    monkeypatch.setattr(pack_module, "_exchange", None)  # no local buckets
+    monkeypatch.setattr(RayEngine, "exchange_steps", via_ray_data)
+    via = files(pack_with(tmp_path, "ray", config, engine="ray"))
+    assert json.loads(via["manifest.json"])["reads"]["path"] == "exchange"
+    steps = len(json.loads(direct["manifest.json"])["steps"])
+    assert shuffled == list(range(steps)) and steps > 4
+    shards = [k for k in direct if k != "manifest.json"]
+    assert shards and via.keys() == direct.keys()
+    assert [k for k in shards if via[k] != direct[k]] == []
+
+
+def test_an_input_changed_before_the_ray_data_exchange_is_refused(
+    cluster: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ray Data task that finds the input changed since the scan raises rolltool's own error
+    (not Ray's wrapper), and nothing is left behind."""
+    import shutil
+
+    from rolltool import pack as pack_module
+
+    copy = tmp_path / "in.parquet"
+    shutil.copy(EXAMPLE, copy)
+    real = RayEngine.exchange_steps
+
+    def changed_first(self: RayEngine, steps, job):  # type: ignore[no-untyped-def]
+        os.utime(copy, (0, 0))
+        return real(self, steps, job)
+
+    monkeypatch.setattr(pack_module, "EXCHANGE_AT", 0.0)
+    monkeypatch.setattr(ray_engine, "DATA_EXCHANGE_NODES", 1)
+    monkeypatch.setattr(RayEngine, "exchange_steps", changed_first)
+    config = PackConfig.from_options(dp=2, batch_size=32, order="shuffle", cache_mb=0)
+    with pytest.raises(RolltoolError, match="changed while rolltool was reading it") as e:
+        run_pack([str(copy)], tmp_path / "out", config, command=COMMAND, engine="ray")
+    assert "\n" not in e.value.message and str(copy) in e.value.message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.parquet"]
