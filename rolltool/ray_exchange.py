@@ -13,8 +13,8 @@ runs as a Ray Data pipeline (`exchange_steps`, ``RayEngine.exchange_steps``):
    of a step to one task, which sorts them by ``slot`` before anything is computed (Ray
    delivers rows in any order), rebuilds the step's `SampleTokens` in exactly the order the
    local path fetches them, and lays out and writes the step with `rolltool.pack.write_step`
-   and a `DirectWriter` into the driver's temporary directory, as `rolltool.pool.pack_chunk`
-   does; it returns the step's `Packed` record;
+   and the job's writer (the driver's temporary directory, or uploaded to a remote output), as
+   `rolltool.pool.pack_chunk` does; it returns the step's `Packed` record;
 3. the driver sorts the records by step and yields them in step order to be adopted; a step
    with no trained sample (a batch thinner than its mini-batches) has no row to shuffle and is
    packed on the driver, reading nothing.
@@ -23,8 +23,9 @@ Identity: the shards are written by the same function, from the same tokens in t
 order, under names fixed by (step, rank, part); tests/test_ray.py compares every file with the
 direct one-process run's. Memory: a read task holds one decoded row group; the shuffle keeps
 its blocks in the object store (spilled to disk when it fills); a pack task holds one step.
-The shards are still written into the driver's temporary directory (a shared filesystem on
-several machines, as `rolltool.ray_engine` says); the buckets are not.
+The shards go where `rolltool.pool.Job.writer` puts them (the driver's temporary directory, a
+shared filesystem on several machines, or uploaded straight to a remote output); the buckets
+are gone.
 """
 
 from __future__ import annotations
@@ -184,17 +185,17 @@ def _result(step: int, payload: bytes) -> pa.Table:
 
 
 def _write(rows: pa.Table, st: PlannedStep, job: Job) -> Packed:
-    """Step `st` written from its rows (sorted by slot) into ``job.root``."""
+    """Step `st` written from its rows (sorted by slot), as `rolltool.pool.pack_chunk` writes
+    a step (`Job.writer`)."""
     from rolltool.errors import RolltoolError
     from rolltool.pack import write_step
     from rolltool.pool import Packed
-    from rolltool.writer import DirectWriter
 
     if rows["slot"].to_pylist() != list(range(len(st.members))):  # a read failed
         raise RolltoolError(f"step {st.index}: samples missing after the exchange")
-    writer = DirectWriter(job.root, job.shard_bytes)
+    writer = job.writer()  # into job.root, or uploaded to a remote output
     record = write_step(writer, st, _tokens(rows), job.config)
-    return Packed(record, writer.files)
+    return Packed(record, writer.files, uploaded=job.upload is not None)
 
 
 def _plan(ref: Any) -> dict[int, PlannedStep]:
