@@ -218,9 +218,9 @@ def attach(address: str | None) -> Iterator[RayEngine]:
             ray.shutdown()
 
 
-def check_engine(engine: str, address: str | None) -> None:
-    """Refuse an unknown engine, and ``--ray-address`` without ``--engine ray`` (a usage
-    mistake), before any work."""
+def check_engine(engine: str, address: str | None, workers: int | None = None) -> None:
+    """Refuse an unknown engine, ``--ray-address`` without ``--engine ray`` and ``--workers``
+    with it (usage mistakes), before any work."""
     from rolltool.config import OptionConflict
 
     if engine not in ENGINES:
@@ -228,6 +228,11 @@ def check_engine(engine: str, address: str | None) -> None:
     if engine == "local" and address is not None:
         raise OptionConflict(
             "--ray-address is for --engine ray", hint="add --engine ray, or drop --ray-address"
+        )
+    if engine == "ray" and workers is not None:
+        raise OptionConflict(
+            "--workers is for --engine local (Ray tasks use the cluster's CPUs)",
+            hint="drop --workers, or use --engine local",
         )
 
 

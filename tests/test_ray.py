@@ -312,6 +312,15 @@ def test_ray_address_needs_engine_ray(tmp_path: Path) -> None:
     )
     assert result.exit_code == 2 and "--ray-address" in result.output
     assert not (tmp_path / "p").exists() and not (tmp_path / "c").exists()
+    # the other commands refuse the same (ray_engine.check_engine), in the same words
+    cases = [(("local", "auto", None), {"ray_address": "auto"}),
+             (("ray", None, 2), {"engine": "ray", "workers": 2})]  # fmt: skip
+    for args, kw in cases:
+        with pytest.raises(OptionConflict) as by_pack:
+            pack_with(tmp_path, "p", config, **kw)
+        with pytest.raises(OptionConflict) as shared:
+            ray_engine.check_engine(*args)
+        assert str(by_pack.value) == str(shared.value)
 
 
 def test_ray_is_imported_only_for_engine_ray(tmp_path: Path) -> None:
