@@ -275,7 +275,7 @@ def _pack_task(job: Job, steps: list[PlannedStep], crash: str | None) -> list[Pa
     from rolltool.pool import pack_chunk
     from rolltool.tokens import TokenReader
 
-    if not job.root.is_dir():
+    if job.upload is None and not job.root.is_dir():  # a remote output: tasks upload
         raise RolltoolError(
             f"a Ray task on {os.uname().nodename} does not see the output directory {job.root}",
             hint=SHARED_FS_HINT,

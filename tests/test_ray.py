@@ -230,6 +230,41 @@ def test_the_advantages_scan_on_ray_writes_the_local_file(cluster: None, tmp_pat
     assert messages[0] == messages[1] and "sample" in messages[0] and len(mapped) > 1
 
 
+def test_the_advantages_cli_on_ray_writes_the_local_file(
+    cluster: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``rolltool advantages --engine ray``: the row groups are scanned by Ray tasks (counted),
+    and the file and --json report are the local run's; --workers with it is refused."""
+    import pyarrow.parquet as pq
+
+    pq.write_table(pq.read_table(EXAMPLE), tmp_path / "in.parquet", row_group_size=40)
+    groups = pq.read_metadata(tmp_path / "in.parquet").num_row_groups
+    mapped: list[int] = []
+    real_map = RayEngine.map_in_order
+
+    def spy_map(self: RayEngine, fn, items, **kw):  # type: ignore[no-untyped-def]
+        mapped.append(len(items))
+        return real_map(self, fn, items, **kw)
+
+    monkeypatch.setattr(RayEngine, "map_in_order", spy_map)
+    runs = {}
+    for name, extra in (("local", ["--workers", "1"]), ("ray", ["--engine", "ray"])):
+        out = tmp_path / f"{name}.parquet"
+        args = ["advantages", str(tmp_path / "in.parquet"), "-o", str(out), "--json", *extra]
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 0, result.output
+        runs[name] = (out.read_bytes(), json.loads(result.stdout))
+    assert runs["ray"][0] == runs["local"][0]
+    assert {**runs["ray"][1], "output": ""} == {**runs["local"][1], "output": ""}
+    assert mapped == [groups] and groups >= 8
+    refused = CliRunner().invoke(
+        main, ["advantages", str(EXAMPLE), "-o", str(tmp_path / "x.parquet"), "--engine", "ray",
+               "--workers", "2"],
+    )  # fmt: skip
+    assert refused.exit_code != 0 and "--workers" in refused.output
+    assert not (tmp_path / "x.parquet").exists()
+
+
 def test_ray_tasks_run_elsewhere_in_order(cluster: None) -> None:
     got = RayEngine(cpus=2).map_in_order(lambda x: (x * x, os.getpid()), list(range(20)))
     assert [v for v, _ in got] == [x * x for x in range(20)]

@@ -9,6 +9,7 @@ from rolltool.cli._common import err, handle_errors, out, print_json, warn
 from rolltool.cli.options import (
     POSITIVE,
     column_option,
+    engine_options,
     estimator_options,
     force_option,
     json_option,
@@ -27,6 +28,7 @@ from rolltool.cli.terminal import table_width
     "Input",
     column_option(),
     opt("--workers", POSITIVE, None, "Processes that scan the input's row groups, when it has 8 or more (the same output whatever the number) [default: the cores available]."),
+    *engine_options("scans the input's row groups"),
 )  # fmt: skip
 @section(
     "Output",
@@ -43,6 +45,8 @@ def advantages(
     std_eps: float,
     columns: dict[str, str],
     workers: int | None,
+    engine: str,
+    ray_address: str | None,
     force: bool,
     as_json: bool,
 ) -> None:
@@ -54,13 +58,16 @@ def advantages(
     group, not the input.
     """
     from rolltool.jobs import run_advantages
+    from rolltool.ray_engine import check_engine, engine_mapper
     from rolltool.schema.pieces import local_mapper
     from rolltool.stats.render import render_advantages
     from rolltool.workers import default_workers
 
     config = AdvantageConfig(estimator=estimator, env_estimators=env_estimators, std_eps=std_eps)
-    mapper = local_mapper(default_workers() if workers is None else workers)
-    report = run_advantages(inputs, output, config, columns=columns, force=force, mapper=mapper)
+    check_engine(engine, ray_address, workers)
+    with engine_mapper(engine, ray_address, "scanning row groups") as on_ray:
+        mapper = on_ray or local_mapper(default_workers() if workers is None else workers)
+        report = run_advantages(inputs, output, config, columns=columns, force=force, mapper=mapper)
     for w in report["warnings"]:  # to stderr, with --json too (the report also lists them)
         warn(w)
     if as_json:
