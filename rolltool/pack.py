@@ -25,7 +25,7 @@ import pyarrow as pa
 
 from rolltool import __version__
 from rolltool.advantages import ESTIMATORS
-from rolltool.config import OVERLONG, OptionConflict, PackConfig
+from rolltool.config import OVERLONG, PackConfig
 from rolltool.errors import RolltoolError
 from rolltool.exchange import Buckets, exchange
 from rolltool.format import (
@@ -44,7 +44,7 @@ from rolltool.loss import LOSS_AGGS
 from rolltool.outputs import check_target
 from rolltool.pool import Job, Packed, pack_steps, step_tokens
 from rolltool.pool import worth_it as pool_worth_it
-from rolltool.ray_engine import ENGINES
+from rolltool.ray_engine import check_engine
 from rolltool.readplan import read_plan
 from rolltool.schedule import PlannedStep, Schedule, schedule
 from rolltool.schema import Rollouts, scan
@@ -89,7 +89,7 @@ def run_pack(
     created_at()  # a bad SOURCE_DATE_EPOCH stops the run before any work
     if exchange_path not in EXCHANGE_CHOICES:
         raise RolltoolError(f"--exchange must be one of {', '.join(EXCHANGE_CHOICES)}")
-    _check_engine(engine, ray_address, workers)
+    check_engine(engine, ray_address, workers)
     workload = config.workload()
     rename = invert_mapping(columns or {})
     files = resolve_inputs(inputs)
@@ -189,21 +189,6 @@ def _reads_label(reads: ReadRecord) -> str:
     if not reads.cached_read_bytes:
         return ""
     return f" (reading {reads.cached_amplification:.1f}x the bytes needed)"
-
-
-def _check_engine(engine: str, address: str | None, workers: int | None) -> None:
-    """Refuse engine settings that do not go together, before any work."""
-    if engine not in ENGINES:
-        raise RolltoolError(f"unknown engine {engine!r}: one of {', '.join(ENGINES)}")
-    if engine == "local" and address is not None:
-        raise OptionConflict(
-            "--ray-address is for --engine ray", hint="add --engine ray, or drop --ray-address"
-        )
-    if engine == "ray" and workers is not None:
-        raise OptionConflict(
-            "--workers is for --engine local (Ray tasks use the cluster's CPUs)",
-            hint="drop --workers, or use --engine local",
-        )
 
 
 def _engine(engine: str, address: str | None) -> AbstractContextManager[RayEngine | None]:

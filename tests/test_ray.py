@@ -36,6 +36,19 @@ def files(root: Path) -> dict[str, bytes]:
     }
 
 
+def _count_maps(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Spy on `RayEngine.map_in_order`: the list gets the number of items of every call."""
+    mapped: list[int] = []
+    real_map = RayEngine.map_in_order
+
+    def spy_map(self: RayEngine, fn, items, **kw):  # type: ignore[no-untyped-def]
+        mapped.append(len(items))
+        return real_map(self, fn, items, **kw)
+
+    monkeypatch.setattr(RayEngine, "map_in_order", spy_map)
+    return mapped
+
+
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[None]:
     ray = pytest.importorskip("ray")
@@ -173,14 +186,7 @@ def test_stats_on_ray_prints_the_local_output(
     else:
         path = pack_with(tmp_path, "packed", PackConfig.from_options(dp=2, batch_size=32))
         pieces = len(json.loads((path / "manifest.json").read_text())["steps"])
-    mapped: list[int] = []
-    real_map = RayEngine.map_in_order
-
-    def spy_map(self: RayEngine, fn, items, **kw):  # type: ignore[no-untyped-def]
-        mapped.append(len(items))
-        return real_map(self, fn, items, **kw)
-
-    monkeypatch.setattr(RayEngine, "map_in_order", spy_map)
+    mapped = _count_maps(monkeypatch)
     for args in (["--json"], ["--per-step", "--step", "1"] if view == "packed" else []):
         local = CliRunner().invoke(main, ["stats", str(path), *args])
         on_ray = CliRunner().invoke(main, ["stats", str(path), *args, "--engine", "ray"])
@@ -239,14 +245,7 @@ def test_the_advantages_cli_on_ray_writes_the_local_file(
 
     pq.write_table(pq.read_table(EXAMPLE), tmp_path / "in.parquet", row_group_size=40)
     groups = pq.read_metadata(tmp_path / "in.parquet").num_row_groups
-    mapped: list[int] = []
-    real_map = RayEngine.map_in_order
-
-    def spy_map(self: RayEngine, fn, items, **kw):  # type: ignore[no-untyped-def]
-        mapped.append(len(items))
-        return real_map(self, fn, items, **kw)
-
-    monkeypatch.setattr(RayEngine, "map_in_order", spy_map)
+    mapped = _count_maps(monkeypatch)
     runs = {}
     for name, extra in (("local", ["--workers", "1"]), ("ray", ["--engine", "ray"])):
         out = tmp_path / f"{name}.parquet"
