@@ -105,7 +105,7 @@ def run_pack(
             reader.block_starts,
             reader.block_bytes(),
             ro.length,
-            [st.members[st.order] for st in plan.steps],
+            [plan.trained(s) for s in range(len(plan.outlines))],
             cache_bytes=int(config.cache_mb * 1e6),
         )
         shard_bytes = int(config.shard_mb * 1e6)
@@ -114,10 +114,10 @@ def run_pack(
             wrap = progress or _no_progress
             shuffle = via == "exchange" and ray is not None and ray.data_exchange  # no buckets
             local = via == "exchange" and not shuffle
-            buckets = _exchange(writer, reader, plan.steps, wrap) if local else None
+            buckets = _exchange(writer, reader, plan, wrap) if local else None
             label = "packing steps" + (" from buckets" if buckets else _reads_label(reads))
             steps = _pack_all(
-                writer, reader, plan.steps, config, workers, wrap, ray, buckets, label, shuffle
+                writer, reader, plan, config, workers, wrap, ray, buckets, label, shuffle
             )
             if buckets is not None:
                 shutil.rmtree(buckets.root)  # before the commit: not part of the output
@@ -204,7 +204,7 @@ def _engine(engine: str, address: str | None) -> AbstractContextManager[RayEngin
 def _exchange(
     writer: PackedWriter,
     reader: TokenReader,
-    steps: Sequence[PlannedStep],
+    plan: Schedule,
     progress: Progress,
 ) -> Buckets:
     """The exchange path (`rolltool.exchange`): the input read once into step buckets, in a
@@ -212,14 +212,14 @@ def _exchange(
     assert writer.root is not None
     root = writer.root / ".exchange"
     root.mkdir()
-    wanted = [(st.index, st.members[st.order]) for st in steps]
+    wanted = [(o.index, plan.trained(s)) for s, o in enumerate(plan.outlines)]
     return exchange(reader, wanted, root, progress=progress)
 
 
 def _pack_all(
     writer: PackedWriter,
     reader: TokenReader,
-    steps: Sequence[PlannedStep],
+    plan: Schedule,
     config: PackConfig,
     workers: int,
     wrap: Progress,
@@ -231,10 +231,11 @@ def _pack_all(
     """Every step packed and written, records in step order: by Ray tasks, by worker processes
     (`rolltool.pool`, for runs big enough), or here; tokens from `buckets` when the exchange
     path ran, or from Ray Data's shuffle (`shuffle`, `rolltool.ray_exchange`)."""
+    steps = plan.steps  # each step is built when it is read: once here
     if ray is not None:
         pack = ray.exchange_steps if shuffle else ray.pack_steps
         return _adopt_all(writer, reader, steps, config, pack, wrap, buckets, label)
-    if pool_worth_it(workers, steps):
+    if pool_worth_it(workers, [o.record for o in plan.outlines]):
         return _adopt_all(
             writer, reader, steps, config, lambda s, job: pack_steps(s, job, workers), wrap,
             buckets, label,

@@ -52,9 +52,10 @@ MIN_TOKENS = 20_000_000
 """... and this many sampled tokens (~180 MB of shards): a pool costs ~1 s to start."""
 
 
-def worth_it(workers: int, steps: Sequence[PlannedStep]) -> bool:
-    """Whether packing `steps` in `workers` processes pays for their start."""
-    tokens = sum(st.record.sampled_tokens for st in steps)
+def worth_it(workers: int, steps: Sequence[StepRecord]) -> bool:
+    """Whether packing the steps of these records in `workers` processes pays for their
+    start."""
+    tokens = sum(st.sampled_tokens for st in steps)
     enough = len(steps) >= MIN_STEPS_PER_WORKER * workers and tokens >= MIN_TOKENS
     return min(workers, default_workers()) >= max(MIN_WORKERS, 2) and enough
 

@@ -227,11 +227,16 @@ class Schedule:
             mb[at] = np.repeat(np.tile(np.arange(m), dp), o.sizes.ravel())
         return rank, mb
 
+    def trained(self, s: int) -> np.ndarray:
+        """[k] int64 kept step s's trained samples in row order (its ``members[order]``),
+        without building the step."""
+        return self.rows[self.row_starts[s] : self.row_starts[s + 1]].astype(np.int64)
+
     def planned(self, s: int) -> PlannedStep:
         """Kept step s as a `PlannedStep`: ``members`` in row order, so ``order`` is
         ``arange`` and each micro-batch a run of consecutive positions."""
         o = self.outlines[s]
-        members = self.rows[self.row_starts[s] : self.row_starts[s + 1]].astype(np.int64)
+        members = self.trained(s)
         at = o.record.epoch * self.num_samples + members
         dp, m = o.sizes.shape
         runs = np.split(np.arange(len(members), dtype=np.int64), np.cumsum(o.sizes.ravel())[:-1])
