@@ -6,8 +6,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from rolltool.jobs import run_synth
-from rolltool.synth import SynthConfig
+from rolltool.input.synth import SynthConfig
+from rolltool.jobs.synth import run_synth
 
 
 def synth_dataset(groups: int) -> Path:

@@ -6,7 +6,7 @@ Generates synth datasets of N and 2N groups (``rolltool synth --groups N --seed 
 up to 32,768 tokens, row groups of 4,096 rows; cached under /tmp) and, on each, runs in a fresh
 process per repeat:
   floor      pyarrow.parquet.read_table + write_table (zstd): the whole input in memory
-  api        rolltool.jobs.run_advantages (deferred scan: light columns and loss_mask; compute
+  api        rolltool.jobs.advantages.run_advantages (deferred scan: light columns and loss_mask; compute
              grpo; copy row group by row group, checking input_ids and logprobs as it goes)
   workers2   the same with the row groups scanned by 2 forked processes (``--workers 2``)
   unbounded  the same with ``ROW_GROUP_BYTES`` unbounded: output row groups of 65,536 rows
@@ -45,36 +45,36 @@ pq.write_table(pq.read_table(IN), OUT, compression="zstd", row_group_size=65_536
 """
 
 API = """
-from rolltool.advantages import AdvantageConfig
-from rolltool.jobs import run_advantages
+from rolltool.plan.advantages import AdvantageConfig
+from rolltool.jobs.advantages import run_advantages
 run_advantages([IN], OUT, AdvantageConfig(estimator="grpo"), force=True)
 """
 
 WORKERS = """
-from rolltool.advantages import AdvantageConfig
-from rolltool.jobs import run_advantages
-from rolltool.schema.pieces import local_mapper
+from rolltool.plan.advantages import AdvantageConfig
+from rolltool.jobs.advantages import run_advantages
+from rolltool.engine.local import local_mapper
 run_advantages([IN], OUT, AdvantageConfig(estimator="grpo"), force=True, mapper=local_mapper(2))
 """
 
 SCAN = """
-from rolltool.jobs import ADVANTAGE_COLUMNS
+from rolltool.jobs.advantages import ADVANTAGE_COLUMNS
 from rolltool.schema import scan
-from rolltool.source import resolve_inputs
+from rolltool.input.source import resolve_inputs
 scan(resolve_inputs([IN]), ignore=ADVANTAGE_COLUMNS)
 """
 
 DEFERRED = """
-from rolltool.jobs import ADVANTAGE_COLUMNS
+from rolltool.jobs.advantages import ADVANTAGE_COLUMNS
 from rolltool.schema import scan_deferred
-from rolltool.source import resolve_inputs
+from rolltool.input.source import resolve_inputs
 scan_deferred(resolve_inputs([IN]), ignore=ADVANTAGE_COLUMNS)
 """
 
 UNBOUNDED = (
     """
-import rolltool.jobs
-rolltool.jobs.ROW_GROUP_BYTES = 1 << 62
+import rolltool.jobs.advantages
+rolltool.jobs.advantages.ROW_GROUP_BYTES = 1 << 62
 """
     + API
 )

@@ -6,7 +6,7 @@ Packs a synth dataset (cached under /tmp, shared with the other benchmarks) with
 the page cache, then times one full pass over rank 0's rows per variant:
   numpy views        ds.rank_iter(0): stored arrays are views of the mapped file (no copy),
                      derived ones (position_ids, advantages, loss_weight, cu_seqlens) computed
-  copy every array   the reader's torch=True before rolltool.torch_data: np.array(v) of every
+  copy every array   the reader's torch=True before rolltool.packed.torch_data: np.array(v) of every
                      field, then torch.from_numpy (derived arrays copied a second time)
   torch_dataset      iterating ds.torch_dataset(0): stored arrays copied once, derived wrapped
   DataLoader W=0     the same through DataLoader(batch_size=None)
@@ -16,7 +16,7 @@ the page cache, then times one full pass over rank 0's rows per variant:
                      crosses the process boundary (one more copy of every array)
   pinned W=0         ds.torch_dataset(0, pin_memory=True): the one copy lands in pinned memory
   pinned W=k         DataLoader(pin_memory=True) pins the workers' tensors (a second copy)
-  + prefetch cuda    rolltool.torch_data.prefetch(loader, "cuda"): the next row's transfer in
+  + prefetch cuda    rolltool.packed.torch_data.prefetch(loader, "cuda"): the next row's transfer in
                      flight while the current one is handed out (synchronised at the end)
 The pinned and cuda rows need an accelerator and print "-" without one. Prints rows/s, tokens/s
 GB/s of stored bytes (9 per token) for the median pass, and its time to the first row.
@@ -39,7 +39,7 @@ from _data import synth_dataset
 from torch.utils.data import DataLoader
 
 import rolltool
-import rolltool.torch_data as torch_data
+import rolltool.packed.torch_data as torch_data
 
 STORED_BYTES_PER_TOKEN = 9
 

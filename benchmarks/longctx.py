@@ -12,7 +12,7 @@ B x C tokens padded to a multiple of 2C; ``--overlong drop`` there too, so that 
 even that is counted, not an error); and once more dropping at --drop-dp ranks (default dp x
 the largest C: as many GPUs as that CP run, each with its own micro-batches). ``--keep-last``
 throughout, so every sample is either trained or lost to --overlong drop. Each pack runs in this
-process (rolltool.pack.run_pack with PackConfig.from_options) into a temp folder, is read back
+process (rolltool.jobs.pack.run_pack with PackConfig.from_options) into a temp folder, is read back
 (manifest, samples.parquet, rolltool.stats.packed_stats) and deleted. Prints one markdown table,
 a column per layout:
 
@@ -43,12 +43,12 @@ from typing import Any
 
 import polars as pl
 
-from rolltool.config import PackConfig
 from rolltool.format import Manifest
-from rolltool.jobs import run_synth
-from rolltool.pack import run_pack
+from rolltool.input.synth import SynthConfig
+from rolltool.jobs.pack import run_pack
+from rolltool.jobs.synth import run_synth
+from rolltool.plan.config import PackConfig
 from rolltool.stats import packed_stats
-from rolltool.synth import SynthConfig
 
 
 def agent_dataset(groups: int, envs: tuple[str, ...], max_len: int) -> Path:

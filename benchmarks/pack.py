@@ -11,7 +11,7 @@ Prints medians, tokens/s, the ratio to the floor, and the peak RSS of each pack 
 the default --cache-mb 1024 (decoded input kept so that data that fits is read once) and with
 --cache-mb 0: then memory is bounded by a step and does not grow with the dataset.
 
-The memory bound (rolltool.writer / rolltool.pack): beyond the imports and the light columns,
+The memory bound (rolltool.packed.writer / rolltool.pack): beyond the imports and the light columns,
 pack holds the token cache (--cache-mb), the decoded tokens of two steps (the one being laid out,
 the next being read), the row group being decoded (Parquet reads whole row groups: Arrow and
 NumPy copies) and the rows queued for writing (at most 256 MB plus one rank's rows).
@@ -59,7 +59,7 @@ def _pack(src: Path, out: Path, dp: int, cache_mb: float) -> tuple[float, int, d
 BASE = """
 import sys
 from rolltool.schema import scan
-from rolltool.source import resolve_inputs
+from rolltool.input.source import resolve_inputs
 scan(resolve_inputs([sys.argv[1]]), {})
 """
 

@@ -3,7 +3,7 @@
 Run:  python benchmarks/partition.py            (about a minute; add --quick for a smoke run)
 
 Pinned to one core. Times are medians over repeats. Lengths come from
-``rolltool.synth.synth_lengths`` (math 200-2k tokens, code 1k-8k, agent heavy-tailed to 32k).
+``rolltool.input.synth.synth_lengths`` (math 200-2k tokens, code 1k-8k, agent heavy-tailed to 32k).
 
 Table 1, balance(weights = lengths, k): quality = heaviest part / lower bound, where the bound is
 max(total/k, largest item), and with equal counts the largest item plus the n/k - 1 smallest.
@@ -36,11 +36,11 @@ from typing import Any
 
 import numpy as np
 
-from rolltool.partition import balance, lower_bound, part_loads, plan_step
-from rolltool.workload import make_workload
+from rolltool.plan.partition import balance, lower_bound, part_loads, plan_step
+from rolltool.plan.workload import make_workload
 
 try:
-    from rolltool.synth import synth_lengths
+    from rolltool.input.synth import synth_lengths
 except ImportError:  # the synth module is not there yet: a local stand-in for the same mix
 
     def synth_lengths(n: int, seed: int = 0, max_len: int = 32768) -> np.ndarray:
@@ -254,7 +254,7 @@ L2_SCALES = (1.0, 0.5, 2.0)
 (real GPU time is never exactly the model; issue 10, section 3)."""
 
 REGIMES = {
-    "synth": (1024, "rolltool.synth.synth_lengths: math, code and agent mix", 100),
+    "synth": (1024, "rolltool.input.synth.synth_lengths: math, code and agent mix", 100),
     "agent": (128, "log-normal, median 6,000, sigma 1.0, clipped to [200, 32,768]", 200),
 }
 """Plan-table regimes: (samples per rank, what the lengths are, first seed)."""
@@ -371,9 +371,9 @@ def total_vs_pairwise_table(quick: bool) -> None:
     19-64 samples of 1..cap tokens, seed 0): align="total"'s heaviest rank against KK alone and
     KK followed by the exhaustive pairwise swap/move search (``refine_pairs`` without limits,
     which the tests hold equal to a slow reference)."""
-    from rolltool.partition import balance_labels
-    from rolltool.partition.refine import refine_pairs
-    from rolltool.workload import Workload
+    from rolltool.plan.partition import balance_labels
+    from rolltool.plan.partition.refine import refine_pairs
+    from rolltool.plan.workload import Workload
 
     wl = Workload(kind="calibrated", a=17408.0, b=64.0)
     rng = np.random.default_rng(0)

@@ -11,7 +11,7 @@ Sections (each in fresh processes, on the same synth input, medians of --repeats
             included: ru_maxrss is per process)
   exchange  --order shuffle with --cache-mb 64 (the input is >= 4x the token cache): the plan's
             read amplification, then the run with --exchange never and --exchange always
-  plan      `rolltool.schedule.schedule` on synthetic light columns of N samples (groups of 8,
+  plan      `rolltool.plan.schedule.schedule` on synthetic light columns of N samples (groups of 8,
             log-normal lengths, one env): seconds, the process's peak RSS, and per sample what
             planning adds over the light columns at its peak and what the returned plan keeps
             (RSS); --plan-trees A B ... runs it on other checkouts too (e.g. a `git worktree`
@@ -104,10 +104,10 @@ def exchange(src: Path, work: Path, repeats: int) -> None:
 PLAN = """
 import gc, json, os, resource, sys, time
 import numpy as np, pyarrow as pa
-from rolltool.config import PackConfig
-from rolltool.schedule import schedule
+from rolltool.plan.config import PackConfig
+from rolltool.plan.schedule import schedule
 from rolltool.schema.rollouts import Rollouts
-from rolltool.source import InputFile
+from rolltool.input.source import InputFile
 def rss():  # bytes resident now
     return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 n = int(sys.argv[1]) // 8 * 8
@@ -128,7 +128,12 @@ def cpu():  # CPU seconds of this process and its finished children
     return sum(resource.getrusage(w).ru_utime + resource.getrusage(w).ru_stime
                for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
 t0, c0 = time.perf_counter(), cpu()
-plan = schedule(ro, config, config.workload(), workers=int(sys.argv[2]))
+try:  # the layered tree hands schedule a mapper; older trees (--plan-trees) took workers
+    from rolltool.engine.local import plan_mapper
+    kw = {"mapper": plan_mapper(int(sys.argv[2]), ro.num_samples)}
+except ImportError:
+    kw = {"workers": int(sys.argv[2])}
+plan = schedule(ro, config, config.workload(), **kw)
 dt, cpu_s = time.perf_counter() - t0, cpu() - c0
 gc.collect()
 kept = rss() - before

@@ -26,8 +26,8 @@ import polars as pl
 import pyarrow.parquet as pq
 from _data import synth_dataset
 
+from rolltool.input.source import resolve_inputs
 from rolltool.schema import scan
-from rolltool.source import resolve_inputs
 from rolltool.stats import rollout_stats
 
 LIGHT = ["group_id", "rollout_id", "env", "reward", "finished_at"]

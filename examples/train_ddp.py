@@ -44,7 +44,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import rolltool
-from rolltool.torch_data import prefetch
+from rolltool.packed.torch_data import prefetch
 
 VOCAB, DIM, HEADS, LAYERS = 64, 16, 2, 1
 NLL_COEF = 0.1

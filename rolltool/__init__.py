@@ -16,7 +16,7 @@ __all__ = ["RolltoolError", "__version__", "open_packed"]
 
 
 def open_packed(path: Any, **kwargs: Any) -> Any:
-    """Open a packed directory written by `rolltool pack` (see rolltool.reader)."""
-    from rolltool.reader import open_packed as _open
+    """Open a packed directory written by `rolltool pack` (see rolltool.packed.reader)."""
+    from rolltool.packed.reader import open_packed as _open
 
     return _open(path, **kwargs)

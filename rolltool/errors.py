@@ -17,3 +17,9 @@ class RolltoolError(Exception):
 
     def __str__(self) -> str:
         return self.message if not self.hint else f"{self.message}\nHint: {self.hint}"
+
+
+class OptionConflict(RolltoolError):
+    """Settings that exclude each other, or one given without the setting it applies to: a
+    usage mistake. The API and the CLI refuse the same combinations (declared once, where the
+    settings live); the CLI exits 2 on it, as for its own usage errors."""

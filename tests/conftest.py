@@ -2,12 +2,12 @@
 
 Fixtures are small on purpose (the whole suite runs on a 2-core machine in under a minute).
 
-- ``synth_table``: a small `rolltool.synth.generate` table (all three envs, 12 groups, samples of
+- ``synth_table``: a small `rolltool.input.synth.generate` table (all three envs, 12 groups, samples of
   at most 4,096 tokens); session-scoped, a pyarrow Table is immutable.
 - ``synth_path``: that table written to ``tmp_path / "synth.parquet"``.
 - ``write_parquet(data, name="data.parquet")``: write a pyarrow Table or a dict of columns under
   ``tmp_path`` and return the path (sub-folders in ``name`` are created).
-- ``small_pools``: the worker pools of ``pack --workers`` (`rolltool.workers`, `rolltool.pool`)
+- ``small_pools``: the worker pools of ``pack --workers`` (`rolltool.engine.local`, `rolltool.pool`)
   used even for the small example input (their size thresholds lowered), and a fixed
   ``created_at`` (SOURCE_DATE_EPOCH), so that runs compare byte for byte.
 - ``run_cli(*args)``: run the ``rolltool`` click CLI in-process; returns click's Result with
@@ -33,7 +33,7 @@ from click.testing import CliRunner, Result
 from hypothesis import settings
 
 from rolltool.cli import main
-from rolltool.synth import SynthConfig, generate
+from rolltool.input.synth import SynthConfig, generate
 
 settings.register_profile("ci", derandomize=True)
 settings.register_profile("explore", derandomize=False)
@@ -99,7 +99,8 @@ def run_cli() -> RunCli:
 @pytest.fixture
 def small_pools(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two local workers really plan and pack the small example (see the module docstring)."""
-    from rolltool import pool, workers
+    from rolltool.engine import local as pool
+    from rolltool.engine import local as workers
 
     monkeypatch.setattr(workers, "MIN_BATCHES", 2)
     monkeypatch.setattr(workers, "MIN_SAMPLES", 0)

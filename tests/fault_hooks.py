@@ -36,19 +36,19 @@ def child_command(*args: Any) -> list[str]:
 def _targets() -> list[tuple[Any, str]]:
     import pyarrow.parquet as pq
 
-    import rolltool.outputs
-    import rolltool.writer
-    from rolltool.tokens import TokenReader
+    import rolltool.packed.writer
+    import rolltool.storage.outputs
+    from rolltool.fetch.tokens import TokenReader
 
     return [
         (os, "rename"),
         (os, "replace"),
-        (rolltool.writer, "write_shard"),
-        (rolltool.writer.PackedWriter, "write_samples"),
-        (rolltool.writer.PackedWriter, "finish"),
+        (rolltool.packed.writer, "write_shard"),
+        (rolltool.packed.writer.PackedWriter, "write_samples"),
+        (rolltool.packed.writer.PackedWriter, "finish"),
         (pq.ParquetWriter, "write_table"),
         (TokenReader, "fetch"),
-        (rolltool.outputs, "_commit"),
+        (rolltool.storage.outputs, "_commit"),
     ]
 
 
@@ -97,12 +97,12 @@ class Injector:
 
     def install(self, setattr_: Any) -> None:
         """Wrap every counted operation with ``setattr_(owner, name, wrapper)``."""
-        import rolltool.jobs
+        import rolltool.jobs.advantages
 
         for owner, name in _targets():
             setattr_(owner, name, self._wrap(name, getattr(owner, name)))
         if self.row_group is not None:
-            setattr_(rolltool.jobs, "ROW_GROUP", self.row_group)
+            setattr_(rolltool.jobs.advantages, "ROW_GROUP", self.row_group)
 
     def install_global(self) -> None:
         self.install(setattr)

@@ -1,6 +1,6 @@
 """A filesystem without rename, for tests of outputs on object storage without network.
 
-``norename:///abs/folder`` (registered in `rolltool.fs.SCHEMES` by `register`) is a folder of
+``norename:///abs/folder`` (registered in `rolltool.storage.fs.SCHEMES` by `register`) is a folder of
 this machine seen through `pyarrow.fs.PyFileSystem` with a handler that refuses ``move`` (as
 object stores have no directory rename) and counts the calls it refuses; everything else goes
 to `pyarrow.fs.LocalFileSystem`. Its files can be compared byte for byte with a local output's.
@@ -12,7 +12,7 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from rolltool import fs as rfs
+from rolltool.storage import fs as rfs
 
 SCHEME = "norename"
 refused: list[tuple[str, str]] = []

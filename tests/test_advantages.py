@@ -20,9 +20,9 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from rolltool.advantages import ESTIMATORS, AdvantageConfig, AdvantageInput, compute_advantages
 from rolltool.errors import RolltoolError
-from rolltool.jobs import run_advantages
+from rolltool.jobs.advantages import run_advantages
+from rolltool.plan.advantages import ESTIMATORS, AdvantageConfig, AdvantageInput, compute_advantages
 
 EPS = 1e-6
 # A sample: (group_id, rollout_id, env, reward, trainable tokens).

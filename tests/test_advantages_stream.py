@@ -13,15 +13,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import rolltool.jobs as jobs
-import rolltool.rewrite as rewrite
-from rolltool.advantages import AdvantageConfig, AdvantageInput, compute_advantages
+import rolltool.jobs.advantages as jobs
+import rolltool.jobs.rewrite as rewrite
 from rolltool.errors import RolltoolError
-from rolltool.jobs import ADVANTAGE_COLUMNS, run_advantages
-from rolltool.outputs import parquet_marker
-from rolltool.rewrite import decoded_bytes, row_group_plan
+from rolltool.input.source import resolve_inputs
+from rolltool.jobs.advantages import ADVANTAGE_COLUMNS, run_advantages
+from rolltool.jobs.rewrite import decoded_bytes, row_group_plan
+from rolltool.plan.advantages import AdvantageConfig, AdvantageInput, compute_advantages
 from rolltool.schema import scan
-from rolltool.source import resolve_inputs
+from rolltool.storage.outputs import parquet_marker
 
 
 def in_memory(inputs: Sequence[Path], output: Path, config: AdvantageConfig) -> None:

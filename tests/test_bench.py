@@ -29,8 +29,8 @@ from rolltool.bench.config import BenchConfig, BenchSetup, LayerShape, resolve_s
 from rolltool.bench.layer import LayerWeights, layer_forward, make_weights
 from rolltool.bench.rows import Row
 from rolltool.errors import RolltoolError
-from rolltool.synth import SynthConfig, generate
-from rolltool.workload import MODEL_PRESETS, make_workload
+from rolltool.input.synth import SynthConfig, generate
+from rolltool.plan.workload import MODEL_PRESETS, make_workload
 
 torch = pytest.importorskip("torch")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

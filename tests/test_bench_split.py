@@ -21,7 +21,7 @@ import pytest
 from pack_helpers import G, rollouts
 
 from rolltool.bench.shares import GpuShare, cp_share, sp_heads
-from rolltool.split import cp_positions
+from rolltool.format.split import cp_positions
 
 torch = pytest.importorskip("torch")
 
@@ -266,7 +266,7 @@ def test_check_passes_on_split_packs(run_cli, packs, name: str, what: str) -> No
 def _swapped_chunks(monkeypatch) -> None:
     """cp_positions gives a rank's late chunk first: views and cp_gather stay consistent with
     each other, but the layout is not the zigzag a ring-attention kernel assumes."""
-    import rolltool.split as split
+    import rolltool.format.split as split
 
     right = split.cp_positions
 
@@ -279,7 +279,7 @@ def _swapped_chunks(monkeypatch) -> None:
 
 def _reversed_slices(monkeypatch) -> None:
     """SP rank i gets the slice of rank S-1-i."""
-    import rolltool.reader as reader
+    import rolltool.packed.reader as reader
 
     right = reader.sp_view
     monkeypatch.setattr(reader, "sp_view", lambda row, sp, rank: right(row, sp, sp - 1 - rank))

@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rolltool import __version__
+from rolltool._version import __version__
 from rolltool.cli import main
 
 

@@ -12,22 +12,21 @@ import click
 import pytest
 from click.testing import CliRunner
 
-import rolltool.pack
-from rolltool.advantages import ESTIMATORS, AdvantageConfig
+import rolltool.jobs.pack
 from rolltool.cli import main
 from rolltool.cli.pack import pack as pack_command
-from rolltool.config import (
+from rolltool.errors import OptionConflict, RolltoolError
+from rolltool.plan.advantages import ESTIMATORS, AdvantageConfig
+from rolltool.plan.batches import BATCH_UNITS, ORDERS, UNIFORM_POLICIES, StepConfig
+from rolltool.plan.config import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_MICRO_BATCH_TOKENS,
     OVERLONG,
-    OptionConflict,
     PackConfig,
 )
-from rolltool.errors import RolltoolError
-from rolltool.loss import LOSS_AGGS
-from rolltool.partition import ALIGNS
-from rolltool.steps import BATCH_UNITS, ORDERS, UNIFORM_POLICIES, StepConfig
-from rolltool.workload import WORKLOADS
+from rolltool.plan.loss import LOSS_AGGS
+from rolltool.plan.partition import ALIGNS
+from rolltool.plan.workload import WORKLOADS
 
 
 class _Captured(Exception):
@@ -43,7 +42,7 @@ def _cli_config(monkeypatch: pytest.MonkeyPatch, *args: Any) -> PackConfig:
         calls.append(config)
         raise _Captured(config)
 
-    monkeypatch.setattr(rolltool.pack, "run_pack", capture)
+    monkeypatch.setattr(rolltool.jobs.pack, "run_pack", capture)
     result = CliRunner().invoke(main, ["pack", "in.parquet", "-o", "out", *map(str, args)])
     assert isinstance(result.exception, _Captured), result.output
     assert len(calls) == 1
@@ -114,7 +113,7 @@ def test_conflicts_are_refused_alike(
     """The API raises OptionConflict (a RolltoolError); the CLI, the same message, exit 2."""
     with pytest.raises(OptionConflict, match=re.escape(words)):
         PackConfig(dp=2, **settings)
-    monkeypatch.setattr(rolltool.pack, "run_pack", lambda *a, **k: pytest.fail("ran"))
+    monkeypatch.setattr(rolltool.jobs.pack, "run_pack", lambda *a, **k: pytest.fail("ran"))
     result = CliRunner().invoke(main, ["pack", "in.parquet", "-o", "out", "--dp", "2", *map(str, args)])  # fmt: skip
     assert result.exit_code == 2, result.output
     assert words in result.stderr and "Traceback" not in result.output

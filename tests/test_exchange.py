@@ -1,4 +1,4 @@
-"""The exchange path (`rolltool.exchange`): buckets give exactly what the direct reader gives,
+"""The exchange path (`rolltool.fetch.buckets`): buckets give exactly what the direct reader gives,
 reading every row group once."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from rolltool.exchange import exchange
-from rolltool.source import resolve_inputs
-from rolltool.tokens import TokenReader
+from rolltool.fetch.buckets import exchange
+from rolltool.fetch.tokens import TokenReader
+from rolltool.input.source import resolve_inputs
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "rollouts.parquet"
 
@@ -80,9 +80,9 @@ def test_pack_through_the_exchange_writes_the_same_files(
 ) -> None:
     """Forced onto the exchange path (threshold 0), pack writes the same shards and
     samples.parquet as the direct path, records the path, and leaves no bucket behind."""
-    from rolltool import pack as pack_module
-    from rolltool.config import PackConfig
-    from rolltool.pack import run_pack
+    from rolltool.jobs import pack as pack_module
+    from rolltool.jobs.pack import run_pack
+    from rolltool.plan.config import PackConfig
     from rolltool.verify import run_verify
 
     src = tmp_path / "in.parquet"

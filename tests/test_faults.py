@@ -24,8 +24,8 @@ import pytest
 from fault_hooks import Injector, child_command
 from pack_helpers import cli
 
-from rolltool.outputs import LOCK
-from rolltool.synth import SynthConfig, generate
+from rolltool.input.synth import SynthConfig, generate
+from rolltool.storage.outputs import LOCK
 
 PACK = ("--dp", 2, "--batch-size", 16, "--keep-last")
 ADV_ROW_GROUP = 16
@@ -207,7 +207,7 @@ def test_an_input_changed_during_a_pack_is_an_error_naming_it(
     src.write_bytes(data.read_bytes())
     table = pq.read_table(src)
     new = _longer(table) if change == "longer samples" else table.slice(0, 80)
-    from rolltool.tokens import TokenReader
+    from rolltool.fetch.tokens import TokenReader
 
     real, calls = TokenReader.fetch, [0]
 
@@ -227,18 +227,18 @@ def test_an_input_changed_during_a_pack_is_an_error_naming_it(
 def test_lengths_unlike_the_scans_are_an_error_even_when_the_file_looks_unchanged(
     data: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import rolltool.tokens
+    import rolltool.fetch.tokens
     from rolltool.errors import RolltoolError
-    from rolltool.source import resolve_inputs
+    from rolltool.input.source import resolve_inputs
 
     files = resolve_inputs([data])
-    reader = rolltool.tokens.TokenReader(files, {}, cache_bytes=0)
+    reader = rolltool.fetch.tokens.TokenReader(files, {}, cache_bytes=0)
     for rg in range(6):
         reader.offer(0, rg, pq.ParquetFile(data).read_row_group(rg))
     assert len(reader.fetch(np.arange(96)).offsets) == 97  # as scanned: fine
-    real = rolltool.tokens.read_row_group
+    real = rolltool.fetch.tokens.read_row_group
     monkeypatch.setattr(
-        rolltool.tokens, "read_row_group", lambda *a: _longer(real(*a).combine_chunks())
+        rolltool.fetch.tokens, "read_row_group", lambda *a: _longer(real(*a).combine_chunks())
     )
     with pytest.raises(RolltoolError, match=r"in.parquet: row group 0 changed since the scan"):
         reader.fetch(np.arange(3))
@@ -247,7 +247,7 @@ def test_lengths_unlike_the_scans_are_an_error_even_when_the_file_looks_unchange
 def test_a_full_disk_is_one_line_naming_the_output(
     data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import rolltool.writer
+    import rolltool.packed.writer
 
     out = tmp_path / "out"
     assert cli("pack", data, "-o", out, *PACK, "--dp", 1).exit_code == 0
@@ -256,7 +256,7 @@ def test_a_full_disk_is_one_line_naming_the_output(
     def full(*args: Any) -> Any:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(rolltool.writer, "write_shard", full)
+    monkeypatch.setattr(rolltool.packed.writer, "write_shard", full)
     result = cli("pack", data, "-o", out, *PACK, "--force")
     assert result.exit_code == 1
     assert result.stderr.splitlines()[0] == f"Error: {out}: No space left on device"
@@ -288,12 +288,12 @@ def test_a_file_size_limit_is_one_line_and_keeps_the_old_output(data: Path, tmp_
 def test_an_unreadable_path_is_one_line_naming_it(
     data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import rolltool.source
+    import rolltool.input.source
 
     def denied(text: str) -> Any:
         raise PermissionError(13, "Permission denied", str(tmp_path / "data" / "locked"))
 
-    monkeypatch.setattr(rolltool.source, "_expand", denied)
+    monkeypatch.setattr(rolltool.input.source, "_expand", denied)
     result = cli("pack", tmp_path / "data", "-o", tmp_path / "out", *PACK)
     assert result.exit_code == 1
     assert result.stderr.splitlines()[0] == f"Error: {tmp_path}/data/locked: Permission denied"
@@ -343,9 +343,9 @@ def test_a_shard_deleted_from_the_temp_before_the_commit_is_an_error(
     data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """What a cleaner that took a live run for dead did: the run must not commit the rest."""
-    import rolltool.writer
+    import rolltool.packed.writer
 
-    real = rolltool.writer.write_shard
+    real = rolltool.packed.writer.write_shard
 
     def write_then_lose(root: Path, *args: Any) -> Any:
         name, record = real(root, *args)
@@ -353,7 +353,7 @@ def test_a_shard_deleted_from_the_temp_before_the_commit_is_an_error(
             (root / name).unlink()
         return name, record
 
-    monkeypatch.setattr(rolltool.writer, "write_shard", write_then_lose)
+    monkeypatch.setattr(rolltool.packed.writer, "write_shard", write_then_lose)
     result = cli("pack", data, "-o", tmp_path / "out", *PACK)
     assert result.exit_code == 1
     assert "vanished or changed before the commit" in result.stderr.splitlines()[0]

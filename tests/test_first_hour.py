@@ -118,7 +118,7 @@ def test_token_unit_with_a_tiny_step_warns(run_cli, synth_path: Path, tmp_path: 
 def test_step_size_warning_counts_steps_off_size() -> None:
     from types import SimpleNamespace as S
 
-    from rolltool.schedule import step_size_warning
+    from rolltool.plan.schedule import step_size_warning
 
     def steps(*actual: int, status: str = "short") -> list[Any]:
         return [S(status=status, actual=a, nominal=100) for a in actual]
@@ -203,7 +203,7 @@ def test_help_fits_80_columns(monkeypatch: pytest.MonkeyPatch) -> None:
         checked += 1
     assert checked == len(main.commands) + 1
     pack_help = runner.invoke(main, ["pack", "--help"], terminal_width=80).output
-    from rolltool.loss import LOSS_AGGS
+    from rolltool.plan.loss import LOSS_AGGS
 
     for name in LOSS_AGGS:  # long choice lists: in the help, never broken at a hyphen
         assert re.search(rf"(^|[\s,]){re.escape(name)}[,.]", pack_help), name

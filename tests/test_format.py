@@ -21,9 +21,9 @@ from rolltool.format import (
     is_packed_dir,
     shard_name,
 )
-from rolltool.layout import SampleTokens, pack_rows
-from rolltool.shards import read_shard
-from rolltool.writer import PackedWriter
+from rolltool.format.layout import SampleTokens, pack_rows
+from rolltool.format.shards import read_shard
+from rolltool.packed.writer import PackedWriter
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +145,7 @@ def test_finish_refuses_a_manifest_that_does_not_name_the_files_written(
 def test_the_writer_bounds_queued_bytes_and_records_every_file(
     tmp_path: Path, packed: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import rolltool.writer as writer_mod
+    import rolltool.packed.writer as writer_mod
 
     seen: list[int] = []
     real = writer_mod.write_shard

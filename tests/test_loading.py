@@ -29,7 +29,7 @@ from tests.pack_helpers import pack
 torch = pytest.importorskip("torch")
 from torch.utils.data import DataLoader  # noqa: E402
 
-import rolltool.torch_data as torch_data  # noqa: E402
+import rolltool.packed.torch_data as torch_data  # noqa: E402
 
 STORED = ("input_ids", "loss_mask", "logprobs", "sample_index")  # views of the shard file
 
@@ -209,7 +209,7 @@ def test_a_batch_size_is_refused_with_a_sentence(out: Path, batch_size: int) -> 
 
 
 def test_a_rank_reads_only_its_own_files(out: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import rolltool.reader as reader
+    import rolltool.packed.reader as reader
 
     opened: list[Path] = []
     real = reader.map_tensors

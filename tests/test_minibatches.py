@@ -1,4 +1,4 @@
-"""PPO structure: ``pack --mini-batches M --epochs E`` (`rolltool.minibatches`).
+"""PPO structure: ``pack --mini-batches M --epochs E`` (`rolltool.plan.minibatches`).
 
 Checked: the cuts (on group boundaries whenever the batch has M groups, else finer, never
 empty), that every batch's samples train exactly once per epoch, advantages computed once over
@@ -22,7 +22,7 @@ from pack_helpers import G, cli, pack, rollouts
 
 import rolltool
 from rolltool.errors import RolltoolError
-from rolltool.minibatches import cut_points, epoch_groups, sample_units, split_epoch
+from rolltool.plan.minibatches import cut_points, epoch_groups, sample_units, split_epoch
 
 # -- the cuts ---------------------------------------------------------------------------------
 
@@ -295,7 +295,7 @@ def test_a_partial_last_batch_over_epochs_verifies(ppo_input: Path, tmp_path: Pa
 
 
 def test_mini_batches_and_epochs_must_be_positive(ppo_input: Path, tmp_path: Path) -> None:
-    from rolltool.steps import StepConfig
+    from rolltool.plan.batches import StepConfig
 
     for flag in ("--mini-batches", "--epochs"):
         r = cli("pack", ppo_input, "-o", tmp_path / "x", "--dp", 2, flag, 0)

@@ -18,14 +18,14 @@ import pyarrow.parquet as pq
 import pytest
 from pack_helpers import G, cli, pack, rollouts
 
-from rolltool.advantages import (
+from rolltool.errors import RolltoolError
+from rolltool.plan.advantages import (
     ESTIMATORS,
     SAFE_REWARD,
     AdvantageConfig,
     AdvantageInput,
     compute_advantages,
 )
-from rolltool.errors import RolltoolError
 from rolltool.verify import verify
 
 

@@ -19,9 +19,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rolltool import outputs
 from rolltool.errors import RolltoolError
-from rolltool.outputs import LOCK, atomic_path, check_target, parquet_marker, repair
+from rolltool.storage import outputs
+from rolltool.storage.outputs import LOCK, atomic_path, check_target, parquet_marker, repair
 
 
 def _temp(folder: Path, name: str, *, lock: str | None = "host 1\n", age: float = 0.0) -> Path:
@@ -222,7 +222,7 @@ CHILD = """
 import json, os, shutil, signal, sys
 from pathlib import Path
 import pyarrow as pa, pyarrow.parquet as pq
-from rolltool.outputs import atomic_path, parquet_marker
+from rolltool.storage.outputs import atomic_path, parquet_marker
 
 target, kind, kill_at = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 count = 0
@@ -425,8 +425,8 @@ def test_sigint_during_the_swap_is_delivered_after_it(
 
 
 def test_pack_warns_when_dp_exceeds_a_steps_samples(tmp_path: Path) -> None:
-    from rolltool.pack import PackConfig, run_pack
-    from rolltool.steps import StepConfig
+    from rolltool.jobs.pack import PackConfig, run_pack
+    from rolltool.plan.batches import StepConfig
 
     out = tmp_path / "packed"
     manifest = run_pack(

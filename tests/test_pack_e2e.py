@@ -23,8 +23,8 @@ from safetensors.numpy import load_file, save_file
 
 import rolltool
 from rolltool.errors import RolltoolError
-from rolltool.shards import file_record
-from rolltool.synth import SynthConfig, generate
+from rolltool.format.shards import file_record
+from rolltool.input.synth import SynthConfig, generate
 
 ROOT = Path(__file__).resolve().parent.parent
 ARGS = ("--dp", 3, "--batch-size", 48, "--micro-batch-tokens", 6144, "--overlong", "drop",

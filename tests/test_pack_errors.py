@@ -18,9 +18,9 @@ import pyarrow.parquet as pq
 import pytest
 from pack_helpers import G, cli, pack, rollouts
 
-import rolltool.writer
-from rolltool.pack import PackConfig, run_pack
-from rolltool.steps import StepConfig
+import rolltool.packed.writer
+from rolltool.jobs.pack import PackConfig, run_pack
+from rolltool.plan.batches import StepConfig
 
 BASE = ("--dp", 2, "--batch-size", 4, "--micro-batch-tokens", 256)
 
@@ -258,7 +258,7 @@ def test_force_refuses_what_rolltool_did_not_write(inp: Path) -> None:
 
 def _fail_on_call(monkeypatch: pytest.MonkeyPatch, n: int) -> list[int]:
     calls = [0]
-    real = rolltool.writer.write_shard
+    real = rolltool.packed.writer.write_shard
 
     def flaky(*args: Any, **kwargs: Any) -> Any:
         calls[0] += 1
@@ -266,7 +266,7 @@ def _fail_on_call(monkeypatch: pytest.MonkeyPatch, n: int) -> list[int]:
             raise OSError(28, "No space left on device")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(rolltool.writer, "write_shard", flaky)
+    monkeypatch.setattr(rolltool.packed.writer, "write_shard", flaky)
     return calls
 
 
@@ -295,9 +295,9 @@ def test_a_failing_write_leaves_no_output(
 
 _DIE = """
 import os, signal, sys
-import rolltool.writer
+import rolltool.packed.writer
 from rolltool.cli import main
-real, calls = rolltool.writer.write_shard, [0]
+real, calls = rolltool.packed.writer.write_shard, [0]
 def dying(*args, **kwargs):
     # Die right after the third shard write has finished (writes run on worker threads, so
     # dying before it could leave no shard on disk yet).
@@ -306,7 +306,7 @@ def dying(*args, **kwargs):
     if calls[0] == 3:
         os.kill(os.getpid(), signal.SIGKILL)
     return result
-rolltool.writer.write_shard = dying
+rolltool.packed.writer.write_shard = dying
 main(sys.argv[1:])
 """
 

@@ -23,7 +23,7 @@ from pack_helpers import G, input_samples, pack, placements, rollouts, samples, 
 
 import rolltool
 import rolltool.format as _format
-from rolltool.loss import LOSS_AGGS
+from rolltool.plan.loss import LOSS_AGGS
 from rolltool.verify import verify
 
 DTYPES = {

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from partition_refs import reference_kk
 
 from rolltool.errors import RolltoolError
-from rolltool.partition import METHODS, balance, lower_bound, part_loads
+from rolltool.plan.partition import METHODS, balance, lower_bound, part_loads
 
 # ---------------------------------------------------------------- slow, obvious references
 

@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 from partition_refs import reference_kk
 from test_partition_plan import check_plan
 
-from rolltool.partition import plan_step
-from rolltool.partition.binpack import split_tokens
-from rolltool.workload import make_workload
+from rolltool.plan.partition import plan_step
+from rolltool.plan.partition.binpack import split_tokens
+from rolltool.plan.workload import make_workload
 
 # the issue's example: 1,491 tokens under a cap of 300; verl's pipeline finds 5 micro-batches
 ISSUE_LENGTHS = [79, 88, 86, 70, 88, 90, 89, 53, 68, 74, 61, 65, 75, 82, 73, 57, 77, 85, 59, 72]

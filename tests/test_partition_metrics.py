@@ -1,4 +1,4 @@
-"""Balance figures (`rolltool.partition.metrics`) against slow loops written from their
+"""Balance figures (`rolltool.plan.partition.metrics`) against slow loops written from their
 definitions, and the ones the planner, stats and bench report agree with them."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from rolltool.partition import metrics, plan_step
-from rolltool.workload import make_workload
+from rolltool.plan.partition import metrics, plan_step
+from rolltool.plan.workload import make_workload
 
 
 def _slow(x: list[list[float]]) -> dict[str, float]:

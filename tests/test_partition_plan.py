@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rolltool.errors import RolltoolError
-from rolltool.partition import StepPlan, plan_step
-from rolltool.synth import synth_lengths
-from rolltool.workload import make_workload
+from rolltool.input.synth import synth_lengths
+from rolltool.plan.partition import StepPlan, plan_step
+from rolltool.plan.workload import make_workload
 
 
 def check_plan(plan: StepPlan, lengths: np.ndarray, dp: int) -> None:
@@ -213,8 +213,8 @@ def test_argument_mistakes() -> None:
 
 def _naive_lockstep(lengths: np.ndarray, dp: int, cap: int) -> float:
     """Lockstep overhead of the naive pipeline: LPT ranks, FFD per rank, bins aligned by cost."""
-    from rolltool.partition import balance_labels
-    from rolltool.partition.binpack import ffd
+    from rolltool.plan.partition import balance_labels
+    from rolltool.plan.partition.binpack import ffd
 
     cost = make_workload("flops").cost(lengths)
     rank = balance_labels(cost, dp, method="lpt")

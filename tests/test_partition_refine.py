@@ -7,9 +7,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rolltool.partition import balance_labels, plan_step
-from rolltool.partition.refine import refine, refine_pairs
-from rolltool.workload import Workload
+from rolltool.plan.partition import balance_labels, plan_step
+from rolltool.plan.partition.refine import refine, refine_pairs
+from rolltool.plan.workload import Workload
 
 # ---------------------------------------------------------------- slow, obvious reference
 

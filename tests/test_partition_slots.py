@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_partition_plan import check_plan
 
-from rolltool.partition import metrics, plan_step
-from rolltool.partition.slots import ROBUST_TOLERANCE, Grid, choose, refill
-from rolltool.workload import make_workload
+from rolltool.plan.partition import metrics, plan_step
+from rolltool.plan.partition.slots import ROBUST_TOLERANCE, Grid, choose, refill
+from rolltool.plan.workload import make_workload
 
 # ---------------------------------------------------------------- slow, obvious reference
 

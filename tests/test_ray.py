@@ -1,4 +1,4 @@
-"""``pack --engine ray`` (`rolltool.ray_engine`): Ray tasks give the same bytes as one process
+"""``pack --engine ray`` (`rolltool.engine.ray`): Ray tasks give the same bytes as one process
 and as two worker processes, survive a task killed mid-step, and stop cleanly on a failure that
 persists.
 
@@ -19,12 +19,14 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from rolltool import pool, ray_engine
 from rolltool.cli import main
-from rolltool.config import OptionConflict, PackConfig
-from rolltool.errors import RolltoolError
-from rolltool.pack import run_pack
-from rolltool.ray_engine import CRASH_FOR_TESTS, RayEngine
+from rolltool.engine import ray as ray_engine
+from rolltool.engine.base import check_engine
+from rolltool.engine.ray import CRASH_FOR_TESTS, RayEngine
+from rolltool.errors import OptionConflict, RolltoolError
+from rolltool.jobs.pack import run_pack
+from rolltool.packing.step import Job
+from rolltool.plan.config import PackConfig
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "rollouts.parquet"
 COMMAND = ["rolltool", "pack", "(test)"]
@@ -157,7 +159,7 @@ def test_the_exchange_path_on_ray(
 ) -> None:
     """Forced onto the exchange path, Ray tasks pack every step from its bucket: the shards and
     samples.parquet equal the direct one-process run's, and no bucket is left behind."""
-    from rolltool import pack as pack_module
+    from rolltool.jobs import pack as pack_module
 
     config = PackConfig.from_options(dp=2, batch_size=32, order="shuffle", cache_mb=0)
     direct = files(pack_with(tmp_path, "direct", config, workers=1))
@@ -202,8 +204,8 @@ def test_the_advantages_scan_on_ray_writes_the_local_file(cluster: None, tmp_pat
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from rolltool.advantages import AdvantageConfig
-    from rolltool.jobs import run_advantages
+    from rolltool.jobs.advantages import run_advantages
+    from rolltool.plan.advantages import AdvantageConfig
 
     table = pq.read_table(EXAMPLE)
     mask = table["loss_mask"].to_pylist()
@@ -320,7 +322,7 @@ def test_the_cli_packs_on_ray(cluster: None, tmp_path: Path) -> None:
 
 def test_a_node_without_the_output_directory_says_so(tmp_path: Path) -> None:
     """A task that does not see the driver's directory (no shared filesystem) stops the run."""
-    job = pool.Job(reader=None, cache_bytes=0, root=tmp_path / "elsewhere", shard_bytes=1,  # type: ignore[arg-type]
+    job = Job(reader=None, cache_bytes=0, root=tmp_path / "elsewhere", shard_bytes=1,  # type: ignore[arg-type]
                    config=PackConfig(dp=1))  # fmt: skip
     with pytest.raises(RolltoolError, match="does not see the output directory") as e:
         ray_engine._pack_task(job, [], None)
@@ -353,15 +355,15 @@ def test_ray_address_needs_engine_ray(tmp_path: Path) -> None:
         with pytest.raises(OptionConflict) as by_pack:
             pack_with(tmp_path, "p", config, **kw)
         with pytest.raises(OptionConflict) as shared:
-            ray_engine.check_engine(*args)
+            check_engine(*args)
         assert str(by_pack.value) == str(shared.value)
 
 
 def test_ray_is_imported_only_for_engine_ray(tmp_path: Path) -> None:
     code = (
-        "import sys, rolltool, rolltool.cli, rolltool.pack\n"
-        "from rolltool.config import PackConfig\n"
-        f"rolltool.pack.run_pack([{str(EXAMPLE)!r}], {str(tmp_path / 'o')!r}, "
+        "import sys, rolltool, rolltool.cli, rolltool.jobs.pack\n"
+        "from rolltool.plan.config import PackConfig\n"
+        f"rolltool.jobs.pack.run_pack([{str(EXAMPLE)!r}], {str(tmp_path / 'o')!r}, "
         "PackConfig.from_options(dp=2), workers=1)\n"
         "assert 'ray' not in sys.modules, 'ray imported'\n"
     )
@@ -378,7 +380,7 @@ def test_the_exchange_path_through_ray_data(
     """Forced onto the exchange path on a cluster taken for two nodes, Ray Data's shuffle
     (`RayEngine.exchange_steps`) replaces the local buckets: the shards and samples.parquet equal
     the direct one-process run's; with --epochs 2 every sample is shuffled to two steps."""
-    from rolltool import pack as pack_module
+    from rolltool.jobs import pack as pack_module
 
     config = PackConfig.from_options(dp=2, batch_size=32, mini_batches=2, epochs=2,
                                      order="shuffle", cache_mb=0)  # fmt: skip
@@ -411,7 +413,7 @@ def test_an_input_changed_before_the_ray_data_exchange_is_refused(
     (not Ray's wrapper), and nothing is left behind."""
     import shutil
 
-    from rolltool import pack as pack_module
+    from rolltool.jobs import pack as pack_module
 
     copy = tmp_path / "in.parquet"
     shutil.copy(EXAMPLE, copy)

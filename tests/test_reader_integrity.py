@@ -24,7 +24,7 @@ import pytest
 from safetensors import safe_open
 
 import rolltool
-import rolltool.reader as reader
+import rolltool.packed.reader as reader
 from rolltool.errors import RolltoolError
 from rolltool.format import ShardRef
 from tests.pack_helpers import pack

@@ -1,4 +1,4 @@
-"""The read amplification of a plan (`rolltool.readplan`) against a slow simulation of the
+"""The read amplification of a plan (`rolltool.fetch.readplan`) against a slow simulation of the
 reader, and as pack records it (with the path it takes)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 from pack_helpers import pack
 
-from rolltool.readplan import DECODED_BYTES_PER_TOKEN, read_plan
+from rolltool.fetch.readplan import DECODED_BYTES_PER_TOKEN, read_plan
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "rollouts.parquet"
 

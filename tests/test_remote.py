@@ -25,11 +25,11 @@ import pytest
 from click.testing import Result
 from fault_hooks import HERE, Injector
 
-from rolltool import remote
 from rolltool.errors import RolltoolError
-from rolltool.fs import locate
-from rolltool.reader import open_packed
-from rolltool.synth import SynthConfig, generate
+from rolltool.input.synth import SynthConfig, generate
+from rolltool.packed.reader import open_packed
+from rolltool.storage import remote
+from rolltool.storage.fs import locate
 from rolltool.verify import run_verify
 
 PACK = ("--dp", 2, "--batch-size", 16, "--keep-last")
@@ -126,7 +126,7 @@ def test_force_replaces_only_a_finished_rolltool_output(
 def test_a_failed_run_deletes_what_it_wrote(
     data: Path, tmp_path: Path, run_cli: RunCli, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from rolltool.writer import PackedWriter
+    from rolltool.packed.writer import PackedWriter
 
     far = tmp_path / "far"
 
@@ -261,7 +261,7 @@ def hive(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_inputs_by_uri_are_listed_like_local_ones(hive: Path) -> None:
-    from rolltool.source import resolve_inputs
+    from rolltool.input.source import resolve_inputs
 
     local = resolve_inputs([hive])
     far = resolve_inputs([fs_helpers.uri(hive)])

@@ -11,11 +11,12 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from rolltool import pool, writer
-from rolltool.fs import locate
-from rolltool.layout import PackedRows
-from rolltool.remote import RemoteRun
-from rolltool.synth import SynthConfig, generate
+from rolltool.format.layout import PackedRows
+from rolltool.input.synth import SynthConfig, generate
+from rolltool.packed import writer
+from rolltool.packing.step import Job
+from rolltool.storage.fs import locate
+from rolltool.storage.remote import RemoteRun
 
 
 @pytest.fixture(autouse=True)
@@ -100,7 +101,7 @@ def test_a_failed_run_removes_shards_its_workers_uploaded_but_never_reported(
 
 
 def test_the_job_tells_workers_where_to_upload(tmp_path: Path) -> None:
-    job = pool.Job(
+    job = Job(
         reader=None,  # type: ignore[arg-type]
         cache_bytes=0,
         root=tmp_path,

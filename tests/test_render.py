@@ -13,13 +13,13 @@ import pytest
 from rich.console import Console, Group
 from rich.table import Table
 
-from rolltool import numfmt
-from rolltool.config import PackConfig
 from rolltool.format import Manifest
-from rolltool.pack import run_pack
+from rolltool.jobs.pack import run_pack
+from rolltool.plan.batches import StepConfig
+from rolltool.plan.config import PackConfig
 from rolltool.stats import compute_stats
 from rolltool.stats import render as stats_render
-from rolltool.steps import StepConfig
+from rolltool.util import numfmt
 
 
 def test_formatters() -> None:

@@ -17,15 +17,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as hs
 from pack_helpers import G, rollouts
 
-from rolltool.advantages import AdvantageConfig
-from rolltool.config import PackConfig
 from rolltool.errors import RolltoolError
 from rolltool.format import STATUSES
-from rolltool.schedule import Schedule, group_advantages, schedule
+from rolltool.input.source import resolve_inputs
+from rolltool.plan.advantages import AdvantageConfig
+from rolltool.plan.batches import StepConfig
+from rolltool.plan.config import PackConfig
+from rolltool.plan.schedule import Schedule, group_advantages, schedule
+from rolltool.plan.workload import make_workload
 from rolltool.schema import Rollouts, scan
-from rolltool.source import resolve_inputs
-from rolltool.steps import StepConfig
-from rolltool.workload import make_workload
 
 
 def _light(tmp: Path, groups: list[G], **kw: bool) -> Rollouts:

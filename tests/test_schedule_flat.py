@@ -20,14 +20,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as hs
 from pack_helpers import G, rollouts
 
-from rolltool.config import PackConfig
 from rolltool.errors import RolltoolError
 from rolltool.format import STATUSES
-from rolltool.schedule import GroupIndex, PlannedStep, Schedule, schedule
+from rolltool.input.source import resolve_inputs
+from rolltool.plan.batches import StepConfig
+from rolltool.plan.config import PackConfig
+from rolltool.plan.schedule import GroupIndex, PlannedStep, Schedule, schedule
+from rolltool.plan.workload import make_workload
 from rolltool.schema import Rollouts, scan
-from rolltool.source import resolve_inputs
-from rolltool.steps import StepConfig
-from rolltool.workload import make_workload
 
 
 def _light(tmp: Path, rng: np.random.Generator) -> Rollouts:

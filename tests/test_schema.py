@@ -17,11 +17,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rolltool.advantages import AdvantageConfig
 from rolltool.errors import RolltoolError
-from rolltool.jobs import run_advantages
+from rolltool.input.source import resolve_inputs
+from rolltool.jobs.advantages import run_advantages
+from rolltool.plan.advantages import AdvantageConfig
 from rolltool.schema import scan
-from rolltool.source import resolve_inputs
 
 
 def rollouts(**overrides: Any) -> dict[str, Any]:

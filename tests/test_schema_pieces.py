@@ -20,13 +20,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rolltool.advantages import AdvantageConfig, AdvantageInput, compute_advantages
+from rolltool.engine.local import local_mapper
 from rolltool.errors import RolltoolError
-from rolltool.jobs import ADVANTAGE_COLUMNS, run_advantages
+from rolltool.input.source import InputFile, file_schema, resolve_inputs
+from rolltool.jobs.advantages import ADVANTAGE_COLUMNS, run_advantages
+from rolltool.plan.advantages import AdvantageConfig, AdvantageInput, compute_advantages
 from rolltool.schema import Rollouts, pieces, rollouts, scan, scan_deferred
 from rolltool.schema.columns import FileColumns, file_columns
 from rolltool.schema.rows import FLOAT32_LIMIT, _list_parts, _plain_floats, bit_row_sums
-from rolltool.source import InputFile, file_schema, resolve_inputs
 
 
 def assert_same_rollouts(a: Rollouts, b: Rollouts) -> None:
@@ -193,7 +194,7 @@ def test_forked_workers_scan_what_one_process_scans(tmp_path: Path, synth_table:
     files = resolve_inputs(_many_groups(tmp_path, synth_table))
     assert len(pieces.tasks(pieces.ScanJob(checked=_checked(files), rename={}))) >= 16
     serial = scan(files)  # polars and pyarrow's thread pools in use before the fork
-    assert_same_rollouts(scan(files, mapper=pieces.local_mapper(2)), serial)
+    assert_same_rollouts(scan(files, mapper=local_mapper(2)), serial)
 
 
 def _checked(files: Sequence[InputFile]) -> tuple[FileColumns, ...]:
@@ -221,7 +222,7 @@ def test_forked_workers_list_the_problems_one_process_lists(
     )
     serial = outcome(lambda: scan(files))
     assert serial[0] == "error" and "... and" in serial[1][0]
-    assert outcome(lambda: scan(files, mapper=pieces.local_mapper(2))) == serial
+    assert outcome(lambda: scan(files, mapper=local_mapper(2))) == serial
     out = tmp_path / "out.parquet"
     deferred = outcome(lambda: run_advantages([f.path for f in files], out, AdvantageConfig()))
     assert deferred == serial and not out.exists()
@@ -233,7 +234,7 @@ def test_advantages_with_workers_writes_the_same_bytes(
     paths = _many_groups(tmp_path, synth_table)
     one, two = tmp_path / "one.parquet", tmp_path / "two.parquet"
     run_advantages(paths, one, AdvantageConfig())
-    run_advantages(paths, two, AdvantageConfig(), mapper=pieces.local_mapper(2))
+    run_advantages(paths, two, AdvantageConfig(), mapper=local_mapper(2))
     assert one.read_bytes() == two.read_bytes()
 
 

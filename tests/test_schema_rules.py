@@ -22,9 +22,9 @@ from hypothesis import strategies as st
 
 import rolltool.schema as schema
 from rolltool.errors import RolltoolError
+from rolltool.input.source import InputFile, resolve_inputs
 from rolltool.schema import across, columns, rows
 from rolltool.schema.rows import Flagged, row_batch
-from rolltool.source import InputFile, resolve_inputs
 
 DOCUMENTED = set(re.findall(r"``([a-z_]+(?:\.[a-z_]+)?)``", schema.__doc__ or ""))
 

@@ -14,9 +14,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import rolltool.source as source
+import rolltool.input.source as source
+from rolltool.input.source import InputFile, read_row_group, read_row_groups, resolve_inputs
 from rolltool.schema import scan
-from rolltool.source import InputFile, read_row_group, read_row_groups, resolve_inputs
 
 
 def _rows(k: int, n: int = 4) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Long samples over sequence- and context-parallel GPUs (`rolltool.split`, ``pack --sp/--cp``).
+"""Long samples over sequence- and context-parallel GPUs (`rolltool.format.split`, ``pack --sp/--cp``).
 
 The layouts are checked end to end: the zigzag mapping both ways against a slow reference, a
 round trip through pack and the reader's per-GPU views for C in {1, 2, 3, 4} and S in {1, 2, 4},
@@ -20,7 +20,7 @@ from pack_helpers import G, cli, input_samples, pack, rollouts, samples
 
 import rolltool
 from rolltool.errors import RolltoolError
-from rolltool.split import (
+from rolltool.format.split import (
     GroupSplit,
     cp_gather,
     cp_positions,

@@ -20,10 +20,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rolltool.pack import PackConfig, run_pack
+from rolltool.jobs.pack import PackConfig, run_pack
+from rolltool.plan.batches import StepConfig
 from rolltool.stats import ValueCounts, compute_stats
 from rolltool.stats.accumulate import Moments
-from rolltool.steps import StepConfig
 
 # --- the JSON contract --------------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rolltool.errors import RolltoolError
-from rolltool.steps import Assembly, Groups, StepConfig, assemble, quotas
+from rolltool.plan.batches import Assembly, Groups, StepConfig, assemble, quotas
 
 ENVS = ["a", "b", "c"]
 

@@ -13,9 +13,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from rolltool.errors import RolltoolError
+from rolltool.input.source import resolve_inputs
+from rolltool.input.synth import VOCAB_SIZE, SynthConfig, generate, synth_lengths
 from rolltool.schema import scan
-from rolltool.source import resolve_inputs
-from rolltool.synth import VOCAB_SIZE, SynthConfig, generate, synth_lengths
 
 # Large enough for the shares below to mean something, small enough to build in ~0.1 s.
 BIG = SynthConfig(groups=120, seed=1)

@@ -18,9 +18,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from rolltool.errors import RolltoolError
+from rolltool.fetch.tokens import TokenReader
+from rolltool.input.source import InputFile, resolve_inputs
 from rolltool.schema import scan
-from rolltool.source import InputFile, resolve_inputs
-from rolltool.tokens import TokenReader
 
 
 def _table(

@@ -32,7 +32,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from rolltool.synth import SynthConfig, generate
+from rolltool.input.synth import SynthConfig, generate
 from tests.pack_helpers import grpo_reference, input_samples, pack
 
 torch = pytest.importorskip("torch")

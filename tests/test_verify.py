@@ -32,8 +32,8 @@ from verify_helpers import (
     trained_with_prompt,
 )
 
-from rolltool.loss import LOSS_AGGS
-from rolltool.synth import SynthConfig, generate
+from rolltool.input.synth import SynthConfig, generate
+from rolltool.plan.loss import LOSS_AGGS
 from rolltool.verify import verify
 
 

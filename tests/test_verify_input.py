@@ -20,7 +20,7 @@ from verify_helpers import ARGS, edit_manifest
 
 import rolltool
 from rolltool.errors import RolltoolError
-from rolltool.synth import SynthConfig, generate
+from rolltool.input.synth import SynthConfig, generate
 from rolltool.verify import verify
 
 

@@ -34,7 +34,7 @@ from verify_helpers import (
     trained_with_prompt,
 )
 
-from rolltool.shards import read_shard
+from rolltool.format.shards import read_shard
 from rolltool.verify import verify
 
 LAYOUTS = {

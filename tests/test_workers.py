@@ -1,4 +1,4 @@
-"""``pack --workers N``: batches planned (`rolltool.workers`) and steps packed (`rolltool.pool`)
+"""``pack --workers N``: batches planned (`rolltool.engine.local`) and steps packed (`rolltool.pool`)
 in worker processes give the same bytes as one process.
 
 Both pools are used only for big runs; the tests lower their thresholds so that the small
@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from rolltool import pool, workers
-from rolltool.config import PackConfig
+from rolltool.engine import local as pool
+from rolltool.engine import local as workers
 from rolltool.errors import RolltoolError
-from rolltool.pack import run_pack
+from rolltool.jobs.pack import run_pack
+from rolltool.plan.config import PackConfig
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "rollouts.parquet"
 COMMAND = ["rolltool", "pack", "(test)"]
@@ -97,7 +98,7 @@ def test_the_pool_packs_every_step(tmp_path: Path, monkeypatch: pytest.MonkeyPat
             seen.append(done.record.step)
             yield done
 
-    monkeypatch.setattr("rolltool.pack.pack_steps", spy)
+    monkeypatch.setattr("rolltool.jobs.pack.pack_steps", spy)
     config = PackConfig.from_options(dp=2, batch_size=32)
     m = run_pack([str(EXAMPLE)], tmp_path / "p", config, command=COMMAND, workers=2)
     assert seen == list(range(m.num_steps)) and m.num_steps >= 2
@@ -115,7 +116,7 @@ def test_a_worker_refuses_an_input_changed_since_the_scan(
         os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
         yield from real(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr("rolltool.pack.pack_steps", touch_then_pack)
+    monkeypatch.setattr("rolltool.jobs.pack.pack_steps", touch_then_pack)
     config = PackConfig.from_options(dp=2, batch_size=32, cache_mb=0)
     with pytest.raises(RolltoolError, match="changed while rolltool was reading it"):
         run_pack([str(src)], tmp_path / "p", config, command=COMMAND, workers=2)

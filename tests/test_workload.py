@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rolltool.errors import RolltoolError
-from rolltool.workload import MODEL_PRESETS, WORKLOADS, ModelShape, Workload, make_workload
+from rolltool.plan.workload import MODEL_PRESETS, WORKLOADS, ModelShape, Workload, make_workload
 
 # Hugging Face config.json of the 7B shape, as it ships (plus keys we must ignore)
 HF_7B = {
@@ -336,7 +336,7 @@ def test_unreliable_calibration_is_named(tmp_path) -> None:
     ``Workload.unreliable`` a sentence naming the file; a good file, or another kind, None."""
     import json
 
-    from rolltool.workload import make_workload
+    from rolltool.plan.workload import make_workload
 
     cases = {
         "flagged": ({"a": 1e-7, "b": 1e-12, "reliable": False}, True),

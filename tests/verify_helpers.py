@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 import rolltool.verify
-from rolltool.shards import file_record, read_shard, save_safetensors
+from rolltool.format.shards import file_record, read_shard, save_safetensors
 from rolltool.verify import verify
 
 ARGS = ("--dp", 2, "--batch-size", 16, "--micro-batch-tokens", 8192)
@@ -38,7 +38,7 @@ def pack_layouts(
     """One synth input in `tmp` packed once per layout: {"input": path, layout name: pack}."""
     from pack_helpers import pack
 
-    from rolltool.synth import SynthConfig, generate
+    from rolltool.input.synth import SynthConfig, generate
 
     inp = tmp / "in.parquet"
     pq.write_table(generate(SynthConfig(groups=groups, seed=seed, max_len=4096)), inp)

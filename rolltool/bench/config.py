@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass, field
 
 from rolltool.errors import RolltoolError
-from rolltool.workload import DEFAULT_PRESET, MODEL_PRESETS, ModelShape
+from rolltool.plan.workload import DEFAULT_PRESET, MODEL_PRESETS, ModelShape
 
 WHATS = ("layer", "attention")
 """Names accepted by ``--what``: a whole transformer layer per row, or its attention only."""

@@ -3,7 +3,7 @@
 ``header(doc)``: what ran, for stderr; ``render(doc, rows=...)``: per directory its step times,
 optionally every row, and a summary, then the comparison of several directories and the fit, for
 stdout; ``warnings(doc)``: what the user should know, for stderr; ``check_failure(doc)``: the
-error a failed ``--check`` is. Numbers through ``rolltool.numfmt`` (times in ms).
+error a failed ``--check`` is. Numbers through ``rolltool.util.numfmt`` (times in ms).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from rich.table import Table
 
 from rolltool.bench.report import noise_warning, winner_warning
 from rolltool.errors import RolltoolError
-from rolltool.numfmt import big, count, ms, num, pct
 from rolltool.stats.render import Col, fit_table
+from rolltool.util.numfmt import big, count, ms, num, pct
 
 
 def header(doc: dict[str, Any]) -> list[str]:

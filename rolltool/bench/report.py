@@ -15,7 +15,7 @@ efficiency         ideal / actual                1.0 = no rank ever waits
 
 Example: dp = 2, rank 0 takes (3, 1) s, rank 1 takes (1, 3) s. dp_time = max(4, 4) = 4,
 lockstep_time = max(3, 1) + max(1, 3) = 6, ideal = 8 / 2 = 4: dp efficiency 1.0, lockstep 0.67.
-These are `rolltool.partition.metrics`' ``dp_cost``, ``lockstep_cost`` and ``ideal`` of the
+These are `rolltool.plan.partition.metrics`' ``dp_cost``, ``lockstep_cost`` and ``ideal`` of the
 measured grid, the figures ``stats`` and the planner compute from the workload's cost.
 
 With ``--cp C`` / ``--sp S`` packs every micro-batch runs on a group of k GPUs, each timed on
@@ -27,7 +27,7 @@ summarized by its median and maximum over micro-batches, and ``efficiency`` = Σ
 (the share of the group's time its GPUs compute). Example: cp 2 GPUs take (3, 1) ms on one
 micro-batch and (2, 2) on another: imbalances 1.5 and 1.0, efficiency (2 + 2) / (3 + 2) = 0.8.
 
-FLOPs are counted with `rolltool.workload.flops_coefficients`, the formula of the ``flops``
+FLOPs are counted with `rolltool.plan.workload.flops_coefficients`, the formula of the ``flops``
 workload pack balances on, so a FLOP here is the same FLOP there.
 """
 
@@ -40,8 +40,8 @@ from typing import Any
 
 import numpy as np
 
-from rolltool.partition import metrics
-from rolltool.workload import flops_coefficients
+from rolltool.plan.partition import metrics
+from rolltool.plan.workload import flops_coefficients
 
 TIME_KEYS = ("dp_time", "lockstep_time", "ideal_time")
 
@@ -149,7 +149,7 @@ def attention_flops(
     lengths: np.ndarray, *, heads: int, head_dim: int, layers: int = 1, backward: bool = False
 ) -> float:
     """Causal attention FLOPs of segments of ``lengths`` tokens: b·Σ L² with the ``flops``
-    workload's b (`rolltool.workload.flops_coefficients`).
+    workload's b (`rolltool.plan.workload.flops_coefficients`).
 
     Forward per sequence: QKᵀ and AV, 2·L²·head_dim·heads FLOPs after the causal mask; backward
     2x forward (model FLOPs: FlashAttention's recomputation of the scores is not counted).
@@ -172,7 +172,7 @@ def layer_flops(
     backward: bool = False,
 ) -> float:
     """FLOPs of ``layers`` dense decoder layers over segments of ``lengths`` tokens: a·T + b·Σ L²
-    with the ``flops`` workload's coefficients (`rolltool.workload.flops_coefficients`).
+    with the ``flops`` workload's coefficients (`rolltool.plan.workload.flops_coefficients`).
 
     Matmuls: every token multiplies every matmul weight once, 2·T·``matmul_params`` forward;
     attention: the causal FLOPs of ``attention_flops``; backward 2x forward for both (3x in all).

@@ -16,9 +16,9 @@ import numpy as np
 
 from rolltool.bench.shares import GpuShare, cp_share, sp_share
 from rolltool.errors import RolltoolError
-from rolltool.reader import PackedDataset, open_packed
-from rolltool.split import GroupSplit
-from rolltool.workload import Workload
+from rolltool.format.split import GroupSplit
+from rolltool.packed.reader import PackedDataset, open_packed
+from rolltool.plan.workload import Workload
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,7 +71,7 @@ class Row:
 @dataclass(frozen=True, kw_only=True)
 class ReplayRows:
     """All rows of the chosen steps of one packed directory, to replay (not the writer's flat
-    `rolltool.layout.PackedRows`)."""
+    `rolltool.format.layout.PackedRows`)."""
 
     path: Path
     dp: int

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from rolltool import __version__
+from rolltool._version import __version__
 from rolltool.bench import report as rp
 from rolltool.bench.backends import Backend, make_backend
 from rolltool.bench.check import check_rows
@@ -28,9 +28,9 @@ from rolltool.bench.rows import ReplayRows, Row, load_rows
 from rolltool.bench.split_check import check_split_rows
 from rolltool.bench.timing import Progress, time_rows
 from rolltool.errors import RolltoolError
-from rolltool.jsonable import jsonable
-from rolltool.outputs import atomic_path, check_target
-from rolltool.workload import flops_coefficients
+from rolltool.plan.workload import flops_coefficients
+from rolltool.storage.outputs import atomic_path, check_target
+from rolltool.util.jsonable import jsonable
 
 
 def import_torch() -> Any:

@@ -1,7 +1,7 @@
 """One GPU's share of a group row's work with ``--cp`` or ``--sp`` (pure NumPy, no torch).
 
 A pack made with ``--cp C`` or ``--sp S`` stores each data-parallel group's row; each of the
-group's k GPUs gets a view of it (`rolltool.split`). Bench times every GPU's share of one layer:
+group's k GPUs gets a view of it (`rolltool.format.split`). Bench times every GPU's share of one layer:
 
 - **linear part** (projections, MLP: ``--what layer``): the GPU's local tokens, T / k;
 - **attention**: *query blocks* against *key blocks*, block i's m queries attending to block i's
@@ -33,7 +33,7 @@ import numpy as np
 
 from rolltool.errors import RolltoolError
 from rolltool.format import PAD_SAMPLE
-from rolltool.split import cp_token_map
+from rolltool.format.split import cp_token_map
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,7 +78,7 @@ class GpuShare:
 
 
 def cp_share(view: Mapping[str, np.ndarray], cp: int, gpu: int) -> GpuShare:
-    """CP rank ``gpu``'s share from its view (`rolltool.split.cp_view`: ``cu_seqlens``,
+    """CP rank ``gpu``'s share from its view (`rolltool.format.split.cp_view`: ``cu_seqlens``,
     ``cu_seqlens_padded``, ``sample_index``)."""
     local = np.diff(np.asarray(view["cu_seqlens"], dtype=np.int64))
     padded = np.diff(np.asarray(view["cu_seqlens_padded"], dtype=np.int64))
@@ -106,7 +106,7 @@ def cp_share(view: Mapping[str, np.ndarray], cp: int, gpu: int) -> GpuShare:
 
 
 def sp_share(view: Mapping[str, np.ndarray], sp: int, gpu: int) -> GpuShare:
-    """SP rank ``gpu``'s share from its view (`rolltool.split.sp_view`: the row's
+    """SP rank ``gpu``'s share from its view (`rolltool.format.split.sp_view`: the row's
     ``cu_seqlens``, its slice of the tokens)."""
     cu = np.asarray(view["cu_seqlens"], dtype=np.int32)
     return GpuShare(kind="sp", size=sp, gpu=gpu, tokens=len(view["input_ids"]), q_cu=cu, k_cu=cu,

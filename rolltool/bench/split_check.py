@@ -7,7 +7,7 @@ given the wrong position, changes the result. For a sample of group rows:
 
 - **CP**: CP rank r's view (``ds.micro_batches(step, rank, cp_rank=r, torch=True)``) gives its
   queries; each sample's keys and values are gathered from all CP ranks' views back into the
-  sample's order by ``rolltool.split.cp_gather``. The rank's query blocks, chunk r and chunk
+  sample's order by ``rolltool.format.split.cp_gather``. The rank's query blocks, chunk r and chunk
   2C-1-r as the zigzag layout defines them, attend to the gathered prefix up to each chunk's
   end (``Backend.attend_blocks``, causal, bottom-right): what ring attention computes. Each real
   token's output is compared with the sample alone at the position the layout gives it
@@ -43,8 +43,8 @@ from rolltool.bench.config import TOLERANCES, BenchSetup
 from rolltool.bench.rows import ReplayRows, Row
 from rolltool.bench.shares import sp_heads
 from rolltool.bench.timing import torch_dtype
-from rolltool.reader import PackedDataset, open_packed
-from rolltool.split import cp_gather
+from rolltool.format.split import cp_gather
+from rolltool.packed.reader import PackedDataset, open_packed
 
 VOCAB = 251
 """Rows of the tiny model's tables (a token id picks row id mod VOCAB)."""
@@ -168,7 +168,7 @@ def _blocks_of_rank(
         p = int(padded[seg])
         c = p // (2 * cp)
         # Where each of the sample's positions lies in cat(rank 0's part, rank 1's, ...):
-        # rolltool.split's mapping, applied to the parts' row numbers.
+        # rolltool.format.split's mapping, applied to the parts' row numbers.
         n = p // cp
         order = torch.from_numpy(cp_gather([np.arange(g * n, (g + 1) * n) for g in range(cp)], p))
         kv = [torch.cat([local[g][j][cus[g][seg] : cus[g][seg + 1]] for g in range(cp)])[order]

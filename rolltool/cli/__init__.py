@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import click
 
-from rolltool import __version__
+from rolltool._version import __version__
 
 
 class Commands(click.Group):

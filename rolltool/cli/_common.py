@@ -19,7 +19,7 @@ from rich.console import Console
 
 from rolltool.cli.progress import progress as progress_on
 from rolltool.errors import RolltoolError
-from rolltool.jsonable import jsonable
+from rolltool.util.jsonable import jsonable
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -60,7 +60,7 @@ def _raise_terminated(signum: int, frame: Any) -> None:
 
 def _interrupted(e: KeyboardInterrupt) -> int:
     """Say what an interrupt left, and the exit code for it."""
-    from rolltool.outputs import committed
+    from rolltool.storage.outputs import committed
 
     signum = e.signum if isinstance(e, Terminated) else signal.SIGINT
     name = signal.Signals(signum).name
@@ -101,7 +101,7 @@ def _sigterm_raises() -> Iterator[None]:
 
 def handle_errors(fn: F) -> F:
     """Turn a RolltoolError into `Error: ...` + hint on stderr and exit code 1; options that
-    exclude each other (`rolltool.config.OptionConflict`) are a usage error, exit 2. An OSError
+    exclude each other (`rolltool.plan.config.OptionConflict`) are a usage error, exit 2. An OSError
     (disk full, permission denied) is one line naming the path, exit 1. SIGINT exits 130 and
     SIGTERM 143, after the same clean-up, saying whether the output was written.
 
@@ -110,7 +110,7 @@ def handle_errors(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from rolltool.config import OptionConflict
+        from rolltool.errors import OptionConflict
 
         try:
             with _sigterm_raises():
@@ -181,7 +181,7 @@ def parse_mapping(pairs: Iterable[str], option: str) -> dict[str, str]:
 
 def parse_columns(pairs: Iterable[str]) -> dict[str, str]:
     """`--column NEW=OLD` pairs; one OLD read into two NEWs is a usage error (exit 2) too."""
-    from rolltool.source import invert_mapping
+    from rolltool.input.source import invert_mapping
 
     mapping = parse_mapping(pairs, "--column")
     try:

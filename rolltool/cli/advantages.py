@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import click
 
-from rolltool.advantages import ESTIMATORS, AdvantageConfig
 from rolltool.cli._common import err, handle_errors, out, print_json, warn
 from rolltool.cli.options import (
     POSITIVE,
@@ -16,6 +15,7 @@ from rolltool.cli.options import (
 )
 from rolltool.cli.sections import SectionedCommand, opt, section
 from rolltool.cli.terminal import table_width
+from rolltool.plan.advantages import ESTIMATORS, AdvantageConfig
 
 
 @click.command(
@@ -57,11 +57,11 @@ def advantages(
     copy, which checks the token columns): memory holds the light columns and one output row
     group, not the input.
     """
-    from rolltool.jobs import run_advantages
-    from rolltool.ray_engine import check_engine, engine_mapper
-    from rolltool.schema.pieces import local_mapper
+    from rolltool.engine.base import check_engine, default_workers
+    from rolltool.engine.local import local_mapper
+    from rolltool.engine.ray import engine_mapper
+    from rolltool.jobs.advantages import run_advantages
     from rolltool.stats.render import render_advantages
-    from rolltool.workers import default_workers
 
     config = AdvantageConfig(estimator=estimator, env_estimators=env_estimators, std_eps=std_eps)
     check_engine(engine, ray_address, workers)

@@ -20,7 +20,7 @@ from rolltool.cli._common import err, handle_errors, out, print_json, progress, 
 from rolltool.cli.options import POSITIVE, force_option, json_option, parsed
 from rolltool.cli.sections import SectionedCommand, opt, section
 from rolltool.cli.terminal import table_width
-from rolltool.workload import DEFAULT_PRESET, MODEL_PRESETS
+from rolltool.plan.workload import DEFAULT_PRESET, MODEL_PRESETS
 
 D = BenchConfig()
 """Every default, as the API has it."""

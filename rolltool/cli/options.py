@@ -77,7 +77,7 @@ def column_option() -> dict[str, Any]:
 def engine_options(work: str) -> list[dict[str, Any]]:
     """--engine local|ray and --ray-address: what runs `work` (one phrase, e.g. "reads the
     pieces of the input"); the same output either way."""
-    from rolltool.ray_engine import ENGINES  # no Ray import: ENGINES only
+    from rolltool.engine.base import ENGINES  # no Ray import: ENGINES only
 
     return [
         opt("--engine", ENGINES, "local", f"What {work}: this process, or Ray tasks (the [ray] extra; on several machines the input needs a shared filesystem); the same output either way."),

@@ -10,7 +10,6 @@ import sys
 
 import click
 
-from rolltool.advantages import ESTIMATORS
 from rolltool.cli._common import err, handle_errors, out, print_json, progress, warn
 from rolltool.cli.options import (
     POSITIVE,
@@ -23,12 +22,13 @@ from rolltool.cli.options import (
 )
 from rolltool.cli.sections import SectionedCommand, opt, section
 from rolltool.cli.terminal import table_width
-from rolltool.config import DEFAULT_MICRO_BATCH_TOKENS, OVERLONG, PackConfig
-from rolltool.loss import LOSS_AGGS
-from rolltool.partition import ALIGNS
-from rolltool.ray_engine import ENGINES
-from rolltool.steps import BATCH_UNITS, ORDERS, UNIFORM_POLICIES
-from rolltool.workload import DEFAULT_PRESET, MODEL_PRESETS, WORKLOADS
+from rolltool.engine.base import ENGINES
+from rolltool.plan.advantages import ESTIMATORS
+from rolltool.plan.batches import BATCH_UNITS, ORDERS, UNIFORM_POLICIES
+from rolltool.plan.config import DEFAULT_MICRO_BATCH_TOKENS, OVERLONG, PackConfig
+from rolltool.plan.loss import LOSS_AGGS
+from rolltool.plan.partition import ALIGNS
+from rolltool.plan.workload import DEFAULT_PRESET, MODEL_PRESETS, WORKLOADS
 
 D = PackConfig(dp=1)
 """Every default, as the API resolves it."""
@@ -106,7 +106,7 @@ def pack(inputs: tuple[str, ...], output: str, columns: dict[str, str], force: b
     micro-batch is one packed row with explicit boundaries (cu_seqlens) and per-token loss weights
     that do not depend on the layout.
     """
-    from rolltool.pack import run_pack
+    from rolltool.jobs.pack import run_pack
     from rolltool.stats.render import pack_summary, render_pack
 
     config = PackConfig.from_options(**settings)

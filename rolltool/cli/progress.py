@@ -21,7 +21,7 @@ from typing import TypeVar
 from rich.console import Console
 
 from rolltool.errors import RolltoolError
-from rolltool.numfmt import big
+from rolltool.util.numfmt import big
 
 T = TypeVar("T")
 

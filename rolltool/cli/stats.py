@@ -60,7 +60,7 @@ def stats(
     With --engine ray the pieces of the input (runs of row groups) or the steps are computed
     by Ray tasks and merged in order: the same output.
     """
-    from rolltool.ray_engine import engine_mapper
+    from rolltool.engine.ray import engine_mapper
     from rolltool.stats import compute_stats
     from rolltool.stats.render import render
 

@@ -7,7 +7,7 @@ import click
 from rolltool.cli._common import handle_errors, out, print_json
 from rolltool.cli.options import force_option, json_option
 from rolltool.cli.sections import SectionedCommand, opt, section
-from rolltool.synth import ENVS, SynthConfig
+from rolltool.input.synth import ENVS, SynthConfig
 
 D = SynthConfig()
 """Every default, as the API has it."""
@@ -32,7 +32,7 @@ def synth(
     output: str, groups: int, seed: int, envs: str, max_len: int, force: bool, as_json: bool
 ) -> None:
     """Write a deterministic multi-environment rollout dataset (math, code, agent)."""
-    from rolltool.jobs import run_synth
+    from rolltool.jobs.synth import run_synth
 
     config = SynthConfig(
         groups=groups,

@@ -9,7 +9,7 @@ import click
 
 from rolltool.cli._common import handle_errors, out, print_json, warn
 from rolltool.errors import RolltoolError
-from rolltool.fs import is_remote, locate
+from rolltool.storage.fs import is_remote, locate
 
 
 def _check_packed_path(path: str) -> None:

@@ -7,13 +7,13 @@ rank's samples into micro-batches in ``rearrange_micro_batches(batch, max_token_
 ...)``: ``M = ceil(tokens / max_token_len)``, ``all_reduce(MAX)`` over the DP group, then
 ``get_seqlen_balanced_partitions(workload, M, equal_size=False)``.
 
-Here the same calls run on `rolltool.partition`:
+Here the same calls run on `rolltool.plan.partition`:
 
-* ``get_seqlen_balanced_partitions``: `rolltool.partition.balance` on the weights as given (verl
+* ``get_seqlen_balanced_partitions``: `rolltool.plan.partition.balance` on the weights as given (verl
   passes lengths or its workload proxy 24576·L + L²), same return type and assertions;
 * ``num_micro_batches(seqlen_list, max_token_len)``: this rank's count before the all-reduce;
 * ``get_micro_batch_partitions(seqlen_list, max_token_len, dp_group_max_count, ...)``: the list
-  core of ``rearrange_micro_batches``: `rolltool.partition.plan_step` under the hard token cap,
+  core of ``rearrange_micro_batches``: `rolltool.plan.partition.plan_step` under the hard token cap,
   split further until ``dp_group_max_count`` micro-batches (the DP group's MAX, so every rank steps
   the same number of times), ordered heaviest first so rank r's j-th micro-batch lines up.
 
@@ -35,8 +35,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from rolltool.errors import RolltoolError
-from rolltool.partition import balance, plan_step
-from rolltool.workload import Workload, make_workload
+from rolltool.plan.partition import balance, plan_step
+from rolltool.plan.workload import Workload, make_workload
 
 __all__ = [
     "get_micro_batch_partitions",

@@ -4,7 +4,7 @@ One Parquet row is one trainable sample (a branch of a rollout). `scan` streams 
 checks every rule and returns a `Rollouts` holding the light columns (ids, env, reward, lengths,
 finish times, a given advantage) as NumPy arrays. Token lists are looked at batch by batch and
 never kept. Every problem is reported together (file, column, sample) before anything is written,
-each with a stable kind code (`rolltool.problems.Problem`)::
+each with a stable kind code (`rolltool.util.problems.Problem`)::
 
     columns.py    schema rules, decided from the Parquet footers before a row is read
     rows.py       row rules, one record batch at a time

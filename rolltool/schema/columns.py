@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from rolltool.format import MAX_TOKEN_ID
-from rolltool.problems import Problem
-from rolltool.source import InputFile
+from rolltool.input.source import InputFile
+from rolltool.util.problems import Problem
 
 ID_COLUMNS = ("group_id", "rollout_id", "sample_id")
 TOKEN_COLUMNS = ("input_ids", "loss_mask", "logprobs", "prompt_ids", "response_ids")

@@ -4,7 +4,7 @@
 what the scan keeps of it: its light columns and its problems, described (`Piece`). The scan
 folds the pieces in input order, so the `Rollouts` and every problem message are the same
 whether the pieces were scanned here, one after another, in forked worker processes
-(``--workers``: `local_mapper`) or as Ray tasks: any `Mapper`, a callable
+(``--workers``: `rolltool.engine.local.local_mapper`) or as Ray tasks: any `Mapper`, a callable
 ``mapper(fn, items) -> [fn(x) for x in items]`` (results in order) runs them.
 
 Deferred (``ScanJob.deferred``): the scan reads only the light columns and the token columns
@@ -28,13 +28,11 @@ import numpy as np
 import pyarrow as pa
 
 from rolltool.errors import RolltoolError
-from rolltool.problems import MAX_LISTED, Problem, Problems
+from rolltool.input.source import footer, read_row_group
 from rolltool.schema.columns import SCAN_COLUMNS, FileColumns, plain_columns
 from rolltool.schema.rows import ROW_RULES, Flagged, row_batch
-from rolltool.source import footer, read_row_group
-
-Mapper = Callable[[Callable[[Any], Any], Sequence[Any]], list[Any]]
-"""``mapper(fn, items)`` returns ``[fn(x) for x in items]``, computed anywhere, in order."""
+from rolltool.util.mapping import Mapper
+from rolltool.util.problems import MAX_LISTED, Problem, Problems
 
 DEFERRED = {"input_ids": ("input_ids", "logprobs"), "prompt_response": ("logprobs",)}
 """Token format -> the columns a deferred scan leaves to `RowCheck`."""
@@ -180,16 +178,6 @@ def map_pieces(job: ScanJob, todo: Sequence[Task], mapper: Mapper) -> Iterator[t
     for task, pieces in zip(todo, mapper(partial(scan_piece, job), todo), strict=True):
         for piece in pieces:
             yield task, piece
-
-
-def local_mapper(workers: int) -> Mapper | None:
-    """``--workers N``: pieces scanned by N forked processes (`rolltool.workers.map_in_order`);
-    None (scan here) for one worker."""
-    if workers <= 1:
-        return None
-    from rolltool.workers import map_in_order
-
-    return lambda fn, items: map_in_order(fn, items, workers)
 
 
 class DeferredProblem(RolltoolError):

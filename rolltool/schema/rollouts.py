@@ -12,7 +12,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from rolltool.problems import Problem, Problems
+from rolltool.input.source import InputFile, check_mapping, file_schema, iter_row_groups
 from rolltool.schema.across import CROSS_RULES
 from rolltool.schema.columns import (
     DEFAULT_ENV,
@@ -35,7 +35,7 @@ from rolltool.schema.pieces import (
     tasks,
 )
 from rolltool.schema.rows import Flagged
-from rolltool.source import InputFile, check_mapping, file_schema, iter_row_groups
+from rolltool.util.problems import Problem, Problems
 
 HINT = "fix these rows or columns; map differently named columns with --column NEW=OLD"
 ADVANTAGE_HINT = "; or drop the 'advantage' column to let --estimator compute advantages"
@@ -299,7 +299,7 @@ def scan_deferred(
 ) -> tuple[Rollouts, RowCheck]:
     """`scan` reading only the light columns (`rolltool.schema.pieces.DEFERRED`), and the row
     rules it left undone as a ``check(file_index, table)`` for a job that reads every column
-    anyway (`rolltool.rewrite.append_columns`). The Rollouts equal `scan`'s once the check has
+    anyway (`rolltool.jobs.rewrite.append_columns`). The Rollouts equal `scan`'s once the check has
     passed on every row group. Where a row breaks a rule, the deferred scan or the check raises
     `DeferredProblem`, not the listing: the caller runs `scan` for that.
     """

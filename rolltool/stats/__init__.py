@@ -61,7 +61,7 @@ def compute_stats(
     ``limit``: the first N rows of rollout Parquet, or the first N steps of a packed run;
     ``step``: one step of a packed run; ``columns``: ``--column NEW=OLD`` pairs (rollouts);
     ``mapper(fn, items)``: computes the per-piece work (a piece of the input, a step) elsewhere,
-    in order (``--engine ray``: `rolltool.ray_engine.RayEngine.map_in_order`), the same result.
+    in order (``--engine ray``: `rolltool.engine.ray.RayEngine.map_in_order`), the same result.
     """
     packed = [p for p in paths if _is_packed(p)]
     if packed:

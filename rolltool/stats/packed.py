@@ -8,7 +8,7 @@ The world (``world``): R = ``dp`` data-parallel ranks, each a group of k = ``sp`
 GPUs (k = 1 without either; ``gpus`` = R·k); ``gpu_budget`` is ``--micro-batch-tokens`` (per GPU),
 ``group_budget`` = k · gpu_budget what a group's micro-batch (a stored row) may hold, counting the
 CP padding. With cp every sample occupies its length padded to a multiple of 2·cp
-(`rolltool.split.GroupSplit.padded`): the plan balanced those occupied tokens, and so does every
+(`rolltool.format.split.GroupSplit.padded`): the plan balanced those occupied tokens, and so does every
 figure below; costs are per GPU (the plan's recorded workload: the run's divided by k).
 
 Per step, with R ranks, M micro-batches per rank and x(r, j) the occupied tokens (or the per-GPU
@@ -44,13 +44,13 @@ import polars as pl
 
 from rolltool.errors import RolltoolError
 from rolltool.format import Manifest, StepRecord
-from rolltool.minibatches import recorded_structure
-from rolltool.partition import metrics, plan_step
-from rolltool.reader import open_packed
-from rolltool.split import GroupSplit, recorded_split
+from rolltool.format.split import GroupSplit, recorded_split
+from rolltool.packed.reader import open_packed
+from rolltool.plan.minibatches import recorded_structure
+from rolltool.plan.partition import metrics, plan_step
+from rolltool.plan.workload import Workload, make_workload
 from rolltool.stats.accumulate import Stats, ValueCounts, percentiles
 from rolltool.stats.rollouts import Mapper
-from rolltool.workload import Workload, make_workload
 
 ALTERNATIVES = ("tokens", "count")
 """Workloads the chosen split is compared with."""
@@ -343,7 +343,7 @@ def packed_stats(
     fn = functools.partial(_step_figures, row_len=world["group_row_len"], run=workload,
                            alternatives=alternatives, split=split)  # fmt: skip
     items = [(r, by_step.get((r.step,), empty)) for r in records]
-    steps = [fn(x) for x in items] if mapper is None else mapper(fn, items)
+    steps = [fn(x) for x in items] if mapper is None else list(mapper(fn, items))
     across = {k: percentiles(np.array([_get(s, k) for s in steps], dtype=object)) for k in ACROSS}
     report = {
         "kind": "packed",

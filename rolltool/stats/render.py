@@ -1,5 +1,5 @@
 """Rich tables of a stats report, and of pack's and advantages' reports: numbers right-aligned
-with thousands separators, every figure formatted by ``rolltool.numfmt`` (rank imbalance and
+with thousands separators, every figure formatted by ``rolltool.util.numfmt`` (rank imbalance and
 lockstep overhead read ``+1.23%`` above the ideal, in stats and in pack alike).
 
 ``render(report, per_step=..., step=..., width=...)`` returns renderables; the CLI prints them.
@@ -28,9 +28,9 @@ from rich.table import Table
 from rich.text import Text
 
 from rolltool.format import Manifest, StepCounts, StepRecord
-from rolltool.minibatches import recorded_structure
-from rolltool.numfmt import count, num, over, pct
+from rolltool.plan.minibatches import recorded_structure
 from rolltool.stats.packed import ALTERNATIVES, COUNTS, env_totals, world_layout
+from rolltool.util.numfmt import count, num, over, pct
 
 ALL = "(all)"
 """The column of all envs together in the rollout table (an env may be named "all")."""
@@ -754,7 +754,7 @@ def pack_summary(manifest: Manifest, output: str) -> str:
 
 def _reads_note(manifest: Manifest) -> str:
     """How the steps' tokens were read, when that was more than reading the input once: the
-    plan's read amplification and the path taken (`rolltool.readplan`, `rolltool.exchange`)."""
+    plan's read amplification and the path taken (`rolltool.fetch.readplan`, `rolltool.fetch.buckets`)."""
     r = manifest.reads
     if r is None:
         return ""

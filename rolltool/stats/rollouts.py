@@ -12,7 +12,7 @@ Each piece of the input (`Piece`: a file, or a run of its row groups holding abo
 ``RolloutStats`` of both inputs, exactly, also when a group or a rollout is split over pieces
 (rollouts are kept as one small partial row each and re-aggregated by ``report``, in input row
 order, so the report does not depend on where the pieces were cut). The pieces are independent:
-``mapper`` (``stats --engine ray``: Ray tasks, `rolltool.ray_engine`) may compute them anywhere;
+``mapper`` (``stats --engine ray``: Ray tasks, `rolltool.engine.ray`) may compute them anywhere;
 they are summed on the driver in input order.
 
 Definitions (per env and over all envs):
@@ -30,7 +30,7 @@ Definitions (per env and over all envs):
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,8 +40,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rolltool.errors import RolltoolError
-from rolltool.schema import DEFAULT_ENV, id_type_conflicts, token_format
-from rolltool.source import (
+from rolltool.input.source import (
     InputFile,
     check_mapping,
     file_schema,
@@ -50,7 +49,9 @@ from rolltool.source import (
     resolve_inputs,
     source_names,
 )
+from rolltool.schema import DEFAULT_ENV, id_type_conflicts, token_format
 from rolltool.stats.accumulate import Moments, Stats, ValueCounts, add_dicts, percentiles
+from rolltool.util.mapping import Mapper
 
 HINT = (
     "`rolltool stats` reads rollout Parquet (group_id, reward and input_ids/loss_mask or "
@@ -64,8 +65,6 @@ the token column(s), from the footers; the last piece may hold fewer): each piec
 scan, or one Ray task."""
 TOKEN_COLUMNS = ("loss_mask", "prompt_ids", "response_ids")
 """The token columns stats reads (one format or the other)."""
-Mapper = Callable[[Callable[[Any], Any], Sequence[Any]], list[Any]]
-"""``mapper(fn, items) == [fn(x) for x in items]``, computed anywhere, in order."""
 
 
 @dataclass(frozen=True)
@@ -493,7 +492,7 @@ def rollout_stats(
         wrap = progress or (lambda it, total, desc: it)
         parts = [fn(p) for p in wrap(todo, len(todo), "reading rollouts")]
     else:
-        parts = mapper(fn, todo)
+        parts = list(mapper(fn, todo))
     acc = RolloutStats()
     for part in parts:  # in input order
         acc = acc + part

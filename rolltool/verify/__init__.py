@@ -59,11 +59,11 @@ from pathlib import Path
 from typing import Any
 
 from rolltool.errors import RolltoolError
+from rolltool.fetch.tokens import TokenReader
 from rolltool.format import SAMPLES
-from rolltool.fs import is_remote
-from rolltool.problems import Problem, Problems
-from rolltool.reader import open_packed
-from rolltool.tokens import TokenReader
+from rolltool.packed.reader import open_packed
+from rolltool.storage.fs import is_remote
+from rolltool.util.problems import Problem, Problems
 from rolltool.verify.content import compared, content
 from rolltool.verify.context import (
     Context,
@@ -151,7 +151,7 @@ def run_verify(
 ) -> VerifyReport:
     """Check a packed directory; never raises on bad data (a missing or malformed manifest, or
     a given input that does not exist, is a `RolltoolError`). A directory on object storage
-    (a URI, `rolltool.fs`) without a manifest is refused, like the reader does; one with a
+    (a URI, `rolltool.storage.fs`) without a manifest is refused, like the reader does; one with a
     manifest is copied into a local temporary folder and checked there (verify reads every
     byte anyway)."""
     if is_remote(os.fspath(path)):

@@ -12,9 +12,9 @@ import numpy as np
 import pyarrow as pa
 
 from rolltool.errors import RolltoolError
-from rolltool.layout import SampleTokens
-from rolltool.problems import Problem
-from rolltool.shards import read_shard
+from rolltool.format.layout import SampleTokens
+from rolltool.format.shards import read_shard
+from rolltool.util.problems import Problem
 from rolltool.verify.context import Context
 from rolltool.verify.rows import agreeing
 from rolltool.verify.segments import Segments

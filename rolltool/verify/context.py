@@ -19,12 +19,12 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from rolltool.errors import RolltoolError
+from rolltool.fetch.tokens import TokenReader
 from rolltool.format import SAMPLES, STATUSES, InputRecord, Manifest
-from rolltool.fs import is_remote, locate_input
-from rolltool.problems import Problem
-from rolltool.source import InputFile, footer, invert_mapping, iter_batches, resolve_inputs
-from rolltool.split import GroupSplit, recorded_split
-from rolltool.tokens import TokenReader
+from rolltool.format.split import GroupSplit, recorded_split
+from rolltool.input.source import InputFile, footer, invert_mapping, iter_batches, resolve_inputs
+from rolltool.storage.fs import is_remote, locate_input
+from rolltool.util.problems import Problem
 from rolltool.verify.segments import Segments
 
 _INT_COLUMNS = ("sample_index", "step", "rank", "micro_batch", "length", "trainable_tokens")
@@ -225,7 +225,7 @@ def _remote_file(uri: str) -> bool:
 
 def locate_recorded(manifest: Manifest, root: Path) -> tuple[list[Path | str], list[str]]:
     """(the recorded input files where they are found, the recorded paths that are not);
-    an input recorded by URI (`rolltool.fs`) is looked for there only."""
+    an input recorded by URI (`rolltool.storage.fs`) is looked for there only."""
     found: list[Path | str] = []
     missing: list[str] = []
     for record in manifest.inputs:

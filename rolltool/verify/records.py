@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 
 from rolltool.format import SAMPLES, STATUSES, Manifest
-from rolltool.minibatches import recorded_structure
-from rolltool.problems import Problem
-from rolltool.shards import file_record
+from rolltool.format.shards import file_record
+from rolltool.plan.minibatches import recorded_structure
+from rolltool.util.problems import Problem
 from rolltool.verify.context import Context
 
 

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from rolltool.format import PAD_SAMPLE
-from rolltool.problems import Problem
+from rolltool.util.problems import Problem
 from rolltool.verify.context import Context
 from rolltool.verify.segments import Segments
 

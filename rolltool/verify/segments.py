@@ -1,6 +1,6 @@
 """The one pass over the shards: every segment and row of the run as flat tables.
 
-Each shard is memory-mapped, checked for self-consistency (`rolltool.layout.check_rows`: what
+Each shard is memory-mapped, checked for self-consistency (`rolltool.format.layout.check_rows`: what
 the reader relies on to derive ``cu_seqlens`` and ``position_ids``) and summarised per segment
 and per row; the invariants then judge these tables, never the shards again (except the input
 comparison, which needs the tokens). A (step, rank) with an unreadable or inconsistent shard is
@@ -20,8 +20,8 @@ import numpy as np
 
 from rolltool.errors import RolltoolError
 from rolltool.format import PAD_SAMPLE, Manifest, ShardRef
-from rolltool.layout import check_rows, segment_positions
-from rolltool.shards import read_shard
+from rolltool.format.layout import check_rows, segment_positions
+from rolltool.format.shards import read_shard
 
 
 @dataclass(frozen=True)

@@ -14,14 +14,14 @@ from typing import Any
 
 import numpy as np
 
-from rolltool.advantages import reward_moments
 from rolltool.format import STATUSES, Denominators, PlanRecord, StepCounts, StepRecord
-from rolltool.minibatches import recorded_structure
-from rolltool.partition import metrics
-from rolltool.problems import Problem
-from rolltool.split import GroupSplit
+from rolltool.format.split import GroupSplit
+from rolltool.plan.advantages import reward_moments
+from rolltool.plan.minibatches import recorded_structure
+from rolltool.plan.partition import metrics
+from rolltool.plan.workload import Workload
+from rolltool.util.problems import Problem
 from rolltool.verify.context import Context, Samples
-from rolltool.workload import Workload
 
 WEIGHT_RTOL = 2.0**-23
 """Weights are float32 roundings of exact values: at most half an ulp (2^-24 relative) off."""
@@ -33,7 +33,7 @@ def formula_weights(
     agg: str, trainable: np.ndarray, den: Denominators, scale_factor: float | None
 ) -> np.ndarray:
     """Weight of each trainable token of each sample (float64, 0 for samples without one), from
-    the aggregation formulas and the step's recorded T and S (see rolltool.loss; recomputed
+    the aggregation formulas and the step's recorded T and S (see rolltool.plan.loss; recomputed
     here on purpose). ValueError for an unknown aggregation or a bad scale factor."""
     t = np.asarray(trainable, dtype=np.float64)
     T, S = den.trainable_tokens, den.trained_samples
@@ -302,7 +302,7 @@ def step_structure(ctx: Context) -> Iterator[Problem]:
 
 
 STEP_STATUSES = ("full", "short", "oversize", "partial")
-"""How a step was filled (`rolltool.steps`): every env's share met exactly, one closed short,
+"""How a step was filled (`rolltool.plan.batches`): every env's share met exactly, one closed short,
 one took a group larger than its share, or the input ran dry (only the last step)."""
 
 

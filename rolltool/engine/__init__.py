@@ -1,0 +1,4 @@
+"""Where work runs, in datatrove's executor style: this machine's processes (`local`) or a Ray
+cluster (`ray`, with Ray Data's shuffle for the exchange, `ray_exchange`). Engines run the work
+of `rolltool.packing` and `rolltool.plan`; nothing below imports an engine.
+"""

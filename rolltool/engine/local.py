@@ -1,0 +1,178 @@
+"""The local engine: this machine's processes, for planning batches and for packing steps.
+
+Planning (``pack --workers N``): each batch's plan (`rolltool.plan.schedule.plan_one_step` /
+``plan_batch``) is a pure function of the light columns, the config and the batch, so batches
+can be planned anywhere and in any order: `iter_in_order` puts the results back in batch order
+and every byte written is the same as a serial run's (tests/test_workers.py compares every
+file). Its workers are forked from the driver after the scan, so they inherit the light columns
+without pickling them; only each batch's plan travels back. Processes, not threads: planning is
+Python and NumPy over small arrays and holds the GIL. A pool costs ~50-100 ms to start, so it is
+used only for runs of at least ``MIN_BATCHES`` batches and ``MIN_SAMPLES`` samples; smaller runs
+plan serially whatever ``workers`` says.
+
+Packing (`pack_steps`): a step's rows depend only on its plan and the input's tokens, so steps
+can be packed by any process in any order. Each worker opens its own `TokenReader` over the
+input (a ``1/N`` share of ``--cache-mb``; it checks the input against what the driver's scan
+recorded, `TokenReader.handoff`), packs contiguous runs of steps (consecutive steps share row
+groups in input order) with `rolltool.packing.step.pack_chunk`, and sends back each step's
+record and its files' sizes and sha256. The driver takes them in step order, adopts the files
+into its `PackedWriter`, and writes samples.parquet and the manifest last: the same bytes as
+one process. Memory: each worker holds one step's tokens and rows plus its cache share.
+Workers are started by ``forkserver`` (a clean process, not a fork of the driver and its Arrow
+thread pools); the steps travel to them pickled, a chunk at a time. A failing step stops the run
+with its error, the pool is shut down before the temporary directory is removed, and a worker
+that dies (killed, out of memory) is one error naming the steps it held.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any, TypeVar
+
+from rolltool.engine.base import chunks, default_workers
+from rolltool.errors import RolltoolError
+from rolltool.fetch.tokens import TokenReader
+from rolltool.format import StepRecord
+from rolltool.packing.step import Job, Packed, pack_chunk
+from rolltool.plan.schedule import PlannedStep
+from rolltool.util.mapping import Mapper
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+MIN_BATCHES = 8
+"""Fewer batches than this are planned serially."""
+MIN_SAMPLES = 50_000
+"""Runs with fewer input samples than this are planned serially."""
+
+_JOB: tuple[Callable[..., Any], Sequence[Any]] | None = None  # set in each forked worker
+
+
+def worth_it(workers: int, batches: int, samples: int) -> bool:
+    """Whether a pool pays for itself (see the module docstring)."""
+    return workers > 1 and batches >= MIN_BATCHES and samples >= MIN_SAMPLES
+
+
+def map_in_order(fn: Callable[[T], R], items: Sequence[T], workers: int) -> list[R]:
+    """``[fn(x) for x in items]``, computed by `workers` forked processes in contiguous chunks
+    (`rolltool.engine.base.chunks`), in order. `fn` and `items` reach the workers by fork, not pickle;
+    each result is pickled back. An exception in a worker is raised here, as serially."""
+    return list(iter_in_order(fn, items, workers))
+
+
+def iter_in_order(fn: Callable[[T], R], items: Sequence[T], workers: int) -> Iterator[R]:
+    """`map_in_order`'s results one by one, each yielded as soon as it and those before it
+    are computed (serially: computed when asked for), so a caller that folds them as they
+    come never holds them all. Leaving early stops the pool."""
+    if workers <= 1 or len(items) < 2:
+        yield from (fn(x) for x in items)
+        return
+    parts = chunks(len(items), workers)
+    context = multiprocessing.get_context("fork")
+    with ProcessPoolExecutor(
+        max_workers=min(workers, len(parts)),
+        mp_context=context,
+        initializer=_adopt,
+        initargs=(fn, items),
+    ) as pool:
+        for chunk in pool.map(_run, parts):
+            yield from chunk
+
+
+def local_mapper(workers: int) -> Mapper | None:
+    """``--workers N``: items mapped by N forked processes (`map_in_order`); None (map here) for
+    one worker."""
+    if workers <= 1:
+        return None
+    return lambda fn, items: map_in_order(fn, items, workers)
+
+
+def plan_mapper(workers: int, samples: int) -> Mapper:
+    """How pack plans its batches with ``--workers N`` over `samples` input samples: by forked
+    processes when the run is big enough to pay for a pool (`worth_it`), else here; results one
+    by one in batch order (`iter_in_order`)."""
+
+    def mapper(fn: Callable[[T], R], items: Sequence[T]) -> Iterator[R]:
+        use = workers if worth_it(workers, len(items), samples) else 1
+        return iter_in_order(fn, items, use)
+
+    return mapper
+
+
+def _adopt(fn: Callable[..., Any], items: Sequence[Any]) -> None:
+    global _JOB
+    _JOB = (fn, items)
+
+
+def _run(span: tuple[int, int]) -> list[Any]:
+    assert _JOB is not None
+    fn, items = _JOB
+    return [fn(items[i]) for i in range(*span)]
+
+
+# -- packing steps in a pool of processes (``pack --workers N``) -------------------------
+
+MIN_WORKERS = 4
+"""A pool is used only with at least this many workers, each with a core of its own: the workers
+decode the input again (the driver's scan cache is not shared) and one process already overlaps
+reading with writing on threads, so on 2 cores the pool is slower (benchmarks/scale.py, a 177 MB
+synth: 4.2 s in one process, 8.8 s with a pool of 4) ..."""
+MIN_STEPS_PER_WORKER = 2
+"""... at least this many steps per worker ..."""
+MIN_TOKENS = 20_000_000
+"""... and this many sampled tokens (~180 MB of shards): a pool costs ~1 s to start."""
+
+
+def pack_worth_it(workers: int, steps: Sequence[StepRecord]) -> bool:
+    """Whether packing the steps of these records in `workers` processes pays for their
+    start."""
+    tokens = sum(st.sampled_tokens for st in steps)
+    enough = len(steps) >= MIN_STEPS_PER_WORKER * workers and tokens >= MIN_TOKENS
+    return min(workers, default_workers()) >= max(MIN_WORKERS, 2) and enough
+
+
+_STATE: tuple[Job, TokenReader] | None = None  # set in each worker by _start
+
+
+def _start(job: Job) -> None:
+    global _STATE
+    _STATE = (job, TokenReader.resume(job.reader, cache_bytes=job.cache_bytes))
+
+
+def _pack(steps: list[PlannedStep]) -> list[Packed]:
+    assert _STATE is not None
+    job, reader = _STATE
+    return pack_chunk(job, steps, reader)
+
+
+def pack_steps(steps: Sequence[PlannedStep], job: Job, workers: int) -> Iterator[Packed]:
+    """Every step packed by `workers` processes, yielded in step order (see the module
+    docstring). Leaving the iterator early (an error downstream) shuts the pool down."""
+    parts_of = [list(steps[a:b]) for a, b in chunks(len(steps), workers)]
+    parts = max(len(parts_of), 1)
+    share = dataclasses.replace(job, cache_bytes=job.cache_bytes // workers)
+    pool = ProcessPoolExecutor(
+        max_workers=min(workers, parts),
+        mp_context=multiprocessing.get_context("forkserver"),
+        initializer=_start,
+        initargs=(share,),
+    )
+    try:
+        futures = [pool.submit(_pack, chunk) for chunk in parts_of]
+        for chunk, fut in zip(parts_of, futures, strict=True):
+            try:
+                done = fut.result()
+            except BrokenProcessPool:
+                first, last = chunk[0].index, chunk[-1].index
+                raise RolltoolError(
+                    f"a worker process died while packing steps {first}-{last} (killed, or out "
+                    "of memory?); nothing was written",
+                    hint="run again with fewer --workers or a smaller --cache-mb",
+                ) from None
+            yield from done
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)

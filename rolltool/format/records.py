@@ -1,0 +1,320 @@
+"""The manifest's typed records: what a packed directory says about itself.
+
+A packed directory (see `rolltool.packed.writer` for how it is written, `rolltool.packed.reader` for how a
+trainer reads it)::
+
+    packed/
+      manifest.json                         `Manifest`, written last: the commit mark
+      samples.parquet                       one row per input sample: where it went, or why not
+      rank-0003/step-000012-00.safetensors  rank 3's rows of step 12, part 00 (`shard_name`)
+
+A shard holds one (step, rank)'s rows flat: the ``TOKEN_ARRAYS`` concatenated over rows with
+``row_offsets`` into them, the ``SEGMENT_ARRAYS`` (one entry per sample or padding segment)
+with ``row_segments``. The reader derives the per-token ``READER_FIELDS`` from them exactly.
+
+Every consumer reads the manifest through `Manifest.from_json`, the one place that checks its
+format, version, shape and types; a manifest of another shape is a `RolltoolError`, never a
+KeyError or AttributeError further down.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rolltool.errors import RolltoolError
+from rolltool.format.codec import CodecError, from_json, kind, to_json
+from rolltool.format.spec import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    READER_FIELDS,
+    SUPPORTED_VERSIONS,
+    USAGE,
+)
+
+_HINT = "the manifest was changed or written by another tool; pack again"
+
+
+@dataclass(frozen=True, kw_only=True)
+class FileRecord:
+    """A file of the directory as written."""
+
+    bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardRef:
+    """One shard file of a (step, rank): rows [first_row, first_row + rows) of that rank."""
+
+    path: str
+    first_row: int
+    rows: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankRecord:
+    """One rank's share of a step."""
+
+    micro_batches: int
+    samples: int
+    tokens: int
+    """Tokens in its rows, padding included."""
+    real_tokens: int
+    """Tokens of samples."""
+    files: tuple[ShardRef, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepCounts:
+    """Counts that explain a step's cost and gradient scale (overall, or one env's)."""
+
+    groups: int
+    rollouts: int
+    samples: int
+    sampled_tokens: int
+    trainable_tokens: int
+    uniform_groups_kept: int
+    uniform_groups_dropped: int
+    overlong_dropped: int
+    over_gpu_budget: int = 0
+    """Trained samples longer than the per-GPU budget: trained because --sp or --cp split them."""
+    reward_mean: float | None
+    advantage_mean: float | None
+    advantage_std: float | None
+    """Unbiased; None with fewer than two samples (missing is null, never 0)."""
+    loss_weight_sum: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Denominators:
+    """The step's loss denominators over all ranks (see `rolltool.plan.loss`)."""
+
+    trainable_tokens: int
+    trained_samples: int
+    scale_factor: float | None
+    weight_sum: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanRecord:
+    """The partition plan's settings and report (`rolltool.plan.partition.StepPlan.report`)."""
+
+    align: str
+    equal_count: bool
+    max_tokens: int | None
+    micro_batch_size: int | None
+    workload: Mapping[str, Any] | None
+    short: tuple[tuple[int, int], ...]
+    dp: int
+    micro_batches_per_rank: int
+    ffd_micro_batches: int | None
+    min_micro_batches: int | None
+    samples: int
+    samples_per_rank: tuple[int, ...]
+    tokens: int
+    empty_micro_batches: int
+    short_micro_batches: int
+    token_fill: float | None
+    imbalance_tokens: float
+    lockstep_overhead_tokens: float
+    imbalance_cost: float
+    lockstep_overhead_cost: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepRecord(StepCounts):
+    """One optimizer step: its counts (inherited, overall), per env, denominators, plan, ranks."""
+
+    step: int
+    status: str
+    nominal: int | None
+    actual: int
+    """The batch's status, nominal and actual size (in its batch unit; with --mini-batches the
+    whole batch's, not this step's)."""
+    batch: int | None = None
+    """The batch (generation batch, `rolltool.plan.batches`) this optimizer step is cut from; None in
+    manifests written before mini-batches (then the step is its own batch)."""
+    epoch: int = 0
+    """Pass over the batch (--epochs)."""
+    mini_batch: int = 0
+    """Mini-batch of the batch in this epoch (--mini-batches)."""
+    envs: Mapping[str, StepCounts]
+    denominators: Denominators
+    plan: PlanRecord
+    ranks: tuple[RankRecord, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReadRecord:
+    """The plan's reads of the input's token columns (`rolltool.fetch.readplan.read_plan`), and the
+    path the run took: ``direct`` (fetch step by step) or ``exchange`` (the input read once into
+    step buckets, `rolltool.fetch.buckets`)."""
+
+    path: str = "direct"
+    needed_bytes: int
+    """The trained samples' share of their row groups' compressed token-column bytes."""
+    read_bytes: int
+    """What fetching step by step reads without a cache (the last decoded row group kept)."""
+    cached_read_bytes: int
+    """The same with the ``--cache-mb`` cache (an LRU model of it, filled by the scan first)."""
+    amplification: float
+    """read_bytes / needed_bytes (1.0 with nothing needed)."""
+    cached_amplification: float
+    """cached_read_bytes / needed_bytes."""
+    row_group_reads: int
+    row_groups: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class InputRecord:
+    """An input file: its resolved path, as given, and its rows."""
+
+    path: str
+    rows: int
+    given: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class SampleCounts:
+    """samples.parquet's rows by status (`STATUSES`): one per input sample, or with --epochs
+    one per (sample, epoch)."""
+
+    total: int
+    trained: int
+    uniform_dropped: int
+    overlong_dropped: int
+    leftover: int
+    env_unweighted: int
+    count_trimmed: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdvantagesRecord:
+    source: str
+    """The estimator, or "input column 'advantage'"."""
+    whitening: str | None
+    estimators: Mapping[str, str]
+    """Estimator per env."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossRecord:
+    agg: str
+    scale_factor: float | None
+    usage: str = USAGE
+
+
+@dataclass(frozen=True, kw_only=True)
+class PartialStep:
+    """The final partial step, dropped without --keep-last."""
+
+    groups: int
+    actual: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    """``manifest.json``: how the directory was made and everything in it."""
+
+    rolltool_version: str
+    created_at: str
+    command: tuple[str, ...]
+    config: Mapping[str, Any]
+    """The resolved `rolltool.plan.config.PackConfig` (``to_dict``)."""
+    workload: Mapping[str, Any]
+    """`rolltool.plan.workload.Workload.to_dict` of the cost model the plan balanced."""
+    advantages: AdvantagesRecord
+    loss: LossRecord
+    inputs: tuple[InputRecord, ...]
+    columns: Mapping[str, str]
+    """The --column mapping NEW -> OLD the input was read with."""
+    dp: int
+    samples: SampleCounts
+    leftover_groups: int
+    partial_step_dropped: PartialStep | None
+    warnings: tuple[str, ...]
+    steps: tuple[StepRecord, ...]
+    reads: ReadRecord | None = None
+    """What fetching the steps read of the input (`rolltool.fetch.readplan`); None before it was
+    recorded."""
+    files: Mapping[str, FileRecord] = field(default_factory=dict)
+    token_fields: Mapping[str, str] = field(
+        default_factory=lambda: {k: np.dtype(v).name for k, v in READER_FIELDS.items()}
+    )
+    format: str = FORMAT
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.steps)
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON document (``num_steps`` included for readers that do not parse records)."""
+        doc = to_json(self)
+        doc["num_steps"] = self.num_steps
+        return doc
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, doc: Any, where: str = MANIFEST) -> Manifest:
+        """Check format, version, shape and types; a `RolltoolError` naming the key otherwise."""
+        if not isinstance(doc, dict):
+            raise RolltoolError(
+                f"{where}: not a rolltool packed manifest (a JSON {kind(doc)}, not an object)"
+            )
+        if doc.get("format") != FORMAT:
+            raise RolltoolError(
+                f"{where}: not a rolltool packed manifest (format {doc.get('format')!r})"
+            )
+        if doc.get("format_version") not in SUPPORTED_VERSIONS:
+            raise RolltoolError(
+                f"{where}: format version {doc.get('format_version')!r} is not supported "
+                f"(this rolltool reads {', '.join(map(str, SUPPORTED_VERSIONS))})",
+                hint="read it with the rolltool version that wrote it",
+            )
+        try:
+            m = from_json(cls, doc, "")
+        except CodecError as e:
+            raise RolltoolError(f"{where}: {e}", hint=_HINT) from None
+        if "num_steps" in doc and doc["num_steps"] != m.num_steps:
+            raise RolltoolError(
+                f"{where}: num_steps is {doc['num_steps']!r} but {m.num_steps} steps are listed"
+            )
+        for s, st in enumerate(m.steps):
+            if st.step != s or len(st.ranks) != m.dp:
+                raise RolltoolError(
+                    f"{where}: steps[{s}] is step {st.step} with {len(st.ranks)} ranks "
+                    f"(expected step {s} with dp = {m.dp})"
+                )
+        return m
+
+    @classmethod
+    def load(cls, root: str | Path) -> Manifest:
+        """Read ``root/manifest.json``."""
+        path = Path(root) / MANIFEST
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise RolltoolError(f"{path}: unreadable manifest ({e})") from None
+        return cls.from_json(doc, str(path))
+
+
+def is_packed_dir(path: str | Path) -> bool:
+    """A directory holding a manifest.json whose format is rolltool's (cheap: no full parse)."""
+    manifest = Path(path) / MANIFEST
+    if not manifest.is_file():
+        return False
+    try:
+        doc = json.loads(manifest.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(doc, dict) and doc.get("format") == FORMAT

@@ -1,0 +1,3 @@
+"""What comes in: input files, folders and globs resolved to Parquet (`source`, with the
+conversion hints for other formats) and realistic synthetic rollouts (`synth`).
+"""

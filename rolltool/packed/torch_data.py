@@ -1,0 +1,260 @@
+"""The torch side of the consumer contract: a resumable, worker-sharded dataset of packed rows.
+
+Imported only on demand (``ds.torch_dataset``, ``ds.micro_batches(..., torch=True)``): ``import
+rolltool`` and the CLI never import torch.
+
+>>> data = ds.torch_dataset(rank, start_step=12)               # doctest: +SKIP
+>>> loader = DataLoader(data, batch_size=None, num_workers=2)  # each item is one micro-batch
+>>> for mb in prefetch(loader, "cuda"):                         # next one's copy in flight
+...     mb["step"], mb["micro_batch"], mb["input_ids"], mb["cu_seqlens"], ...
+
+**Order.** A rank's *stream* is its rows in (step, micro_batch) order (`PackedDataset.rank_rows`).
+With W DataLoader workers, worker w yields stream rows w, w + W, w + 2W, ... of the (resumed)
+stream, so the DataLoader's in-order round robin gives exactly the single-process order: with
+W = 2 and rows r0..r4, worker 0 yields r0 r2 r4, worker 1 yields r1 r3, the loader r0 r1 r2 r3 r4.
+
+**Batching.** Every item is already a packed micro-batch of its own length: use
+``batch_size=None``. The default ``batch_size=1`` (or any other) is refused with a ValueError
+that says so, instead of torch's stack error.
+
+**Resume.** ``start_step=`` / ``start_micro_batch=`` start the stream anywhere (the rows of
+(s, j) onward, with any number of workers): resume at the last consumed item's (step,
+micro_batch + 1). ``state_dict()`` / ``load_state_dict()`` make the dataset ``Stateful`` for
+torchdata's ``StatefulDataLoader``, which saves and restores each worker's position.
+
+**Copies.** Shard files are memory-mapped. Stored arrays (``input_ids``, ``loss_mask``,
+``logprobs``, ``sample_index``) are copied once from the page cache into their tensor, never
+wrapped (a tensor over a read-only map is undefined behaviour); derived arrays are computed into
+fresh memory and wrapped. With ``pin_memory=True`` (no workers) every array is copied once into
+one pinned buffer per row, ready for ``.to(device, non_blocking=True)``; `prefetch` issues the
+next row's transfer while the current one is used. In a worker the row's buffer is allocated in
+shared memory, so handing it to the main process copies nothing more (a DataLoader's
+``pin_memory=True`` then copies it once more into pinned memory: pinned pages cannot cross
+processes). Reading is cheap next to a training step (benchmarks/loading.py: ~3,000 rows/s of
+27k tokens in one process on a loaded 2-core machine), and passing tensors between processes
+costs more than it saves there (~500 rows/s with 2 workers): prefer ``num_workers=0``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from rolltool.errors import RolltoolError
+
+if TYPE_CHECKING:
+    from rolltool.packed.reader import PackedDataset
+
+BATCH_HINT = (
+    "use DataLoader(..., batch_size=None): each item is already a packed micro-batch "
+    "(one row of many samples, its own length)"
+)
+
+
+class MicroBatch(dict[str, Any]):
+    """One packed row: per-token tensors (``input_ids`` [T] int32, ``position_ids`` [T] int32,
+    ``loss_mask`` [T] uint8, ``advantages``/``logprobs``/``loss_weight`` [T] float32), per-segment
+    ``cu_seqlens`` [n+1] int32 and ``sample_index`` [n] int64, and the ints ``step`` and
+    ``micro_batch`` saying where it is in the run."""
+
+
+def _refuse_batching(batch: Any, *, collate_fn_map: Any = None) -> Any:
+    raise ValueError(
+        f"a DataLoader batch_size cannot collate packed micro-batches (got {len(batch)}): "
+        + BATCH_HINT
+    )
+
+
+def _register_refusal() -> None:
+    """torch's documented way to extend ``default_collate``: its type registry."""
+    try:
+        from torch.utils.data._utils.collate import default_collate_fn_map
+    except ImportError:  # pragma: no cover - an older or newer torch: its stack error remains
+        return
+    default_collate_fn_map[MicroBatch] = _refuse_batching
+
+
+_register_refusal()
+
+
+def _block(nbytes: int, *, pin: bool, shared: bool) -> torch.Tensor:
+    """One uint8 buffer: pinned, or in shared memory (then the worker -> main process hand-over
+    copies nothing), or plain."""
+    if shared:
+        new_shared = getattr(torch.UntypedStorage, "_new_shared", None)
+        if new_shared is None:  # pragma: no cover - torch without the allocator hook
+            return torch.empty(nbytes, dtype=torch.uint8).share_memory_()
+        return torch.empty(0, dtype=torch.uint8).set_(new_shared(nbytes))
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+
+
+def to_tensors(
+    row: dict[str, np.ndarray], *, pin_memory: bool = False, shared: bool = False
+) -> dict[str, torch.Tensor]:
+    """A reader row as tensors. Plain: read-only (memory-mapped) arrays copied once into new
+    tensors, fresh (derived) arrays wrapped without a copy. Pinned or shared: every array copied
+    once into one buffer for the whole row (one allocation, one shared-memory segment), each
+    tensor a view of its 8-byte-aligned slice."""
+    if not (pin_memory or shared):
+        return {k: torch.from_numpy(a if a.flags.writeable else a.copy()) for k, a in row.items()}
+    starts, end = {}, 0
+    for key, a in row.items():
+        starts[key] = end
+        end += -(-a.nbytes // 8) * 8
+    block = _block(max(end, 8), pin=pin_memory, shared=shared)
+    out: dict[str, torch.Tensor] = {}
+    for key, a in row.items():
+        dtype = torch.from_numpy(np.empty(0, a.dtype)).dtype  # numpy's dtype as torch's
+        t = block[starts[key] : starts[key] + a.nbytes].view(dtype).view(a.shape)
+        t.numpy()[...] = a
+        out[key] = t
+    return out
+
+
+class RankRows(IterableDataset[MicroBatch]):
+    """One rank's rows as `MicroBatch` items (see the module docstring): sharded over DataLoader
+    workers in stream order, resumable, optionally pinned. Made by `PackedDataset.torch_dataset`.
+    """
+
+    def __init__(
+        self,
+        ds: PackedDataset,
+        rank: int,
+        *,
+        start_step: int = 0,
+        start_micro_batch: int = 0,
+        pin_memory: bool = False,
+        sp_rank: int | None = None,
+        cp_rank: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.ds, self.rank, self.pin_memory = ds, rank, pin_memory
+        self.gpu: dict[str, int | None] = {"sp_rank": sp_rank, "cp_rank": cp_rank}
+        self.start = ds.stream_position(rank, start_step, start_micro_batch)
+        if pin_memory and not torch.accelerator.is_available():
+            raise RolltoolError(
+                "pin_memory=True needs an accelerator (torch finds none)",
+                hint="leave pin_memory off on a CPU-only machine",
+            )
+        self._next, self._stride, self._worker = self.start, 1, 0
+        self._loaded: dict[str, Any] | None = None
+
+    def __len__(self) -> int:
+        """Rows from the start position to the end (over all workers)."""
+        return len(self.ds.rank_rows(self.rank)) - self.start
+
+    def __iter__(self) -> Iterator[MicroBatch]:
+        info = get_worker_info()
+        stride, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+        if self.pin_memory and info is not None:
+            raise RolltoolError(
+                "torch_dataset(pin_memory=True) pins in the process that reads; in a "
+                "DataLoader worker it cannot",
+                hint="with num_workers > 0 pass pin_memory=True to the DataLoader instead",
+            )
+        if self._loaded is not None:
+            first = self._resume_position(self._loaded, stride, worker)
+            self._loaded = None
+        else:
+            first = self.start + worker
+        self._next, self._stride, self._worker = first, stride, worker
+        return self._rows(first, stride, shared=info is not None)
+
+    def _rows(self, first: int, stride: int, *, shared: bool) -> Iterator[MicroBatch]:
+        refs = self.ds.rank_rows(self.rank)[first::stride]
+        rows = self.ds.read_rows(refs, sp_rank=self.gpu["sp_rank"], cp_rank=self.gpu["cp_rank"])
+        for ref, row in zip(refs, rows, strict=True):
+            item = MicroBatch(step=ref.step, micro_batch=ref.micro_batch)
+            item.update(to_tensors(row, pin_memory=self.pin_memory, shared=shared))
+            self._next += stride  # before yielding: state_dict() now names the next row
+            yield item
+
+    def _position(self, index: int) -> tuple[int, int]:
+        refs = self.ds.rank_rows(self.rank)
+        if index >= len(refs):
+            return self.ds.num_steps, 0
+        return refs[index].step, refs[index].micro_batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this iterator (this worker's, in a DataLoader worker) goes on: the (step,
+        micro_batch) of the next row it yields, (num_steps, 0) at the end."""
+        step, micro_batch = self._position(self._next)
+        return {
+            "rank": self.rank,
+            **{k: v for k, v in self.gpu.items() if v is not None},
+            "step": step,
+            "micro_batch": micro_batch,
+            "num_workers": self._stride,
+            "worker": self._worker,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from `state_dict()` at the next ``iter()`` (in the same worker slot)."""
+        if state.get("rank") != self.rank:
+            raise RolltoolError(
+                f"the saved loader state is rank {state.get('rank')}'s, this dataset is rank "
+                f"{self.rank}'s"
+            )
+        for key, mine in self.gpu.items():
+            if state.get(key) != mine:
+                raise RolltoolError(
+                    f"the saved loader state is {key} {state.get(key)}'s, this dataset is "
+                    f"{key} {mine}'s"
+                )
+        self._loaded = dict(state)
+
+    def _resume_position(self, state: dict[str, Any], stride: int, worker: int) -> int:
+        if (state["num_workers"], state["worker"]) != (stride, worker):
+            raise RolltoolError(
+                f"the saved state is worker {state['worker']} of {state['num_workers']}, this "
+                f"iterator is worker {worker} of {stride}",
+                hint="resume with the same num_workers, or start a new dataset at the last "
+                "consumed item: torch_dataset(rank, start_step=s, start_micro_batch=j + 1)",
+            )
+        return self.ds.stream_position(self.rank, state["step"], state["micro_batch"])
+
+
+def move(item: dict[str, Any], device: Any, *, non_blocking: bool = True) -> dict[str, Any]:
+    """The item with every tensor on `device` (ints such as ``step`` stay as they are)."""
+    return {
+        k: v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v
+        for k, v in item.items()
+    }
+
+
+def prefetch(items: Iterable[dict[str, Any]], device: Any) -> Iterator[dict[str, Any]]:
+    """The items moved to `device`, the next one's transfer issued before the current one is
+    handed out. On CUDA the copy runs on a side stream (from pinned memory it overlaps the
+    compute); the consumer's stream waits for it before the item is used."""
+    device = torch.device(device)
+    side = torch.cuda.Stream(device) if device.type == "cuda" else None
+    pending: tuple[dict[str, Any], Any] | None = None
+    for item in items:
+        staged = _stage(item, device, side)
+        if pending is not None:
+            yield _ready(*pending, device)
+        pending = staged
+    if pending is not None:
+        yield _ready(*pending, device)
+
+
+def _stage(item: dict[str, Any], device: torch.device, side: Any) -> tuple[dict[str, Any], Any]:
+    if side is None:
+        return move(item, device), None
+    with torch.cuda.stream(side):
+        moved = move(item, device)
+    return moved, side.record_event()
+
+
+def _ready(moved: dict[str, Any], event: Any, device: torch.device) -> dict[str, Any]:
+    if event is not None:
+        current = torch.cuda.current_stream(device)
+        current.wait_event(event)
+        for v in moved.values():
+            if isinstance(v, torch.Tensor):
+                v.record_stream(current)  # the side stream's memory is now used by `current`
+    return moved

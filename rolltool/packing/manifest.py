@@ -1,0 +1,129 @@
+"""The pack job's records: the manifest of a planned, written run and samples.parquet's table.
+
+The one place that assembles a `rolltool.format.Manifest` from a run (the writer adds the file
+list and writes it last): every engine's run gets the same document from the same plan.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import sys
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from rolltool._version import __version__
+from rolltool.errors import RolltoolError
+from rolltool.format import (
+    STATUSES,
+    AdvantagesRecord,
+    InputRecord,
+    LossRecord,
+    Manifest,
+    PartialStep,
+    SampleCounts,
+    StepRecord,
+)
+from rolltool.plan.config import PackConfig
+from rolltool.plan.schedule import Schedule
+from rolltool.plan.workload import Workload
+from rolltool.schema import Rollouts
+
+
+def manifest_record(
+    ro: Rollouts,
+    plan: Schedule,
+    config: PackConfig,
+    workload: Workload,
+    steps: list[StepRecord],
+    warnings: list[str],
+    columns: Mapping[str, str] | None,
+    command: Sequence[str] | None,
+) -> Manifest:
+    """The manifest (without its file list, which the writer adds) of a planned, written run."""
+    counts = {s: int((plan.status == s).sum()) for s in STATUSES}  # samples.parquet's rows
+    once = {s: int((plan.status[: ro.num_samples] == s).sum()) for s in STATUSES}  # epoch 0
+    notes = list(warnings)  # the caller's list stays as it was
+    if once["leftover"]:
+        notes.append(f"{once['leftover']} sample(s) left over: not enough to fill another step")
+    if once["env_unweighted"]:
+        notes.append(
+            f"{once['env_unweighted']} sample(s) of envs without --env-weight were not used"
+        )
+    a = config.advantages
+    partial = plan.assembly.partial_dropped
+    return Manifest(
+        format_version=2 if plan.epochs > 1 else 1,
+        rolltool_version=__version__,
+        created_at=created_at(),
+        command=tuple(command if command is not None else sys.argv),
+        config=config.to_dict(),
+        workload=workload.to_dict(),
+        advantages=AdvantagesRecord(
+            source=plan.advantages.source,
+            whitening="per step" if plan.advantages.per_step_whitening else None,
+            estimators={e: a.env_estimators.get(e, a.estimator) for e in ro.env_names},
+        ),
+        loss=LossRecord(agg=config.loss_agg, scale_factor=config.loss_scale_factor),
+        inputs=tuple(InputRecord(path=f.resolved, rows=f.rows, given=f.path) for f in ro.files),
+        columns=dict(columns or {}),
+        dp=config.dp,
+        samples=SampleCounts(total=len(plan.status), **counts),
+        leftover_groups=len(plan.assembly.leftover),
+        partial_step_dropped=None
+        if partial is None
+        else PartialStep(groups=len(partial.groups), actual=partial.actual),
+        warnings=tuple(notes),
+        steps=tuple(steps),
+    )
+
+
+def created_at() -> str:
+    """The manifest's creation time, UTC to the second: ``SOURCE_DATE_EPOCH`` when set (the
+    reproducible-builds convention: the same command then writes the same manifest bytes),
+    else now. A value that is not a whole number of seconds is an error naming it."""
+    epoch = os.environ.get("SOURCE_DATE_EPOCH")
+    if epoch is None:
+        when = dt.datetime.now(dt.timezone.utc)
+    else:
+        try:
+            when = dt.datetime.fromtimestamp(int(epoch), dt.timezone.utc)
+        except (ValueError, OverflowError, OSError):
+            raise RolltoolError(
+                f"SOURCE_DATE_EPOCH={epoch!r} is not a time (whole seconds since 1970-01-01 UTC)",
+                hint="unset it, or give e.g. SOURCE_DATE_EPOCH=$(date +%s)",
+            ) from None
+    return when.isoformat(timespec="seconds")
+
+
+def samples_table(ro: Rollouts, plan: Schedule) -> pa.Table:
+    """One row per input sample: where it went, or why it was not trained; with --epochs E > 1
+    one row per (epoch, sample), epoch by epoch, with an ``epoch`` column (format version 2)."""
+    n, e = ro.num_samples, plan.epochs
+    index = np.arange(n, dtype=np.int64)
+
+    def tiled(values: pa.Array | pa.ChunkedArray) -> pa.Array | pa.ChunkedArray:
+        return values if e == 1 else values.take(pa.array(np.tile(index, e)))
+
+    epoch = {} if e == 1 else {"epoch": pa.array(np.repeat(np.arange(e, dtype=np.int64), n))}
+    return pa.table(
+        {
+            **epoch,
+            "sample_index": pa.array(np.tile(index, e)),
+            "sample_id": tiled(ro.sample_id),
+            "group_id": tiled(ro.group_ids.take(pa.array(ro.group))),
+            "rollout_id": tiled(ro.rollout_ids.take(pa.array(ro.rollout))),
+            "env": pa.array([ro.env_names[k] for k in ro.env] * e, pa.string()),
+            "length": pa.array(np.tile(ro.length, e)),
+            "trainable_tokens": pa.array(np.tile(ro.trainable, e)),
+            "reward": pa.array(np.tile(ro.reward, e), pa.float64()),
+            "advantage": pa.array(plan.advantage.astype(np.float32)),
+            "token_loss_weight": pa.array(plan.weight.astype(np.float32)),
+            "step": pa.array(plan.step),
+            "rank": pa.array(plan.rank),
+            "micro_batch": pa.array(plan.micro_batch),
+            "status": pa.array(plan.status.tolist(), pa.string()),
+        }
+    )

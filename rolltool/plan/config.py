@@ -1,0 +1,261 @@
+"""The pack job's settings: one frozen record, validated once, recorded in the manifest."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from rolltool.errors import OptionConflict, RolltoolError
+from rolltool.format import MAX_TOKEN_ID
+from rolltool.format.split import GroupSplit
+from rolltool.plan.advantages import AdvantageConfig
+from rolltool.plan.batches import StepConfig
+from rolltool.plan.loss import check_loss_agg
+from rolltool.plan.partition import ALIGNS
+from rolltool.plan.workload import WORKLOADS, Workload, make_workload
+
+"""The largest token id a shard holds (``input_ids`` are int32): 2**31 - 1, as the schema's."""
+
+OVERLONG = ("error", "drop")
+"""What to do with a sample longer than the token budget."""
+
+DEFAULT_BATCH_SIZE = 128
+"""Step size in batch units when none is given (``PackConfig.steps``, ``--batch-size``)."""
+
+DEFAULT_MICRO_BATCH_TOKENS = 32_768
+"""The micro-batch token budget when neither a budget, a micro-batch size nor a row length is
+given (see ``PackConfig.micro_batch_tokens``)."""
+
+
+def _default_steps() -> StepConfig:
+    return StepConfig(batch_size=DEFAULT_BATCH_SIZE)
+
+
+def _field_names(record: Any) -> list[str]:
+    return [f.name for f in dataclasses.fields(record)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PackConfig:
+    """What ``rolltool pack`` does; the one place of its defaults and of its cross-setting rules.
+
+    ``PackConfig(...)`` and the CLI build the same record from the same settings: every default
+    that depends on another setting is resolved here (``micro_batch_tokens``), and every
+    combination the CLI refuses is refused here (``OptionConflict``). The resolved record goes
+    into the manifest (``to_dict``).
+
+    >>> PackConfig(dp=2, row_len=8192).micro_batch_tokens  # a row holds one micro-batch
+    8192
+    >>> PackConfig(dp=2).micro_batch_tokens, PackConfig(dp=2, micro_batch_size=4).micro_batch_tokens
+    (32768, None)
+    """
+
+    dp: int
+    """Data-parallel ranks (groups of GPUs with ``sp`` or ``cp``: what the partition balances)."""
+    sp: int = 1
+    """Sequence-parallel (Ulysses) GPUs per data-parallel group: each micro-batch's row is
+    split into ``sp`` contiguous parts (`rolltool.format.split`)."""
+    cp: int = 1
+    """Context-parallel GPUs per data-parallel group: every sample is split into 2 x ``cp``
+    chunks, zigzag (`rolltool.format.split`). Not with ``sp``."""
+    steps: StepConfig = field(default_factory=_default_steps)
+    """How optimizer steps are assembled (batch semantics); default: ``DEFAULT_BATCH_SIZE``
+    rollouts per step."""
+    advantages: AdvantageConfig = field(default_factory=AdvantageConfig)
+    """Estimator used when the input has no 'advantage' column."""
+    micro_batch_tokens: int | None = None
+    """Hard token budget per micro-batch and GPU (a group's micro-batch holds up to this x sp,
+    or x cp, tokens: ``group_tokens``). None resolves to: no budget with ``micro_batch_size``
+    (fixed mode); else ``row_len`` when given (a row holds one micro-batch: fill it); else
+    ``DEFAULT_MICRO_BATCH_TOKENS``. ``dataclasses.replace`` keeps the resolved value: pass
+    ``micro_batch_tokens=None`` to resolve it again."""
+    micro_batch_size: int | None = None
+    """Fixed number of samples per micro-batch instead of a token budget."""
+    row_len: int | None = None
+    """Pad every row to this many tokens per GPU (static shapes; the group's row holds this x
+    sp, or x cp); must be >= micro_batch_tokens."""
+    pad_id: int = 0
+    """Token id written into padding: 0 <= pad_id <= 2**31 - 1 (packed as int32)."""
+    balance: str = "flops"
+    """Workload the partition balances: flops, verl, tokens, count or calibrated."""
+    model: str | None = None
+    """Model preset or config.json for the flops workload (default preset when None)."""
+    calibration: str | None = None
+    """Calibration JSON for the calibrated workload (written by rolltool bench)."""
+    align: str = "lockstep"
+    """lockstep: minimize sum_j max_r cost(r, j) (FSDP/ZeRO-3/TP); total: max_r sum_j (DDP).
+    Token-budget mode only: fixed mode (``micro_batch_size``) lays out the same rows either way,
+    so ``total`` with it is an ``OptionConflict``."""
+    equal_count: bool = False
+    """Give every rank the same number of samples: a step whose trained samples --dp does not
+    divide is an error, unless ``equal_count_trim``."""
+    equal_count_trim: bool = False
+    """Equal counts (implies ``equal_count``), leaving out of each step the last ``n % dp`` of
+    its ``n`` trained samples (status ``count_trimmed`` in samples.parquet, counted in the
+    manifest, a warning) instead of stopping."""
+    overlong: str = "error"
+    """A sample longer than the token budget: error, or drop it from training (counted)."""
+    loss_agg: str = "token-mean"
+    """Loss aggregation the per-token weights implement (see rolltool.plan.loss)."""
+    loss_scale_factor: float | None = None
+    """Constant f of seq-mean-token-sum-norm (required by it, refused with any other)."""
+    shard_mb: float = 256.0
+    """Largest shard file in MB; a (step, rank) above it is split by rows."""
+    cache_mb: float = 1024.0
+    """Decoded input row groups kept in memory (MB); input that fits is read from disk once."""
+
+    def __post_init__(self) -> None:
+        if self.equal_count_trim:
+            object.__setattr__(self, "equal_count", True)  # trimming is a way to equal counts
+        self._check_choices()
+        self._check_conflicts()
+        if self.micro_batch_tokens is None and self.micro_batch_size is None:
+            budget = self.row_len if self.row_len is not None else DEFAULT_MICRO_BATCH_TOKENS
+            object.__setattr__(self, "micro_batch_tokens", budget)  # resolved once, recorded
+        self._check_sizes()
+        if self.shard_mb <= 0:
+            raise RolltoolError(f"--shard-mb must be positive, got {self.shard_mb}")
+        if self.cache_mb < 0:
+            raise RolltoolError(f"--cache-mb must be >= 0, got {self.cache_mb}")
+
+    def _check_conflicts(self) -> None:
+        """The combinations the CLI refuses as usage errors (exit 2)."""
+        if self.micro_batch_tokens is not None and self.micro_batch_size is not None:
+            raise OptionConflict("give --micro-batch-tokens or --micro-batch-size, not both")
+        if self.micro_batch_size is not None and self.align != "lockstep":
+            raise OptionConflict(
+                f"--align {self.align} has no effect with --micro-batch-size: fixed-size "
+                "micro-batches are laid out the same way whatever the alignment",
+                hint="drop --align total, or balance with a token budget (--micro-batch-tokens)",
+            )
+        if self.sp > 1 and self.cp > 1:
+            raise OptionConflict(
+                "give --sp or --cp, not both",
+                hint="a data-parallel group splits its micro-batches one way: Ulysses (--sp) "
+                "or ring attention (--cp)",
+            )
+        if self.loss_scale_factor is not None and self.loss_agg != "seq-mean-token-sum-norm":
+            raise OptionConflict(
+                f"--loss-scale-factor applies to --loss-agg seq-mean-token-sum-norm only, "
+                f"not to {self.loss_agg}"
+            )
+
+    def _check_sizes(self) -> None:
+        for name, value in (
+            ("--micro-batch-tokens", self.micro_batch_tokens),
+            ("--micro-batch-size", self.micro_batch_size),
+            ("--row-len", self.row_len),
+        ):
+            if value is not None and value < 1:
+                raise RolltoolError(f"{name} must be positive, got {value}")
+        for name, value in (("--dp", self.dp), ("--sp", self.sp), ("--cp", self.cp)):
+            if value < 1:
+                raise RolltoolError(f"{name} must be at least 1, got {value}")
+        budget = self.micro_batch_tokens
+        if self.row_len is not None and budget is not None and self.row_len < budget:
+            raise RolltoolError(
+                f"--row-len {self.row_len} is shorter than --micro-batch-tokens {budget}",
+                hint="a row holds one micro-batch; make the row at least as long as the budget",
+            )
+        if not 0 <= self.pad_id <= MAX_TOKEN_ID:
+            raise RolltoolError(
+                f"--pad-id must be between 0 and {MAX_TOKEN_ID:,} (2**31 - 1: token ids are int32), "
+                f"got {self.pad_id}"
+            )
+
+    def _check_choices(self) -> None:
+        if self.balance not in WORKLOADS:
+            raise RolltoolError(
+                f"unknown --balance {self.balance!r}",
+                hint=f"choose from {', '.join(sorted(WORKLOADS))}",
+            )
+        if self.align not in ALIGNS:
+            raise RolltoolError(f"--align must be one of {', '.join(ALIGNS)}")
+        if self.overlong not in OVERLONG:
+            raise RolltoolError(f"--overlong must be one of {', '.join(OVERLONG)}")
+        check_loss_agg(self.loss_agg, self.loss_scale_factor)
+
+    @classmethod
+    def from_options(cls, **options: Any) -> PackConfig:
+        """A PackConfig from one flat set of settings (how the CLI and a script both name them):
+        `StepConfig`'s fields go to ``steps``, `AdvantageConfig`'s to ``advantages``, the rest to
+        the PackConfig; anything not given (or None for ``batch_size``) takes its default.
+        ``batch_unit="tokens"`` needs an explicit ``batch_size`` (`OptionConflict`): the
+        default counts rollouts. ``model_config`` (a config.json path) is another way to give
+        ``model``, not both.
+
+        >>> c = PackConfig.from_options(dp=8, batch_size=64, estimator="rloo", row_len=8192)
+        >>> c.steps.batch_size, c.advantages.estimator, c.micro_batch_tokens
+        (64, 'rloo', 8192)
+        """
+        if options.get("batch_unit") == "tokens" and options.get("batch_size") is None:
+            raise OptionConflict(
+                "--batch-unit tokens needs --batch-size in tokens (the default "
+                f"{DEFAULT_BATCH_SIZE} counts rollouts or samples: {DEFAULT_BATCH_SIZE} tokens "
+                "would make every group a step of its own)",
+                hint="give the sampled tokens per step, e.g. --batch-size 1000000",
+            )
+        if options.get("batch_size", 0) is None:  # not given: the default
+            del options["batch_size"]
+        model_config = options.pop("model_config", None)
+        if model_config is not None:
+            if options.get("model") is not None:
+                raise OptionConflict("give --model or --model-config, not both")
+            options["model"] = model_config
+        parts: dict[str, Any] = {}
+        for name, record in (("steps", _default_steps()), ("advantages", AdvantageConfig())):
+            given = {k: options.pop(k) for k in _field_names(record) if k in options}
+            parts[name] = dataclasses.replace(record, **given)
+        return cls(**parts, **options)
+
+    @property
+    def split(self) -> GroupSplit:
+        """How each data-parallel group's micro-batches are shared by its sp or cp GPUs."""
+        return GroupSplit(sp=self.sp, cp=self.cp)
+
+    @property
+    def group_tokens(self) -> int | None:
+        """A group's micro-batch budget: ``micro_batch_tokens`` x sp (or x cp), None in fixed
+        mode. With cp it counts padded tokens (`GroupSplit.padded`)."""
+        return (
+            None if self.micro_batch_tokens is None else self.micro_batch_tokens * self.split.size
+        )
+
+    @property
+    def group_row_len(self) -> int | None:
+        """The stored (group) row length: ``row_len`` x sp (or x cp), None without --row-len."""
+        return None if self.row_len is None else self.row_len * self.split.size
+
+    @property
+    def token_cap(self) -> int | None:
+        """Most tokens one sample may occupy in a group's row (padded with cp): the group's
+        budget, or its row length in count mode."""
+        return self.group_tokens if self.group_tokens is not None else self.group_row_len
+
+    def workload(self) -> Workload:
+        return make_workload(self.balance, model=self.model, calibration=self.calibration)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "dp": self.dp,
+            "sp": self.sp,
+            "cp": self.cp,
+            "steps": self.steps.to_dict(),
+            "advantages": self.advantages.to_dict(),
+            "micro_batch_tokens": self.micro_batch_tokens,
+            "micro_batch_size": self.micro_batch_size,
+            "row_len": self.row_len,
+            "pad_id": self.pad_id,
+            "balance": self.balance,
+            "model": self.model,
+            "calibration": self.calibration,
+            "align": self.align,
+            "equal_count": self.equal_count,
+            "equal_count_trim": self.equal_count_trim,
+            "overlong": self.overlong,
+            "loss_agg": self.loss_agg,
+            "loss_scale_factor": self.loss_scale_factor,
+            "shard_mb": self.shard_mb,
+            "cache_mb": self.cache_mb,
+        }

@@ -1,0 +1,217 @@
+"""Split weighted items into k parts so that the heaviest part is as light as possible.
+
+``balance(weights, k)`` is multiway number partitioning (makespan on identical machines), used to
+give data-parallel ranks equal work. Methods, by name in ``METHODS``:
+
+* ``kk``: k-way Karmarkar-Karp largest differencing (see ``kk.py``);
+* ``lpt``: longest-processing-time greedy (see ``lpt.py``);
+* ``auto``: LPT and, when it is cheap, KK; the lighter of the two is then improved by swaps and
+  moves between the heaviest part and the others, then between the next heaviest parts and
+  lighter ones, under a work budget (``refine`` in ``refine.py``). Up to ``EXHAUSTIVE_UP_TO``
+  items LPT's and KK's results are also each refined by the exhaustive pairwise search
+  (``refine_pairs``: until no swap or move between any two parts lowers their maximum), and the
+  lightest of the three wins: never heavier than KK followed by that search. Refinement only ever
+  lowers the heaviest part, so ``auto`` is never heavier than the candidates it ran. It always
+  runs LPT; it runs KK when KK needs at most ``KK_AUTO_MERGES`` merges: with equal counts when
+  n/k <= 1024 (so at n = 16,384 for k >= 16), without them when n <= 1024. Beyond that KK costs
+  tens of milliseconds, ``auto`` is guaranteed only against LPT, and relies on refinement (in the
+  benchmark it matches or beats KK's quality there).
+
+``equal_count=True`` gives every part the same number of items; when k does not divide n, part
+sizes are ``n // k`` or ``n // k + 1`` (KK pads the last block with zero-weight items, one per
+part; LPT lets only ``n % k`` parts take the extra item; refinement swaps, and moves an item only
+from a part with one item more to one with one fewer).
+
+Example::
+
+    >>> parts = balance(np.array([8.0, 7, 6, 5, 4]), 2)
+    >>> [p.tolist() for p in parts], part_loads(np.array([8.0, 7, 6, 5, 4]), parts).tolist()
+    ([[2, 3, 4], [0, 1]], [15.0, 15.0])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from rolltool.errors import RolltoolError
+from rolltool.plan.partition.kk import kk_sorted
+from rolltool.plan.partition.lpt import lpt_sorted
+from rolltool.plan.partition.refine import refine, refine_pairs
+
+__all__ = ["METHODS", "balance", "balance_labels", "lower_bound", "part_loads"]
+
+KK_AUTO_MERGES = 1024
+"""``auto`` runs KK when KK needs at most this many merges (a few µs each, see ``kk.py``)."""
+
+REFINE_STEPS, REFINE_WORK = 64, 1 << 14
+"""``auto`` refines for at most ``2k + REFINE_STEPS`` swaps or moves, and stops once they have
+looked at ``REFINE_WORK`` items in all (a step looks at the items of 3 parts, rarely of all)."""
+
+EXHAUSTIVE_UP_TO, PAIR_STEPS, PAIR_WORK = 256, 4, 1 << 19
+"""Up to this many items ``auto`` refines both LPT's and KK's result with the exhaustive pairwise
+search (``refine_pairs``, at most ``PAIR_STEPS · (n + k)`` steps and ``PAIR_WORK`` matrix cells
+each, a few ms; not when the budgeted refinement already reached ``lower_bound``) and keeps
+the lightest: never heavier than KK followed by that search when it ends within those limits
+(it does on every test input; at n = 256, k = 64 it may not)."""
+
+
+def _lpt(ws: np.ndarray, k: int, equal_count: bool) -> np.ndarray:
+    return lpt_sorted(ws, k, equal_count)
+
+
+def _kk(ws: np.ndarray, k: int, equal_count: bool) -> np.ndarray:
+    n = len(ws)
+    if equal_count and n % k:  # zero-weight padding: one per slot of the last block
+        return kk_sorted(np.concatenate([ws, np.zeros(k - n % k)]), k, equal_count)[:n]
+    return kk_sorted(ws, k, equal_count)
+
+
+def _max_load(ws: np.ndarray, labels: np.ndarray, k: int) -> float:
+    return float(np.bincount(labels, weights=ws, minlength=k).max())
+
+
+def _lightest(ws: np.ndarray, k: int, candidates: list[np.ndarray]) -> np.ndarray:
+    """The candidate labelling with the lightest heaviest part (the first on ties)."""
+    loads = [_max_load(ws, c, k) for c in candidates]
+    return candidates[loads.index(min(loads))]
+
+
+def _auto(ws: np.ndarray, k: int, equal_count: bool) -> np.ndarray:
+    starts = [_lpt(ws, k, equal_count)]
+    if (len(ws) // k if equal_count else len(ws)) <= KK_AUTO_MERGES:
+        starts.append(_kk(ws, k, equal_count))
+    best = _lightest(ws, k, starts)
+    small = len(ws) <= EXHAUSTIVE_UP_TO
+    refined = [
+        refine(ws, best, k, equal_count=equal_count, max_steps=2 * k + REFINE_STEPS,
+               max_work=REFINE_WORK, others=not small)
+    ]  # fmt: skip
+    floor = lower_bound(ws, k, equal_count=equal_count) if small else 0.0
+    if small and _max_load(ws, refined[0], k) > floor:  # also the exhaustive pair search
+        steps = PAIR_STEPS * (len(ws) + k)
+        refined += [
+            refine_pairs(ws, s, k, equal_count=equal_count, max_steps=steps, max_work=PAIR_WORK,
+                         floor=floor)
+            for s in starts
+        ]  # fmt: skip
+    better = _lightest(ws, k, refined)
+    return better if _max_load(ws, better, k) <= _max_load(ws, best, k) else best
+
+
+METHODS: dict[str, Callable[[np.ndarray, int, bool], np.ndarray]] = {
+    "auto": _auto,
+    "kk": _kk,
+    "lpt": _lpt,
+}
+"""Partitioners by name: ``(weights sorted heaviest first, k, equal_count) -> [n] part``."""
+
+
+def _check(weights: np.ndarray, k: int, method: str) -> np.ndarray:
+    w = np.asarray(weights, dtype=np.float64)
+    if w.ndim != 1:
+        raise RolltoolError(f"weights must be one-dimensional, got shape {w.shape}")
+    if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 1:
+        raise RolltoolError(f"the number of parts must be an integer >= 1, got {k!r}")
+    if method not in METHODS:
+        raise RolltoolError(
+            f"unknown partition method {method!r}",
+            hint=f"choose one of {', '.join(sorted(METHODS))}",
+        )
+    bad = np.flatnonzero(~np.isfinite(w) | (w < 0))
+    if len(bad):
+        i = int(bad[0])
+        raise RolltoolError(f"weight of item {i} is {w[i]!r}; weights must be finite and >= 0")
+    return w
+
+
+def balance_labels(
+    weights: np.ndarray, k: int, *, equal_count: bool = False, method: str = "auto"
+) -> np.ndarray:
+    """Like ``balance`` but returns ``[n]`` int64: the part (0..k-1) of each item."""
+    w = _check(weights, k, method)
+    n = len(w)
+    if n == 0:
+        return np.empty(0, dtype=np.int64)
+    k = int(k)
+    if k == 1:
+        return np.zeros(n, dtype=np.int64)
+    order = descending_order(w)
+    labels_sorted = METHODS[method](w[order], k, equal_count)
+    labels = np.empty(n, dtype=np.int64)
+    labels[order] = labels_sorted
+    return labels
+
+
+def balance(
+    weights: np.ndarray, k: int, *, equal_count: bool = False, method: str = "auto"
+) -> list[np.ndarray]:
+    """Split item indices ``0..n-1`` into ``k`` parts, minimizing the heaviest part's weight.
+
+    ``weights``: ``[n]`` non-negative finite numbers (tokens, FLOPs...). Returns ``k`` int64
+    arrays of item indices, each ascending; every index appears in exactly one part; parts may
+    be empty when ``n < k``. With ``equal_count`` part sizes differ by at most one (exactly equal
+    when k divides n). Deterministic: the same input gives the same parts.
+    """
+    labels = balance_labels(weights, k, equal_count=equal_count, method=method)
+    return split_labels(labels, int(k))
+
+
+STABLE_SORT_MAX = 2048
+"""``descending_order`` sorts up to this many weights with one stable sort (measured faster)."""
+
+
+def descending_order(w: np.ndarray) -> np.ndarray:
+    """Indices that sort ``w`` heaviest first, ties by index: a stable sort, done faster.
+
+    Up to ``STABLE_SORT_MAX`` items a stable sort is fastest. Beyond that a plain (unstable) sort
+    is several times faster than a stable one; ties are then put in index order by sorting unique
+    integer keys (value rank, index), which any sort orders alike.
+    """
+    n = len(w)
+    if n <= STABLE_SORT_MAX:
+        return np.argsort(-w, kind="stable")
+    order = np.argsort(-w)
+    s = w[order]
+    new = np.empty(n, dtype=bool)
+    new[:1] = True
+    np.not_equal(s[1:], s[:-1], out=new[1:])
+    if new.all():
+        return order
+    key = np.empty(n, dtype=np.int64)
+    key[order] = (np.cumsum(new) - 1) * n
+    key += np.arange(n)
+    return np.argsort(key)
+
+
+def split_labels(labels: np.ndarray, k: int) -> list[np.ndarray]:
+    """``[n]`` part per item -> ``k`` ascending index arrays (the inverse of a labelling)."""
+    # a stable sort of 16-bit keys is a radix sort: several times faster than on int64
+    keys = labels.astype(np.int16) if k <= np.iinfo(np.int16).max else labels
+    order = np.argsort(keys, kind="stable").astype(np.int64, copy=False)
+    ends = np.cumsum(np.bincount(labels, minlength=k)).tolist()
+    return [order[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]
+
+
+def part_loads(weights: np.ndarray, parts: Sequence[np.ndarray]) -> np.ndarray:
+    """``[k]`` float64: the summed weight of each part."""
+    w = np.asarray(weights, dtype=np.float64)
+    return np.array([float(w[p].sum()) for p in parts], dtype=np.float64)
+
+
+def lower_bound(weights: np.ndarray, k: int, *, equal_count: bool = False) -> float:
+    """A lower bound on the heaviest part of any split into k parts.
+
+    ``max(total / k, largest item)``; with equal counts also the largest item plus the
+    ``n // k - 1`` smallest others (the part holding the largest item has that many more).
+    """
+    w = np.asarray(weights, dtype=np.float64)
+    if len(w) == 0:
+        return 0.0
+    bound = max(float(w.sum()) / k, float(w.max()))
+    if equal_count:
+        m = max(len(w) // k, 1)
+        s = np.sort(w)
+        bound = max(bound, float(s[-1] + s[: m - 1].sum()))
+    return bound

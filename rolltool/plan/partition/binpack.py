@@ -1,0 +1,120 @@
+"""Bin packing under a hard token cap: first-fit decreasing, and cost-balanced packing.
+
+Both take items already sorted longest first (with a cost that never falls as length grows,
+that is also costliest first) and return ``[n]`` int64 bin labels. Neither ever puts more than ``cap``
+tokens in a bin.
+
+* ``ffd``: first-fit decreasing by tokens, the classic few-bins packer (at most 11/9·OPT + 6/9
+  bins). A segment tree over the bins' free space finds the first bin that fits in O(log bins).
+* ``pack_balanced``: exactly ``bins`` bins, each item to the *cheapest* bin (by cost so far) that
+  still has room for it; ``None`` when some item fits nowhere. Equal-cost bins are what lockstep
+  execution wants; the cap is respected first.
+
+* ``split_tokens``: exactly ``bins`` bins balanced by *tokens* (LPT or Karmarkar-Karp, the peers'
+  way), ``None`` when a bin ends up over the cap. At a tight cap an even token split can fit where
+  neither FFD nor cost-balanced packing does (the count search in ``plan.py`` tries all three).
+
+Example (cap 8, tokens 7 ×8, the peer's bad case): FFD -> 8 bins of 7 tokens; ``pack_balanced``
+into 4 bins -> ``None`` (no two 7s fit together), never a 14-token bin.
+
+Example (cap 300, 20 lengths summing to 1,491, issue 10): FFD needs 6 bins; KK by tokens into 5
+bins gives 298, 298, 299, 298, 298 tokens, so ``split_tokens(..., 5, "kk")`` fits.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+from rolltool.plan.partition.kk import kk_sorted
+from rolltool.plan.partition.lpt import lpt_sorted
+
+SPLITTERS = {"kk": kk_sorted, "lpt": lpt_sorted}
+"""Token splitters by name: ``(weights sorted heaviest first, k) -> [n] part``."""
+
+
+def ffd(tokens: np.ndarray, cap: int) -> tuple[np.ndarray, int]:
+    """First-fit decreasing: ``[n]`` tokens (sorted longest first, each <= cap) -> (labels, bins)."""
+    n = len(tokens)
+    if n == 0:
+        return np.empty(0, dtype=np.int64), 0
+    size = 1
+    while size < n:
+        size *= 2
+    # free[size + b] = free tokens of bin b (unopened bins are empty: cap free); inner nodes: max
+    free = [cap] * (2 * size)
+    labels: list[int] = []
+    put = labels.append
+    opened = 0
+    for t in tokens.tolist():
+        node = 1
+        while node < size:  # leftmost leaf with free >= t (the root always qualifies)
+            node = 2 * node if free[2 * node] >= t else 2 * node + 1
+        b = node - size
+        put(b)
+        if b == opened:
+            opened += 1
+        free[node] -= t
+        node //= 2
+        while node:
+            left, right = free[2 * node], free[2 * node + 1]
+            best = left if left > right else right
+            if free[node] == best:
+                break
+            free[node] = best
+            node //= 2
+    return np.array(labels, dtype=np.int64), opened
+
+
+def pack_balanced(costs: np.ndarray, tokens: np.ndarray, cap: int, bins: int) -> np.ndarray | None:
+    """Each item to the cheapest of ``bins`` bins with room for it; ``None`` if one fits nowhere.
+
+    ``[n]`` float64 costs and ``[n]`` int tokens, sorted longest first (then costs are
+    non-increasing too) -> ``[n]`` int64 bin labels. Ties go to the lower bin index.
+
+    Bins too full for the current item wait in a second heap keyed by free room and come back
+    when the items get short enough, so each bin is looked at O(1) times per item it receives.
+    """
+    n = len(costs)
+    if n == 0:
+        return np.empty(0, dtype=np.int64)
+    ts = tokens.tolist()
+    # smallest token count still to come: a bin with less room than that is closed for good
+    rest_min = np.minimum.accumulate(tokens[::-1])[::-1].tolist()
+    ready = [(0.0, b) for b in range(bins)]  # (cost so far, bin): bins with room for the item
+    waiting: list[tuple[int, float, int]] = []  # (-room, cost so far, bin)
+    room = [cap] * bins
+    labels: list[int] = []
+    put = labels.append
+    pop, push, replace = heapq.heappop, heapq.heappush, heapq.heapreplace
+    for i, c in enumerate(costs.tolist()):
+        t = ts[i]
+        while waiting and -waiting[0][0] >= t:
+            _, load, b = pop(waiting)
+            push(ready, (load, b))
+        while ready:
+            load, b = ready[0]
+            if room[b] >= t:
+                break
+            pop(ready)
+            if room[b] >= rest_min[i]:
+                push(waiting, (-room[b], load, b))
+        else:
+            return None
+        put(b)
+        room[b] -= t
+        replace(ready, (load + c, b))
+    return np.array(labels, dtype=np.int64)
+
+
+def split_tokens(tokens: np.ndarray, cap: int, bins: int, method: str) -> np.ndarray | None:
+    """``[n]`` tokens (sorted longest first) split into ``bins`` parts of about equal tokens by
+    ``method`` (``kk`` or ``lpt``) -> ``[n]`` int64 bin labels, or ``None`` if a bin holds more
+    than ``cap`` tokens."""
+    if len(tokens) == 0:
+        return np.empty(0, dtype=np.int64)
+    labels = SPLITTERS[method](np.asarray(tokens, dtype=np.float64), bins)
+    if np.bincount(labels, weights=tokens, minlength=bins).max() > cap:
+        return None
+    return labels

@@ -1,0 +1,501 @@
+"""One optimizer step's layout: sample -> (data-parallel rank, micro-batch).
+
+``plan_step(lengths, dp=..., max_tokens=...)`` returns a ``StepPlan`` whose
+``micro_batches[r][j]`` holds the sample indices of rank r's j-th micro-batch. Guarantees:
+
+* every sample appears exactly once;
+* every rank has the same number of micro-batches (``num_micro_batches``); a rank with nothing
+  left for a slot gets an empty micro-batch, marked in ``empty`` (the writer pads it with a
+  zero-loss-weight row so the collectives line up);
+* token mode: no micro-batch holds more than ``max_tokens`` tokens, checked when the plan is built;
+  a longer sample is an error naming it, never truncated;
+* fixed mode: every micro-batch holds ``micro_batch_size`` samples, except those of the last slot
+  when ``dp · micro_batch_size`` does not divide the step (listed in ``short``).
+
+How (token mode, ``align="lockstep"``): with FSDP/ZeRO-3 or tensor parallelism the ranks meet at
+every micro-batch, so a step costs Σ_j max_r cost(r, j). The planner picks M, the micro-batch
+count per rank: the first count from the token lower bound ceil(tokens / (dp · max_tokens))
+upwards at which dp·M bins hold every sample under the cap by any construction: each sample to
+the cheapest bin with room (``pack_balanced``), or a token split by LPT or Karmarkar-Karp
+(``split_tokens``, the peers' way), or FFD's bins at FFD's count. So M is never above FFD's count
+nor above the KK-by-tokens pipeline's. It sorts the bins by cost and deals them into M slots of
+dp bins (so each slot's bins cost about the same), and permutes each slot's bins over the ranks
+to even out rank totals (which does not change the lockstep cost). Then ``slots.refill`` regroups
+the bins so that a slot's bins also hold similar tokens (robust to a cost model that is off) and
+``slots.choose`` keeps the best (``_robust``). When M's bins are not cost-balanced, balanced
+packing with M + 1 is used if that steps faster in lockstep by ``WIDER_GAIN`` (0.1%) or more.
+``align="total"`` (plain DDP) or ``equal_count=True`` split the samples over ranks first
+(``balance``), then pack each rank (by the same constructions) and align its bins by cost.
+
+Example: 8 samples of 7 tokens, dp = 2, max_tokens = 8 -> 4 micro-batches per rank, one sample
+each (7 tokens), where "KK into ceil(56 / 8 / 2) = 4 parts" would put 14 tokens in some.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import numpy as np
+
+from rolltool.errors import RolltoolError
+from rolltool.plan.partition import metrics
+from rolltool.plan.partition.balance import balance_labels, descending_order
+from rolltool.plan.partition.binpack import ffd, pack_balanced, split_tokens
+from rolltool.plan.partition.metrics import ALIGNS
+from rolltool.plan.partition.slots import (
+    FEW_FILLS,
+    FEW_PER_BIN,
+    FILL_PER_BIN,
+    Grid,
+    bins_to_slots,
+    choose,
+    members,
+    refill,
+)
+from rolltool.plan.workload import Workload, make_workload
+
+__all__ = ["ALIGNS", "StepPlan", "plan_step"]
+
+
+WIDER_GAIN = 1e-3
+"""One micro-batch more than FFD needs must cut the lockstep cost by this much (of the ideal)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepPlan:
+    """The layout of one optimizer step over ``dp`` ranks and ``num_micro_batches`` slots."""
+
+    micro_batches: list[list[np.ndarray]]
+    """``[dp][M]`` int64 arrays of sample indices (ascending) of rank r's micro-batch j."""
+    costs: np.ndarray
+    """``[dp, M]`` float64: workload cost of each micro-batch."""
+    tokens: np.ndarray
+    """``[dp, M]`` int64: tokens in each micro-batch."""
+    empty: np.ndarray
+    """``[dp, M]`` bool: the micro-batch holds no sample (pad it with a zero-weight row)."""
+    num_micro_batches: int
+    """M, the same on every rank (0 only for an empty step)."""
+    ffd_micro_batches: int | None
+    """Token mode: micro-batches per rank that first-fit decreasing needs; ``None`` in fixed mode."""
+    min_micro_batches: int | None
+    """Token mode: the lower bound ceil(tokens / (dp · max_tokens)); ``None`` in fixed mode."""
+    max_tokens: int | None
+    """The token cap per micro-batch (token mode), else ``None``."""
+    micro_batch_size: int | None
+    """Samples per micro-batch (fixed mode), else ``None``."""
+    short: list[tuple[int, int]] = field(default_factory=list)
+    """Fixed mode: the (rank, slot) micro-batches holding fewer than ``micro_batch_size``."""
+    align: str = "lockstep"
+    """``lockstep`` or ``total`` (see ``ALIGNS``)."""
+    equal_count: bool = False
+    """Every rank was given the same number of samples."""
+    workload: Workload | None = None
+    """The cost model behind ``costs``."""
+
+    @property
+    def dp(self) -> int:
+        """Number of data-parallel ranks."""
+        return len(self.micro_batches)
+
+    @property
+    def report(self) -> dict[str, Any]:
+        """Per-step numbers: counts, token fill, rank imbalance and lockstep overhead.
+
+        ``imbalance_*`` and ``lockstep_overhead_*`` are `rolltool.plan.partition.metrics`'
+        ``imbalance`` and ``lockstep_overhead`` of the ``[dp, M]`` grid in tokens and in the
+        workload's cost (1.0 when perfect). ``token_fill`` = tokens / (dp · M · max_tokens).
+        """
+        dp, m = self.costs.shape if self.costs.ndim == 2 else (self.dp, 0)
+        rep: dict[str, Any] = {
+            "dp": dp,
+            "micro_batches_per_rank": self.num_micro_batches,
+            "ffd_micro_batches": self.ffd_micro_batches,
+            "min_micro_batches": self.min_micro_batches,
+            "samples": int(sum(len(mb) for row in self.micro_batches for mb in row)),
+            "samples_per_rank": [int(sum(len(mb) for mb in row)) for row in self.micro_batches],
+            "tokens": int(self.tokens.sum()),
+            "empty_micro_batches": int(self.empty.sum()),
+            "short_micro_batches": len(self.short),
+            "token_fill": None,
+        }
+        if self.max_tokens and m:
+            rep["token_fill"] = float(self.tokens.sum()) / (dp * m * self.max_tokens)
+        for name, x in (("tokens", self.tokens.astype(np.float64)), ("cost", self.costs)):
+            rep[f"imbalance_{name}"] = metrics.imbalance(x)
+            rep[f"lockstep_overhead_{name}"] = metrics.lockstep_overhead(x)
+        return rep
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able summary for the manifest (settings and report, no index arrays)."""
+        return {
+            "align": self.align,
+            "equal_count": self.equal_count,
+            "max_tokens": self.max_tokens,
+            "micro_batch_size": self.micro_batch_size,
+            "workload": self.workload.to_dict() if self.workload else None,
+            "short": [list(rc) for rc in self.short],
+            **self.report,
+        }
+
+
+def plan_step(
+    lengths: np.ndarray,
+    *,
+    dp: int,
+    max_tokens: int | None = None,
+    micro_batch_size: int | None = None,
+    workload: Workload | None = None,
+    equal_count: bool = False,
+    align: str = "lockstep",
+) -> StepPlan:
+    """Lay out one optimizer step: which rank and micro-batch each sample goes to.
+
+    ``lengths``: ``[n]`` tokens per sample. Give exactly one of ``max_tokens`` (token mode: a
+    hard cap per micro-batch) or ``micro_batch_size`` (fixed mode: samples per micro-batch).
+    ``workload`` prices a sample (default: ``flops`` of the ``dense-7b`` preset). ``equal_count``
+    gives every rank the same number of samples (n must be a multiple of dp). Deterministic.
+    """
+    length = _check_lengths(lengths)
+    dp = _check_args(len(length), dp, max_tokens, micro_batch_size, equal_count, align)
+    wl = workload if workload is not None else make_workload("flops")
+    cost = wl.cost(length)
+    settings: dict[str, Any] = {"align": align, "equal_count": equal_count, "workload": wl}
+    if micro_batch_size is not None:
+        size = _whole("micro_batch_size", micro_batch_size)
+        grid, short = _fixed_grid(cost, dp, size)
+        return _build(grid, length, cost, max_tokens=None, micro_batch_size=size, ffd_m=None,
+                      min_m=None, short=short, **settings)  # fmt: skip
+    assert max_tokens is not None
+    cap = _whole("max_tokens", max_tokens)
+    _check_cap(length, cap)
+    if align == "lockstep":
+        grid, ffd_m, min_m = _best_lockstep(cost, length, dp, cap, equal_count)
+    else:
+        grid, ffd_m, min_m = _rank_first_grid(cost, length, dp, cap, equal_count)
+    return _build(grid, length, cost, max_tokens=cap, micro_batch_size=None, ffd_m=ffd_m,
+                  min_m=min_m, short=[], **settings)  # fmt: skip
+
+
+def _check_args(
+    n: int,
+    dp: Any,
+    max_tokens: int | None,
+    micro_batch_size: int | None,
+    equal_count: bool,
+    align: str,
+) -> int:
+    """The settings' rules (before any work); returns dp as an int."""
+    if isinstance(dp, bool) or not isinstance(dp, int | np.integer) or dp < 1:
+        raise RolltoolError(f"dp (data-parallel ranks) must be an integer >= 1, got {dp!r}")
+    if align not in ALIGNS:
+        raise RolltoolError(f"unknown align {align!r}", hint=f"choose one of {', '.join(ALIGNS)}")
+    if (max_tokens is None) == (micro_batch_size is None):
+        raise RolltoolError(
+            "give exactly one of max_tokens (token budget mode) and micro_batch_size (fixed mode)"
+        )
+    if equal_count and n % dp:
+        raise RolltoolError(
+            f"equal_count needs a step size divisible by dp: {n} samples over {dp} ranks",
+            hint="drop or add samples so that the step divides, or turn equal_count off",
+        )
+    return int(dp)
+
+
+def _whole(name: str, value: Any) -> int:
+    """``value`` as an int >= 1 (a whole float is fine, a bool is not)."""
+    if isinstance(value, bool) or int(value) != value or value < 1:
+        raise RolltoolError(f"{name} must be an integer >= 1, got {value!r}")
+    return int(value)
+
+
+def _check_cap(length: np.ndarray, cap: int) -> None:
+    """No sample may be longer than the token cap: an error naming the first, never truncation."""
+    over = np.flatnonzero(length > cap)
+    if len(over):
+        i = int(over[0])
+        more = f" (and {len(over) - 1} more)" if len(over) > 1 else ""
+        raise RolltoolError(
+            f"sample {i} has {int(length[i])} tokens, more than max_tokens={cap}{more}",
+            hint="raise max_tokens or drop over-long samples before planning (and count them)",
+        )
+
+
+def _check_lengths(lengths: np.ndarray) -> np.ndarray:
+    arr = np.asarray(lengths)
+    if arr.ndim != 1:
+        raise RolltoolError(f"lengths must be one-dimensional, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        if not np.all(np.isfinite(arr)) or not np.all(arr == np.round(arr)):
+            raise RolltoolError("lengths must be whole numbers of tokens")
+    length = arr.astype(np.int64)
+    bad = np.flatnonzero(length < 0)
+    if len(bad):
+        raise RolltoolError(f"sample {int(bad[0])} has a negative length {int(length[bad[0]])}")
+    return length
+
+
+def _fewest_bins(
+    cs: np.ndarray, ts: np.ndarray, cap: int, per: int, lo: int, hi: int
+) -> tuple[int, np.ndarray, bool] | None:
+    """The first m from ``lo`` to ``hi`` at which ``per · m`` bins hold every sample (costs
+    ``cs``, tokens ``ts``, longest first) under the cap, by any construction: cost-balanced
+    packing, else a token split by LPT, else by Karmarkar-Karp (the peers' way, which fits at a
+    tight cap where the others do not). Returns (m, bin labels, cost-balanced?) or ``None``.
+
+    KK only runs where the cheap two fail (it costs ~50 ms at 8,192 samples into 600 bins).
+    """
+    for m in range(lo, hi + 1):
+        labels = pack_balanced(cs, ts, cap, per * m)
+        if labels is not None:
+            return m, labels, True
+        for method in ("lpt", "kk"):
+            labels = split_tokens(ts, cap, per * m, method)
+            if labels is not None:
+                return m, labels, False
+    return None
+
+
+def _lockstep_grid(
+    cost: np.ndarray, length: np.ndarray, dp: int, cap: int
+) -> tuple[Grid, int, int]:
+    """The slot-balanced plan: the fewest micro-batches any construction fits (never more than
+    FFD's or the KK-by-tokens pipeline's), bins dealt into slots by cost, then ``_robust``."""
+    n = len(cost)
+    if n == 0:
+        return [[] for _ in range(dp)], 0, 0
+    order = descending_order(length)  # longest first, hence costliest first
+    cs, ts = cost[order], length[order]
+    min_m = max(1, -(-int(length.sum()) // (dp * cap)))
+    ffd_labels, ffd_bins = ffd(ts, cap)
+    ffd_m = max(1, -(-ffd_bins // dp))
+    found = _fewest_bins(cs, ts, cap, dp, min_m, ffd_m - 1)
+    m, labels, balanced = found if found is not None else (ffd_m, ffd_labels, False)
+    if found is None:
+        balanced_ffd = pack_balanced(cs, ts, cap, dp * ffd_m)
+        if balanced_ffd is not None:
+            labels, balanced = balanced_ffd, True
+    grid = _robust(bins_to_slots(labels, order, cost, dp, m), length, cost, cap)
+    if not balanced:
+        # no cost-balanced packing at m: one more micro-batch if that steps faster by WIDER_GAIN
+        wider_labels = pack_balanced(cs, ts, cap, dp * (m + 1))
+        if wider_labels is not None:
+            wider = _robust(bins_to_slots(wider_labels, order, cost, dp, m + 1), length, cost, cap)
+            gain = _lockstep_cost(grid, cost) - _lockstep_cost(wider, cost)
+            if gain > WIDER_GAIN * float(cost.sum()) / dp:
+                grid = wider
+    return grid, ffd_m, min_m
+
+
+def _robust(grid: Grid, length: np.ndarray, cost: np.ndarray, cap: int) -> Grid:
+    """The grid or one of its ``slots.refill`` variants (``FILL_PER_BIN`` short samples per bin
+    taken out and put back), chosen by ``slots.choose``: lowest lockstep cost, ties within
+    ``ROBUST_TOLERANCE`` to the most even tokens per slot. A step with few samples per bin (up to
+    ``FEW_PER_BIN``) also tries the ``FEW_FILLS`` refills, and then refills the chosen grid once
+    more (its slots regrouped: in the benchmark's agent steps 1.0031 -> 1.0029 at worst)."""
+    dp, m = len(grid), len(grid[0])
+    if dp < 2:
+        return grid
+    few = len(length) <= FEW_PER_BIN * dp * m
+    fills = (FILL_PER_BIN, *FEW_FILLS) if few else (FILL_PER_BIN,)
+    variants = [refill(grid, length, cost, cap, int(f * dp * m)) for f in fills]
+    grids = [grid, *(g for g in variants if g is not None)]
+    best = grids[choose(grids, cost, length)]
+    if few:
+        again = refill(best, length, cost, cap, int(FEW_FILLS[0] * dp * m))
+        if again is not None:
+            best = [best, again][choose([best, again], cost, length)]
+    return best
+
+
+CANDIDATES_UP_TO = 512
+"""Samples per rank up to which lockstep planning also tries the rank-first plans (cheap there,
+and where the slot-balanced plan can lose to them: few large bins, an unsplittable long sample)."""
+
+
+def _best_lockstep(
+    cost: np.ndarray, length: np.ndarray, dp: int, cap: int, equal_count: bool
+) -> tuple[Grid, int, int]:
+    """The lockstep plan with the lowest Σ_j max_r cost(r, j) among the candidates (``_pick``),
+    never using more than one micro-batch more than the fewest any candidate needs.
+
+    Candidates: the slot-balanced plan (``_lockstep_grid``; not with equal counts) and the
+    rank-first plans (ranks balanced by ``auto`` or by LPT, then balanced packing or first-fit
+    decreasing per rank, bins sorted by cost): all four up to ``CANDIDATES_UP_TO`` samples per
+    rank; beyond that only the default rank-first plan, and only with equal counts (the
+    slot-balanced plan cannot keep counts equal). So up to that size a lockstep plan is never
+    worse than the naive "LPT ranks, FFD per rank, bins aligned by cost"; beyond it the
+    slot-balanced plan has won in every benchmark step (1,024 per rank: 1.0021 vs 1.0024).
+    The choice is ``_pick``'s (deterministic).
+    """
+    n = len(cost)
+    candidates: list[tuple[Grid, int, int]] = []
+    if not equal_count:
+        candidates.append(_lockstep_grid(cost, length, dp, cap))
+    if n <= CANDIDATES_UP_TO * dp:
+        for method in ("auto", "lpt"):
+            for ffd_only in (False, True):
+                candidates.append(
+                    _rank_first_grid(cost, length, dp, cap, equal_count, ffd_only, method)
+                )
+    elif equal_count:
+        candidates.append(_rank_first_grid(cost, length, dp, cap, equal_count))
+    return _pick(candidates, cost, length)
+
+
+def _pick(
+    candidates: list[tuple[Grid, int, int]], cost: np.ndarray, length: np.ndarray
+) -> tuple[Grid, int, int]:
+    """The candidate to keep, with the first candidate's FFD and lower-bound counts.
+
+    Only candidates with at most one micro-batch more than the fewest take part; one with more
+    micro-batches than the fewest is charged ``WIDER_GAIN`` of the ideal per extra micro-batch
+    (more micro-batches only when they buy that much). Then ``slots.choose``: the lowest charged
+    lockstep cost, or within ``ROBUST_TOLERANCE`` of it the most even tokens per slot.
+    """
+    first = candidates[0]
+    if not first[0] or not first[0][0]:  # empty step
+        return first
+    fewest = min(len(c[0][0]) for c in candidates)
+    kept = [c for c in candidates if len(c[0][0]) <= fewest + 1]
+    charge = WIDER_GAIN * float(cost.sum()) / len(first[0])
+    extra = [(len(c[0][0]) - fewest) * charge for c in kept]
+    best = kept[choose([c[0] for c in kept], cost, length, extra)]
+    return best[0], first[1], first[2]
+
+
+def _lockstep_cost(grid: Grid, cost: np.ndarray) -> float:
+    """Σ_j max_r cost(r, j) of a grid (`metrics.lockstep_cost`)."""
+    return metrics.lockstep_cost(metrics.grid_costs(grid, cost))
+
+
+def _rank_first_grid(
+    cost: np.ndarray,
+    length: np.ndarray,
+    dp: int,
+    cap: int,
+    equal_count: bool,
+    ffd_only: bool = False,
+    method: str = "auto",
+) -> tuple[Grid, int, int]:
+    """Split samples over ranks (``balance``), then pack each rank into the same M bins (balanced
+    packing, or first-fit decreasing with ``ffd_only``), each rank's bins sorted by cost so that
+    slot j holds every rank's j-th costliest bin."""
+    n = len(cost)
+    if n == 0:
+        return [[] for _ in range(dp)], 0, 0
+    rank = balance_labels(cost, dp, equal_count=equal_count, method=method)
+    idx = [np.flatnonzero(rank == r) for r in range(dp)]
+    orders = [ix[descending_order(length[ix])] for ix in idx]
+    per_rank_tokens = [int(length[ix].sum()) for ix in idx]
+    min_m = max(1, max(-(-t // cap) for t in per_rank_tokens))
+    ffds = [ffd(length[o], cap) for o in orders]
+    ffd_m = max(1, max(b for _, b in ffds))
+    m, packed = ffd_m, [labels for labels, _ in ffds]  # FFD's bins, unless balanced fits
+    if not ffd_only:
+        balanced = _pack_ranks_balanced(cost, length, orders, cap, min_m, ffd_m)
+        if balanced is not None:
+            m, packed = balanced
+    grid: Grid = []
+    for o, labels in zip(orders, packed, strict=True):
+        bins = members(labels, o, m)
+        bin_cost = np.bincount(labels, weights=cost[o], minlength=m)
+        grid.append([bins[int(b)] for b in np.argsort(-bin_cost, kind="stable")])
+    return grid, ffd_m, min_m
+
+
+def _pack_ranks_balanced(
+    cost: np.ndarray,
+    length: np.ndarray,
+    orders: list[np.ndarray],
+    cap: int,
+    min_m: int,
+    max_m: int,
+) -> tuple[int, list[np.ndarray]] | None:
+    """The fewest bins per rank, from ``min_m`` to ``max_m``, into which every rank's samples
+    (``orders[r]``, longest first) fit, each rank by balanced packing or else by a token split
+    (``_fewest_bins``), with each rank's bin labels; ``None`` if none fits (then FFD's)."""
+    for m in range(min_m, max_m + 1):
+        packed = [_fewest_bins(cost[o], length[o], cap, 1, m, m) for o in orders]
+        if all(p is not None for p in packed):
+            return m, [cast(tuple[int, np.ndarray, bool], p)[1] for p in packed]
+    return None
+
+
+def _fixed_grid(cost: np.ndarray, dp: int, size: int) -> tuple[Grid, list[tuple[int, int]]]:
+    """Fixed mode: slots of dp·size samples by cost, each split into dp bins of ``size``.
+
+    Samples sorted by cost fill slot 0 first; within a slot, ``size`` rounds give each bin one
+    sample, the costliest of the round to the cheapest bin. The last slot may be partial.
+    """
+    n = len(cost)
+    if n == 0:
+        return [[] for _ in range(dp)], []
+    per_slot = dp * size
+    m = -(-n // per_slot)
+    order = descending_order(cost)
+    padded = np.full(m * per_slot, -1, dtype=np.int64)
+    padded[:n] = order
+    blocks = padded.reshape(m, size, dp)  # [slot, round, position in round]
+    pc = np.where(blocks >= 0, cost[np.maximum(blocks, 0)], 0.0)
+    loads = np.zeros((m, dp))
+    bins = np.empty((m, size, dp), dtype=np.int64)  # bin of each position
+    rows = np.arange(m)[:, None]
+    for q in range(size):
+        lightest = np.argsort(loads, axis=1, kind="stable")
+        bins[:, q, :] = lightest
+        loads[rows, lightest] += pc[:, q, :]
+    labels = (np.arange(m)[:, None, None] * dp + bins)[blocks >= 0]
+    sample = blocks[blocks >= 0]
+    grid_bins = bins_to_slots(labels, sample, cost, dp, m)
+    short = [(r, j) for r in range(dp) for j in range(m) if len(grid_bins[r][j]) < size]
+    return grid_bins, short
+
+
+def _build(
+    grid: Grid,
+    length: np.ndarray,
+    cost: np.ndarray,
+    *,
+    max_tokens: int | None,
+    micro_batch_size: int | None,
+    ffd_m: int | None,
+    min_m: int | None,
+    short: list[tuple[int, int]],
+    align: str,
+    equal_count: bool,
+    workload: Workload,
+) -> StepPlan:
+    """Assemble the StepPlan and check its invariants (they are promises, not hopes)."""
+    dp = len(grid)
+    m = len(grid[0]) if dp else 0
+    costs = np.zeros((dp, m))
+    tokens = np.zeros((dp, m), dtype=np.int64)
+    seen = np.zeros(len(length), dtype=np.int64)
+    for r, row in enumerate(grid):
+        if len(row) != m:
+            raise AssertionError(f"bug: rank {r} has {len(row)} micro-batches, rank 0 has {m}")
+        for j, mb in enumerate(row):
+            tokens[r, j] = int(length[mb].sum())
+            costs[r, j] = float(cost[mb].sum())
+            seen[mb] += 1
+    if len(length) and not (seen == 1).all():
+        raise AssertionError("bug: a sample is missing from the plan or appears twice")
+    if max_tokens is not None and m and int(tokens.max()) > max_tokens:
+        raise AssertionError(f"bug: a micro-batch holds {int(tokens.max())} > {max_tokens} tokens")
+    empty = np.array([[len(mb) == 0 for mb in row] for row in grid], dtype=bool).reshape(dp, m)
+    return StepPlan(
+        micro_batches=grid,
+        costs=costs,
+        tokens=tokens,
+        empty=empty,
+        num_micro_batches=m,
+        ffd_micro_batches=ffd_m,
+        min_micro_batches=min_m,
+        max_tokens=max_tokens,
+        micro_batch_size=micro_batch_size,
+        short=short,
+        align=align,
+        equal_count=equal_count,
+        workload=workload,
+    )
