@@ -279,7 +279,7 @@ def _swapped_chunks(monkeypatch) -> None:
 
 def _reversed_slices(monkeypatch) -> None:
     """SP rank i gets the slice of rank S-1-i."""
-    import rolltool.packed.reader as reader
+    import rolltool.packed.core as reader
 
     right = reader.sp_view
     monkeypatch.setattr(reader, "sp_view", lambda row, sp, rank: right(row, sp, sp - 1 - rank))

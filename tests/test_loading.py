@@ -209,7 +209,7 @@ def test_a_batch_size_is_refused_with_a_sentence(out: Path, batch_size: int) -> 
 
 
 def test_a_rank_reads_only_its_own_files(out: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import rolltool.packed.reader as reader
+    import rolltool.packed.core as reader
 
     opened: list[Path] = []
     real = reader.map_tensors

@@ -24,6 +24,7 @@ import pytest
 from safetensors import safe_open
 
 import rolltool
+import rolltool.packed.core as core
 import rolltool.packed.reader as reader
 from rolltool.errors import RolltoolError
 from rolltool.format import ShardRef
@@ -193,13 +194,13 @@ def test_a_flipped_byte_in_range_is_refused_by_hash(out: Path) -> None:
 
 def test_hash_mode_hashes_each_shard_once(pristine: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     hashed: list[Path] = []
-    real = reader.file_record
+    real = core.file_record
 
     def spy(path: Path) -> Any:
         hashed.append(path)
         return real(path)
 
-    monkeypatch.setattr(reader, "file_record", spy)
+    monkeypatch.setattr(core, "file_record", spy)
     ds = rolltool.open_packed(pristine, verify="hash")
     for _ in range(2):
         assert sum(1 for _ in ds.rank_iter(1)) == len(ds.rank_rows(1))

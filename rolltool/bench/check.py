@@ -20,9 +20,8 @@ from typing import Any
 import numpy as np
 
 from rolltool.bench.backends import Backend
-from rolltool.bench.config import TOLERANCES, BenchSetup
+from rolltool.bench.config import TOLERANCES, BenchSetup, torch_dtype
 from rolltool.bench.rows import Row
-from rolltool.bench.timing import torch_dtype
 
 
 def sample_rows(rows: Sequence[Row], n: int) -> list[int]:

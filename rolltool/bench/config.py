@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
+from rolltool.bench.backends import BACKENDS
 from rolltool.errors import RolltoolError
 from rolltool.plan.workload import DEFAULT_PRESET, MODEL_PRESETS, ModelShape
 
@@ -28,6 +30,15 @@ WHATS = ("layer", "attention")
 
 DTYPES = ("bf16", "fp16", "fp32")
 """Names accepted by ``--dtype`` (besides ``auto``: bf16 on CUDA, fp32 on CPU)."""
+TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+"""Each of ``DTYPES`` as torch names it."""
+
+
+def torch_dtype(torch: Any, name: str) -> Any:
+    """The torch dtype of ``--dtype`` `name` (one of ``DTYPES``), from the `torch` module the
+    bench was handed (this module never imports torch)."""
+    return getattr(torch, TORCH_DTYPES[name])
+
 
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
 """Devices ``--device`` accepts: ``auto``, ``cpu``, ``cuda``, ``cuda:N`` (checked before torch,
@@ -229,8 +240,6 @@ class BenchConfig:
     """Rows per directory whose segments are compared with each sequence run alone (0: none)."""
 
     def __post_init__(self) -> None:
-        from rolltool.bench.backends import BACKENDS
-
         try:
             parse_device(self.device)
         except ValueError as e:

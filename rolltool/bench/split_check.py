@@ -39,10 +39,9 @@ import numpy as np
 
 from rolltool.bench.backends import Backend
 from rolltool.bench.check import _excess, reference, sample_rows
-from rolltool.bench.config import TOLERANCES, BenchSetup
+from rolltool.bench.config import TOLERANCES, BenchSetup, torch_dtype
 from rolltool.bench.rows import ReplayRows, Row
 from rolltool.bench.shares import sp_heads
-from rolltool.bench.timing import torch_dtype
 from rolltool.format.split import cp_gather
 from rolltool.packed.reader import PackedDataset, open_packed
 

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from rolltool.bench.backends import Backend
-from rolltool.bench.config import BenchSetup
+from rolltool.bench.config import BenchSetup, torch_dtype
 from rolltool.bench.layer import LayerWeights, layer_with, make_weights
 from rolltool.bench.rows import Row
 from rolltool.bench.shares import GpuShare, sp_heads
@@ -120,7 +120,7 @@ def stage_shares(
     shares = [r.share for r in rows if r.share is not None]
     runs = [_run(torch, backend, sh, setup) for sh in shares]
     s = setup.shape
-    device, dtype = torch.device(setup.device), _dtype(torch, setup.dtype)
+    device, dtype = torch.device(setup.device), torch_dtype(torch, setup.dtype)
     gen = torch.Generator(device="cpu").manual_seed(setup.seed + 3)
 
     def rand(*dims: int) -> Any:
@@ -140,12 +140,6 @@ def stage_shares(
     k_max = max(int(r.k_bounds[-1]) * r.kv_heads for r in runs) * s.head_dim
     return StagedShares(runs=runs, q=rand(q_max), k=rand(k_max), v=rand(k_max),
                         grad_out=rand(q_max) if setup.backward else None)  # fmt: skip
-
-
-def _dtype(torch: Any, name: str) -> Any:
-    from rolltool.bench.timing import torch_dtype
-
-    return torch_dtype(torch, name)
 
 
 def attention(torch: Any, backend: Backend, run: ShareRun, q: Any, k: Any, v: Any) -> Any:

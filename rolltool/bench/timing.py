@@ -34,19 +34,15 @@ from typing import Any
 import numpy as np
 
 from rolltool.bench.backends import Backend
-from rolltool.bench.config import BenchSetup
+from rolltool.bench.config import BenchSetup, torch_dtype
 from rolltool.bench.layer import LayerWeights, layer_forward, make_weights
 from rolltool.bench.rows import Row
+from rolltool.bench.split_work import run_share, stage_shares
 
-TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 L2_FLUSH_BYTES = 256 * 2**20
 """Larger than any current GPU's L2 (H100/H200: 50 MiB)."""
 
 Progress = Callable[[Iterable[Any], int | None, str], Iterator[Any]]
-
-
-def torch_dtype(torch: Any, name: str) -> Any:
-    return getattr(torch, TORCH_DTYPES[name])
 
 
 @dataclass
@@ -144,8 +140,6 @@ def runner(
     if not shared:
         assert st is not None
         return lambda i: run_row(torch, backend, st, where[i], setup)
-    from rolltool.bench.split_work import run_share, stage_shares
-
     weights = st.weights if st is not None else None
     sh = stage_shares(torch, backend, [rows[i] for i in shared], setup, weights)
 

@@ -298,6 +298,16 @@ class Manifest:
         return m
 
     @classmethod
+    def loads(cls, text: str | bytes, where: str = MANIFEST) -> Manifest:
+        """Parse a manifest's JSON text (read by the caller, e.g. from object storage); `where`
+        names it in errors."""
+        try:
+            doc = json.loads(text)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise RolltoolError(f"{where}: unreadable manifest ({e})") from None
+        return cls.from_json(doc, where)
+
+    @classmethod
     def load(cls, root: str | Path) -> Manifest:
         """Read ``root/manifest.json``."""
         path = Path(root) / MANIFEST

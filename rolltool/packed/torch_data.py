@@ -1,7 +1,9 @@
 """The torch side of the consumer contract: a resumable, worker-sharded dataset of packed rows.
 
-Imported only on demand (``ds.torch_dataset``, ``ds.micro_batches(..., torch=True)``): ``import
-rolltool`` and the CLI never import torch.
+Built on the reader's core (`rolltool.packed.core.PackedReader`: `RankRows` reads through it)
+and on `rolltool.packed.tensors.to_tensors`; the reader never imports this module.
+``ds.torch_dataset(rank)`` (`rolltool.packed.reader.PackedDataset`, the layer above) makes a
+`RankRows`, importing this module then: ``import rolltool`` and the CLI never import torch.
 
 >>> data = ds.torch_dataset(rank, start_step=12)               # doctest: +SKIP
 >>> loader = DataLoader(data, batch_size=None, num_workers=2)  # each item is one micro-batch
@@ -25,9 +27,9 @@ torchdata's ``StatefulDataLoader``, which saves and restores each worker's posit
 **Copies.** Shard files are memory-mapped. Stored arrays (``input_ids``, ``loss_mask``,
 ``logprobs``, ``sample_index``) are copied once from the page cache into their tensor, never
 wrapped (a tensor over a read-only map is undefined behaviour); derived arrays are computed into
-fresh memory and wrapped. With ``pin_memory=True`` (no workers) every array is copied once into
-one pinned buffer per row, ready for ``.to(device, non_blocking=True)``; `prefetch` issues the
-next row's transfer while the current one is used. In a worker the row's buffer is allocated in
+fresh memory and wrapped (`rolltool.packed.tensors.to_tensors`). With ``pin_memory=True`` (no
+workers) every array is copied once into one pinned buffer per row, ready for ``.to(device,
+non_blocking=True)``; `prefetch` issues the next row's transfer while the current one is used. In a worker the row's buffer is allocated in
 shared memory, so handing it to the main process copies nothing more (a DataLoader's
 ``pin_memory=True`` then copies it once more into pinned memory: pinned pages cannot cross
 processes). Reading is cheap next to a training step (benchmarks/loading.py: ~3,000 rows/s of
@@ -40,14 +42,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from rolltool.errors import RolltoolError
+from rolltool.packed.tensors import to_tensors
 
 if TYPE_CHECKING:
-    from rolltool.packed.reader import PackedDataset
+    from rolltool.packed.core import PackedReader
 
 BATCH_HINT = (
     "use DataLoader(..., batch_size=None): each item is already a packed micro-batch "
@@ -81,48 +83,15 @@ def _register_refusal() -> None:
 _register_refusal()
 
 
-def _block(nbytes: int, *, pin: bool, shared: bool) -> torch.Tensor:
-    """One uint8 buffer: pinned, or in shared memory (then the worker -> main process hand-over
-    copies nothing), or plain."""
-    if shared:
-        new_shared = getattr(torch.UntypedStorage, "_new_shared", None)
-        if new_shared is None:  # pragma: no cover - torch without the allocator hook
-            return torch.empty(nbytes, dtype=torch.uint8).share_memory_()
-        return torch.empty(0, dtype=torch.uint8).set_(new_shared(nbytes))
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-
-
-def to_tensors(
-    row: dict[str, np.ndarray], *, pin_memory: bool = False, shared: bool = False
-) -> dict[str, torch.Tensor]:
-    """A reader row as tensors. Plain: read-only (memory-mapped) arrays copied once into new
-    tensors, fresh (derived) arrays wrapped without a copy. Pinned or shared: every array copied
-    once into one buffer for the whole row (one allocation, one shared-memory segment), each
-    tensor a view of its 8-byte-aligned slice."""
-    if not (pin_memory or shared):
-        return {k: torch.from_numpy(a if a.flags.writeable else a.copy()) for k, a in row.items()}
-    starts, end = {}, 0
-    for key, a in row.items():
-        starts[key] = end
-        end += -(-a.nbytes // 8) * 8
-    block = _block(max(end, 8), pin=pin_memory, shared=shared)
-    out: dict[str, torch.Tensor] = {}
-    for key, a in row.items():
-        dtype = torch.from_numpy(np.empty(0, a.dtype)).dtype  # numpy's dtype as torch's
-        t = block[starts[key] : starts[key] + a.nbytes].view(dtype).view(a.shape)
-        t.numpy()[...] = a
-        out[key] = t
-    return out
-
-
 class RankRows(IterableDataset[MicroBatch]):
     """One rank's rows as `MicroBatch` items (see the module docstring): sharded over DataLoader
-    workers in stream order, resumable, optionally pinned. Made by `PackedDataset.torch_dataset`.
+    workers in stream order, resumable, optionally pinned. Made by `PackedDataset.torch_dataset`
+    (`rolltool.packed.reader`); reads through any `PackedReader`.
     """
 
     def __init__(
         self,
-        ds: PackedDataset,
+        ds: PackedReader,
         rank: int,
         *,
         start_step: int = 0,
