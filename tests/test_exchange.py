@@ -80,6 +80,7 @@ def test_pack_through_the_exchange_writes_the_same_files(
 ) -> None:
     """Forced onto the exchange path (threshold 0), pack writes the same shards and
     samples.parquet as the direct path, records the path, and leaves no bucket behind."""
+    from rolltool.engine.config import ExecutionConfig
     from rolltool.jobs import pack as pack_module
     from rolltool.jobs.pack import run_pack
     from rolltool.plan.config import PackConfig
@@ -89,9 +90,9 @@ def test_pack_through_the_exchange_writes_the_same_files(
     pq.write_table(pq.read_table(EXAMPLE), src, row_group_size=40)
     config = PackConfig.from_options(dp=2, batch_size=16, order="shuffle", cache_mb=0,
                                      mini_batches=2, epochs=2)  # fmt: skip
-    direct = run_pack([str(src)], tmp_path / "d", config, workers=workers)
+    direct = run_pack([str(src)], tmp_path / "d", config, ExecutionConfig(workers=workers))
     monkeypatch.setattr(pack_module, "EXCHANGE_AT", 0.0)
-    via = run_pack([str(src)], tmp_path / "x", config, workers=workers)
+    via = run_pack([str(src)], tmp_path / "x", config, ExecutionConfig(workers=workers))
     assert direct.reads is not None and via.reads is not None
     assert (direct.reads.path, via.reads.path) == ("direct", "exchange")
     assert {k: v for k, v in direct.files.items()} == {k: v for k, v in via.files.items()}

@@ -13,7 +13,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -22,11 +22,13 @@ from click.testing import CliRunner
 from rolltool.cli import main
 from rolltool.engine import ray as ray_engine
 from rolltool.engine.base import check_engine
-from rolltool.engine.ray import CRASH_FOR_TESTS, RayEngine
+from rolltool.engine.config import ExecutionConfig
+from rolltool.engine.ray import RayEngine
 from rolltool.errors import OptionConflict, RolltoolError
 from rolltool.jobs.pack import run_pack
-from rolltool.packing.step import Job
+from rolltool.packing.step import Job, Packed
 from rolltool.plan.config import PackConfig
+from rolltool.plan.schedule import PlannedStep
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "rollouts.parquet"
 COMMAND = ["rolltool", "pack", "(test)"]
@@ -74,8 +76,32 @@ pytestmark = pytest.mark.usefixtures("small_pools")
 
 
 def pack_with(tmp_path: Path, name: str, config: PackConfig, **kw: object) -> Path:
-    run_pack([str(EXAMPLE)], tmp_path / name, config, command=COMMAND, **kw)  # type: ignore[arg-type]
+    """`run_pack` of the example into ``tmp_path / name``, `kw` its `ExecutionConfig`."""
+    execution = ExecutionConfig(**kw)  # type: ignore[arg-type]
+    run_pack([str(EXAMPLE)], tmp_path / name, config, execution, command=COMMAND)
     return tmp_path / name
+
+
+def crash_after_first_step(mode: str) -> Callable[[Job, list[PlannedStep]], list[Packed]]:
+    """A stand-in for the pack task (`ray_engine._pack_task`) that dies (``os._exit``) right
+    after packing its first step, that step's first shard cut in half, as a killed worker would
+    leave it: ``once:PATH`` only the attempt that first creates PATH, ``always`` every attempt.
+    A closure, so that Ray pickles it by value: its workers cannot import the tests."""
+    real = ray_engine._pack_task
+
+    def pack_task(job: Job, steps: list[PlannedStep]) -> list[Packed]:
+        first = real(job, steps[:1])
+        kind, _, marker = mode.partition(":")
+        if kind == "once":
+            try:
+                os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                return first + real(job, steps[1:])
+        shard = job.root / min(first[0].files)
+        os.truncate(shard, shard.stat().st_size // 2)
+        os._exit(1)
+
+    return pack_task
 
 
 @pytest.mark.parametrize(
@@ -275,12 +301,12 @@ def test_ray_tasks_run_elsewhere_in_order(cluster: None) -> None:
 def test_a_task_killed_mid_step_is_retried(
     cluster: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The first pack task dies after writing half of a shard (`CRASH_FOR_TESTS`); Ray runs it
-    again, it rewrites the same names, and the output is byte for byte the local one."""
+    """The first pack task dies after writing half of a shard (`crash_after_first_step`); Ray
+    runs it again, it rewrites the same names, and the output is byte for byte the local one."""
     config = PackConfig.from_options(dp=2, batch_size=32)
     local = files(pack_with(tmp_path, "local", config, workers=1))
     marker = tmp_path / "crashed"
-    monkeypatch.setenv(CRASH_FOR_TESTS, f"once:{marker}")
+    monkeypatch.setattr(ray_engine, "_pack_task", crash_after_first_step(f"once:{marker}"))
     retried = files(pack_with(tmp_path, "ray", config, engine="ray"))
     assert marker.exists()  # a task really died
     assert local == retried
@@ -289,7 +315,7 @@ def test_a_task_killed_mid_step_is_retried(
 def test_a_failure_that_persists_stops_the_run(
     cluster: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv(CRASH_FOR_TESTS, "always")
+    monkeypatch.setattr(ray_engine, "_pack_task", crash_after_first_step("always"))
     monkeypatch.setattr(ray_engine, "RETRIES", 1)
     config = PackConfig.from_options(dp=2, batch_size=32)
     with pytest.raises(RolltoolError) as e:
@@ -325,7 +351,7 @@ def test_a_node_without_the_output_directory_says_so(tmp_path: Path) -> None:
     job = Job(reader=None, cache_bytes=0, root=tmp_path / "elsewhere", shard_bytes=1,  # type: ignore[arg-type]
                    config=PackConfig(dp=1))  # fmt: skip
     with pytest.raises(RolltoolError, match="does not see the output directory") as e:
-        ray_engine._pack_task(job, [], None)
+        ray_engine._pack_task(job, [])
     assert "shared" in (e.value.hint or "") or "filesystem" in (e.value.hint or "")
 
 
@@ -362,9 +388,10 @@ def test_ray_address_needs_engine_ray(tmp_path: Path) -> None:
 def test_ray_is_imported_only_for_engine_ray(tmp_path: Path) -> None:
     code = (
         "import sys, rolltool, rolltool.cli, rolltool.jobs.pack\n"
+        "from rolltool.engine.config import ExecutionConfig\n"
         "from rolltool.plan.config import PackConfig\n"
         f"rolltool.jobs.pack.run_pack([{str(EXAMPLE)!r}], {str(tmp_path / 'o')!r}, "
-        "PackConfig.from_options(dp=2), workers=1)\n"
+        "PackConfig.from_options(dp=2), ExecutionConfig(workers=1))\n"
         "assert 'ray' not in sys.modules, 'ray imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -428,6 +455,8 @@ def test_an_input_changed_before_the_ray_data_exchange_is_refused(
     monkeypatch.setattr(RayEngine, "exchange_steps", changed_first)
     config = PackConfig.from_options(dp=2, batch_size=32, order="shuffle", cache_mb=0)
     with pytest.raises(RolltoolError, match="changed while rolltool was reading it") as e:
-        run_pack([str(copy)], tmp_path / "out", config, command=COMMAND, engine="ray")
+        run_pack(
+            [str(copy)], tmp_path / "out", config, ExecutionConfig(engine="ray"), command=COMMAND
+        )
     assert "\n" not in e.value.message and str(copy) in e.value.message
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.parquet"]

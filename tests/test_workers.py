@@ -16,6 +16,7 @@ import pytest
 
 from rolltool.engine import local as pool
 from rolltool.engine import local as workers
+from rolltool.engine.config import ExecutionConfig
 from rolltool.errors import RolltoolError
 from rolltool.jobs.pack import run_pack
 from rolltool.plan.config import PackConfig
@@ -45,7 +46,9 @@ pytestmark = pytest.mark.usefixtures("small_pools")
 def test_same_bytes_with_two_workers(tmp_path: Path, options: dict) -> None:
     config = PackConfig.from_options(**options)
     for n in (1, 2):
-        run_pack([str(EXAMPLE)], tmp_path / f"w{n}", config, command=COMMAND, workers=n)
+        run_pack(
+            [str(EXAMPLE)], tmp_path / f"w{n}", config, ExecutionConfig(workers=n), command=COMMAND
+        )
     one, two = files(tmp_path / "w1"), files(tmp_path / "w2")
     assert one.keys() == two.keys() and len(one) > 3
     assert [k for k in one if one[k] != two[k]] == []
@@ -82,7 +85,13 @@ def test_an_error_in_a_worker_is_the_serial_error(tmp_path: Path) -> None:
     messages = []
     for n in (1, 2):
         with pytest.raises(RolltoolError) as e:
-            run_pack([str(EXAMPLE)], tmp_path / f"e{n}", config, command=COMMAND, workers=n)
+            run_pack(
+                [str(EXAMPLE)],
+                tmp_path / f"e{n}",
+                config,
+                ExecutionConfig(workers=n),
+                command=COMMAND,
+            )
         messages.append(str(e.value))
         assert not (tmp_path / f"e{n}").exists()
     assert messages[0] == messages[1] and "--equal-count" in messages[0]
@@ -98,9 +107,11 @@ def test_the_pool_packs_every_step(tmp_path: Path, monkeypatch: pytest.MonkeyPat
             seen.append(done.record.step)
             yield done
 
-    monkeypatch.setattr("rolltool.jobs.pack.pack_steps", spy)
+    monkeypatch.setattr("rolltool.engine.local.pack_steps", spy)
     config = PackConfig.from_options(dp=2, batch_size=32)
-    m = run_pack([str(EXAMPLE)], tmp_path / "p", config, command=COMMAND, workers=2)
+    m = run_pack(
+        [str(EXAMPLE)], tmp_path / "p", config, ExecutionConfig(workers=2), command=COMMAND
+    )
     assert seen == list(range(m.num_steps)) and m.num_steps >= 2
 
 
@@ -116,9 +127,9 @@ def test_a_worker_refuses_an_input_changed_since_the_scan(
         os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
         yield from real(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr("rolltool.jobs.pack.pack_steps", touch_then_pack)
+    monkeypatch.setattr("rolltool.engine.local.pack_steps", touch_then_pack)
     config = PackConfig.from_options(dp=2, batch_size=32, cache_mb=0)
     with pytest.raises(RolltoolError, match="changed while rolltool was reading it"):
-        run_pack([str(src)], tmp_path / "p", config, command=COMMAND, workers=2)
+        run_pack([str(src)], tmp_path / "p", config, ExecutionConfig(workers=2), command=COMMAND)
     assert not (tmp_path / "p").exists()
     assert not list(tmp_path.glob(".p.*"))

@@ -57,16 +57,13 @@ def advantages(
     copy, which checks the token columns): memory holds the light columns and one output row
     group, not the input.
     """
-    from rolltool.engine.base import check_engine, default_workers
-    from rolltool.engine.local import local_mapper
-    from rolltool.engine.ray import engine_mapper
+    from rolltool.engine.config import ExecutionConfig, open_mapper
     from rolltool.jobs.advantages import run_advantages
     from rolltool.stats.render import render_advantages
 
     config = AdvantageConfig(estimator=estimator, env_estimators=env_estimators, std_eps=std_eps)
-    check_engine(engine, ray_address, workers)
-    with engine_mapper(engine, ray_address, "scanning row groups") as on_ray:
-        mapper = on_ray or local_mapper(default_workers() if workers is None else workers)
+    execution = ExecutionConfig(workers=workers, engine=engine, ray_address=ray_address)
+    with open_mapper(execution, "scanning row groups") as mapper:
         report = run_advantages(inputs, output, config, columns=columns, force=force, mapper=mapper)
     for w in report["warnings"]:  # to stderr, with --json too (the report also lists them)
         warn(w)

@@ -23,6 +23,7 @@ from rolltool.cli.options import (
 from rolltool.cli.sections import SectionedCommand, opt, section
 from rolltool.cli.terminal import table_width
 from rolltool.engine.base import ENGINES
+from rolltool.engine.config import EXCHANGE_CHOICES, ExecutionConfig
 from rolltool.plan.advantages import ESTIMATORS
 from rolltool.plan.batches import BATCH_UNITS, ORDERS, UNIFORM_POLICIES
 from rolltool.plan.config import DEFAULT_MICRO_BATCH_TOKENS, OVERLONG, PackConfig
@@ -84,7 +85,7 @@ BUDGET = (f"Hard token budget per micro-batch and GPU [default: --row-len when g
     column_option(),
     opt("--cache-mb", float, D.cache_mb, "Decoded input kept in memory, MB (input that fits is read once)."),
     opt("--workers", POSITIVE, None, "Processes that plan batches (the same output whatever the number) [default: the cores available]."),
-    opt("--exchange exchange_path", ("auto", "always", "never"), "auto", "Scattered steps (--order completion/shuffle): read the input once into step buckets when fetching step by step would read it 4x over (auto), always, or never; the same output either way."),
+    opt("--exchange exchange_path", EXCHANGE_CHOICES, "auto", "Scattered steps (--order completion/shuffle): read the input once into step buckets when fetching step by step would read it 4x over (auto), always, or never; the same output either way."),
     opt("--engine", ENGINES, "local", "What plans batches and packs steps: this machine's processes (--workers), or Ray tasks (the [ray] extra; on several machines the input and output need a shared filesystem); the same output either way."),
     opt("--ray-address", str, None, "The Ray cluster --engine ray attaches to (auto, HOST:6379, ray://HOST:10001) [default: RAY_ADDRESS, else one `ray start` began on this machine, else a new local cluster]."),
 )  # fmt: skip
@@ -110,15 +111,15 @@ def pack(inputs: tuple[str, ...], output: str, columns: dict[str, str], force: b
     from rolltool.stats.render import pack_summary, render_pack
 
     config = PackConfig.from_options(**settings)
+    execution = ExecutionConfig(workers=workers, engine=engine, ray_address=ray_address,
+                                exchange=exchange_path)  # fmt: skip
     # An unreliable calibration is said before the run too (it reads a small JSON file).
     said = {config.workload().unreliable()} if config.balance == "calibrated" else set()
     for w in said - {None}:
         warn(str(w))
-    manifest = run_pack(inputs, output, config, columns=columns, force=force,
+    manifest = run_pack(inputs, output, config, execution=execution, columns=columns, force=force,
                         command=["rolltool", *sys.argv[1:]], progress=progress,
-                        estimator_chosen=given_by_user("estimator", "env_estimators"),
-                        workers=workers, engine=engine, ray_address=ray_address,
-                        exchange_path=exchange_path)  # fmt: skip
+                        warn_ignored_estimator=given_by_user("estimator", "env_estimators"))  # fmt: skip
     for w in manifest.warnings:  # to stderr, with --json too (the manifest also lists them)
         if w not in said:
             warn(w)

@@ -1,23 +1,36 @@
-"""What every engine shares: the engines' names, the one chunk policy, the settings check.
+"""What every engine shares: the engines' names, the one chunk policy, the in-order collection
+of chunked work, the settings check, and the `Engine` protocol a job asks.
 
 An engine runs pure work it is handed (`rolltool.util.mapping.Mapper` for planning and scans,
 ``pack_steps`` for the per-step unit of work, `rolltool.packing.step.pack_chunk`) on this
-machine's processes (`rolltool.engine.local`) or on a Ray cluster (`rolltool.engine.ray`).
-Light on purpose: the CLI imports it for `ENGINES` without loading any engine.
+machine's processes (`rolltool.engine.local.LocalEngine`) or on a Ray cluster
+(`rolltool.engine.ray.RayEngine`); which one a run uses is its
+`rolltool.engine.config.ExecutionConfig`. Light on purpose: the CLI imports it for `ENGINES`
+without loading any engine.
+
+What is shared and what is not: every engine cuts its work with `chunks` and gives results back
+in input order with `in_order` (at most a window of chunks submitted and not yet collected;
+closing it early cancels the rest). How a chunk is started, how its result is awaited and what
+a dead worker means differ for real and stay with each engine: forked processes that inherit the
+work (planning), ``forkserver`` processes the steps are pickled to (packing), Ray tasks whose
+arguments go through the object store and whose failures Ray retries.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from collections import deque
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from rolltool.errors import OptionConflict, RolltoolError
 
 if TYPE_CHECKING:
+    from rolltool.format import StepRecord
     from rolltool.packing.step import Job, Packed
     from rolltool.plan.schedule import PlannedStep
+    from rolltool.util.mapping import Mapper
 
 ENGINES = ("local", "ray")
 """What runs the work of ``--engine``: worker processes on this machine, or Ray tasks."""
@@ -29,14 +42,46 @@ SHARED_FS_HINT = (
     "on a cluster of several machines the inputs and the output's parent must be on a "
     "filesystem every node mounts at the same path"
 )
+A = TypeVar("A")
+H = TypeVar("H")
 
 
 class Engine(Protocol):
-    """What a job asks of an engine: a `Mapper` and packing steps, results in order."""
+    """What a job asks of an engine (`rolltool.engine.local.LocalEngine`,
+    `rolltool.engine.ray.RayEngine`): results always in the order of the items or steps
+    given, the same whatever runs them."""
 
-    def map_in_order(self, fn: Callable[[Any], Any], items: Sequence[Any]) -> Iterable[Any]: ...
+    def map_in_order(self, fn: Callable[[Any], Any], items: Sequence[Any]) -> Iterable[Any]:
+        """``fn(x)`` for every x of `items`, in order: a `Mapper` for any pure stage (a scan, a
+        command's pieces)."""
+        ...
 
-    def pack_steps(self, steps: Sequence[PlannedStep], job: Job) -> Iterator[Packed]: ...
+    def plan_mapper(self, samples: int) -> Mapper:
+        """The `Mapper` that plans the batches of a run over `samples` input samples (the local
+        engine plans a run too small to pay for its pool here)."""
+        ...
+
+    def pack_worth_it(self, steps: Sequence[StepRecord]) -> bool:
+        """Whether `pack_steps` should pack the steps of these records; False: the job packs
+        them in its own process (the local pool pays for its start only on big runs)."""
+        ...
+
+    def pack_steps(self, steps: Sequence[PlannedStep], job: Job) -> Iterator[Packed]:
+        """Every step packed elsewhere (`rolltool.packing.step.pack_chunk`) into ``job.root``,
+        its record and files yielded in step order for the driver to adopt."""
+        ...
+
+    @property
+    def data_exchange(self) -> bool:
+        """Whether the exchange path is this engine's own (`exchange_steps`); False: the job
+        fills step buckets on the driver (`rolltool.fetch.buckets`) and `pack_steps` reads
+        them."""
+        ...
+
+    def exchange_steps(self, steps: Sequence[PlannedStep], job: Job) -> Iterator[Packed]:
+        """The exchange path as `pack_steps` yields it, each step's samples brought together by
+        the engine; only called where `data_exchange` is true."""
+        ...
 
 
 def default_workers() -> int:
@@ -54,10 +99,38 @@ def spans(n: int, parts: int) -> list[tuple[int, int]]:
     return list(itertools.pairwise(n * i // k for i in range(k + 1))) if k else []
 
 
-def chunks(n: int, workers: int) -> list[tuple[int, int]]:
+def chunks(n: int, workers: int, most: int | None = None) -> list[tuple[int, int]]:
     """The one chunk policy: `n` items cut into ``CHUNKS_PER_WORKER`` contiguous chunks per
-    worker (`spans`)."""
-    return spans(n, workers * CHUNKS_PER_WORKER)
+    worker (`spans`), or more where a chunk would otherwise hold more than `most` items (Ray's
+    ``MAX_CHUNK``, which bounds what one task carries)."""
+    parts = workers * CHUNKS_PER_WORKER
+    return spans(n, parts if most is None else max(parts, -(-n // most)))
+
+
+def in_order(
+    submit: Callable[[A], H],
+    args: Iterable[A],
+    window: int,
+    collect: Callable[[A, H], Any],
+    cancel: Callable[[list[H]], object],
+) -> Generator[Any, None, None]:
+    """Each ``collect(a, submit(a))`` in the order of `args`, with at most `window` submitted
+    and not yet collected: the next is submitted once the oldest one's result is taken.
+    `submit` starts the work of `a` and returns a handle (a future, a Ray ref); `collect` waits
+    for it and returns its result or raises the engine's error for `a`. Leaving early (closing
+    the generator, an error) calls ``cancel(handles)`` on those still pending."""
+    todo = iter(args)
+    pending: deque[tuple[A, H]] = deque()
+    try:
+        pending.extend((a, submit(a)) for a in itertools.islice(todo, window))
+        while pending:
+            a, handle = pending[0]
+            result = collect(a, handle)
+            pending.popleft()
+            pending.extend((b, submit(b)) for b in itertools.islice(todo, 1))
+            yield result
+    finally:
+        cancel([h for _, h in pending])
 
 
 def check_engine(engine: str, address: str | None, workers: int | None = None) -> None:

@@ -1,5 +1,11 @@
 """The local engine: this machine's processes, for planning batches and for packing steps.
 
+`LocalEngine` is this module as a `rolltool.engine.base.Engine` (what a job asks of any engine):
+its ``workers``, the planning mapper with its size rule (`plan_mapper`), and `pack_steps` with
+its own (`pack_worth_it`). Both pools cut their work with the one chunk policy
+(`rolltool.engine.base.chunks`) and collect it in order with `rolltool.engine.base.in_order`
+(`_pool_in_order`); they differ in how their workers start and what they are handed, below.
+
 Planning (``pack --workers N``): each batch's plan (`rolltool.plan.schedule.plan_one_step` /
 ``plan_batch``) is a pure function of the light columns, the config and the batch, so batches
 can be planned anywhere and in any order: `iter_in_order` puts the results back in batch order
@@ -21,7 +27,8 @@ one process. Memory: each worker holds one step's tokens and rows plus its cache
 Workers are started by ``forkserver`` (a clean process, not a fork of the driver and its Arrow
 thread pools); the steps travel to them pickled, a chunk at a time. A failing step stops the run
 with its error, the pool is shut down before the temporary directory is removed, and a worker
-that dies (killed, out of memory) is one error naming the steps it held.
+that dies (killed, out of memory) is one error naming the steps it held. The exchange path's
+buckets are the job's (`rolltool.fetch.buckets`, on the driver): ``data_exchange`` is false.
 """
 
 from __future__ import annotations
@@ -29,11 +36,12 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from rolltool.engine.base import chunks, default_workers
+from rolltool.engine.base import chunks, default_workers, in_order
 from rolltool.errors import RolltoolError
 from rolltool.fetch.tokens import TokenReader
 from rolltool.format import StepRecord
@@ -72,15 +80,8 @@ def iter_in_order(fn: Callable[[T], R], items: Sequence[T], workers: int) -> Ite
         yield from (fn(x) for x in items)
         return
     parts = chunks(len(items), workers)
-    context = multiprocessing.get_context("fork")
-    with ProcessPoolExecutor(
-        max_workers=min(workers, len(parts)),
-        mp_context=context,
-        initializer=_adopt,
-        initargs=(fn, items),
-    ) as pool:
-        for chunk in pool.map(_run, parts):
-            yield from chunk
+    for chunk in _pool_in_order("fork", workers, _adopt, (fn, items), _run, parts):
+        yield from chunk
 
 
 def local_mapper(workers: int) -> Mapper | None:
@@ -101,6 +102,48 @@ def plan_mapper(workers: int, samples: int) -> Mapper:
         return iter_in_order(fn, items, use)
 
     return mapper
+
+
+def _pool_in_order(
+    method: str,
+    workers: int,
+    initializer: Callable[..., None],
+    initargs: tuple[Any, ...],
+    work: Callable[[Any], Any],
+    parts: Sequence[Any],
+    died: Callable[[Any], Exception] | None = None,
+) -> Iterator[Any]:
+    """``work(part)`` for every part, computed by a pool of at most `workers` processes that
+    `method` starts (``fork``: they inherit what `initargs` holds; ``forkserver``: it is pickled
+    to each) and `initializer` prepares, in order (`rolltool.engine.base.in_order`; every part
+    submitted at once). A worker's exception is raised here as it was raised there; a worker
+    that dies is ``died(part)`` where given. Leaving early cancels the parts not started and
+    waits for the running ones: the pool is gone when this returns."""
+    pool = ProcessPoolExecutor(
+        max_workers=min(workers, max(len(parts), 1)),
+        mp_context=multiprocessing.get_context(method),
+        initializer=initializer,
+        initargs=initargs,
+    )
+
+    def collect(part: Any, future: Future[Any]) -> Any:
+        try:
+            return future.result()
+        except BrokenProcessPool:
+            if died is None:
+                raise
+            raise died(part) from None
+
+    try:
+        yield from in_order(lambda part: pool.submit(work, part), parts, len(parts), collect,
+                            _cancel)  # fmt: skip
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _cancel(futures: list[Future[Any]]) -> None:
+    for future in futures:
+        future.cancel()
 
 
 def _adopt(fn: Callable[..., Any], items: Sequence[Any]) -> None:
@@ -152,27 +195,48 @@ def _pack(steps: list[PlannedStep]) -> list[Packed]:
 def pack_steps(steps: Sequence[PlannedStep], job: Job, workers: int) -> Iterator[Packed]:
     """Every step packed by `workers` processes, yielded in step order (see the module
     docstring). Leaving the iterator early (an error downstream) shuts the pool down."""
-    parts_of = [list(steps[a:b]) for a, b in chunks(len(steps), workers)]
-    parts = max(len(parts_of), 1)
+    parts = [list(steps[a:b]) for a, b in chunks(len(steps), workers)]
     share = dataclasses.replace(job, cache_bytes=job.cache_bytes // workers)
-    pool = ProcessPoolExecutor(
-        max_workers=min(workers, parts),
-        mp_context=multiprocessing.get_context("forkserver"),
-        initializer=_start,
-        initargs=(share,),
+    for done in _pool_in_order("forkserver", workers, _start, (share,), _pack, parts, _died):
+        yield from done
+
+
+def _died(chunk: list[PlannedStep]) -> RolltoolError:
+    first, last = chunk[0].index, chunk[-1].index
+    return RolltoolError(
+        f"a worker process died while packing steps {first}-{last} (killed, or out "
+        "of memory?); nothing was written",
+        hint="run again with fewer --workers or a smaller --cache-mb",
     )
-    try:
-        futures = [pool.submit(_pack, chunk) for chunk in parts_of]
-        for chunk, fut in zip(parts_of, futures, strict=True):
-            try:
-                done = fut.result()
-            except BrokenProcessPool:
-                first, last = chunk[0].index, chunk[-1].index
-                raise RolltoolError(
-                    f"a worker process died while packing steps {first}-{last} (killed, or out "
-                    "of memory?); nothing was written",
-                    hint="run again with fewer --workers or a smaller --cache-mb",
-                ) from None
-            yield from done
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+
+
+@dataclass(frozen=True)
+class LocalEngine:
+    """This machine's processes as an engine (`rolltool.engine.base.Engine`): the module's
+    functions with its `workers`."""
+
+    workers: int
+    """Processes that plan batches, pack steps and map a stage's items; 1: all of it here."""
+
+    data_exchange = False
+    """The exchange path's buckets are the job's (see the module docstring)."""
+
+    def map_in_order(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
+        """`map_in_order` with `workers` processes (any `Mapper`; no size rule)."""
+        return map_in_order(fn, items, self.workers)
+
+    def plan_mapper(self, samples: int) -> Mapper:
+        """`plan_mapper`: a pool only for a run that pays for one."""
+        return plan_mapper(self.workers, samples)
+
+    def pack_worth_it(self, steps: Sequence[StepRecord]) -> bool:
+        """`pack_worth_it`: False (the job packs here) for a run too small for the pool."""
+        return pack_worth_it(self.workers, steps)
+
+    def pack_steps(self, steps: Sequence[PlannedStep], job: Job) -> Iterator[Packed]:
+        """`pack_steps` with `workers` processes."""
+        return pack_steps(steps, job, self.workers)
+
+    def exchange_steps(self, steps: Sequence[PlannedStep], job: Job) -> Iterator[Packed]:
+        """Not this engine's: the job fills the buckets (``data_exchange`` is false)."""
+        raise NotImplementedError("the local engine's exchange path is the job's step buckets")

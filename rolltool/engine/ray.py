@@ -12,6 +12,12 @@ per-step functions and fixed shard names, not from Ray options (tests/test_ray.p
 file with the local engine's). On the exchange path `exchange_steps` brings each step's samples
 together with Ray Data's hash shuffle instead of local buckets (`rolltool.engine.ray_exchange`).
 
+`RayEngine` is a `rolltool.engine.base.Engine`, as `rolltool.engine.local.LocalEngine` is: it
+cuts its work with the same chunk policy (`rolltool.engine.base.chunks`, bounded by
+``MAX_CHUNK``) and collects it in order with `rolltool.engine.base.in_order` (`in_order`), a
+window of Ray refs instead of futures; the task mechanics (the object store, retries, `_get`'s
+errors, cancelling) are its own.
+
 Other commands: `engine_mapper` gives ``stats`` and the scan of ``advantages`` a ``mapper(fn,
 items)`` that is `map_in_order` on the cluster (``--engine ray``) or None (this process).
 
@@ -41,21 +47,21 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import itertools
 import os
 import socket
-from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from rolltool.engine.base import CHUNKS_PER_WORKER, SHARED_FS_HINT, check_engine, spans
+from rolltool.engine import base
+from rolltool.engine.base import SHARED_FS_HINT, check_engine
 from rolltool.errors import RolltoolError
 
 if TYPE_CHECKING:  # imported where used: attaching to a cluster needs neither
+    from rolltool.format import StepRecord
     from rolltool.packing.step import Job, Packed
-    from rolltool.plan.schedule import Mapper, PlannedStep
+    from rolltool.plan.schedule import PlannedStep
+    from rolltool.util.mapping import Mapper
 
 RETRIES = 3
 """Times a failed task is run again (a dead worker, an OSError) before the run stops."""
@@ -67,11 +73,6 @@ DATA_EXCHANGE_NODES = 2
 """The exchange path runs on Ray Data (`RayEngine.exchange_steps`) on a cluster of at least this
 many nodes, where it spreads the read over them; on one node the driver's local buckets are
 ~4x faster (a 90 MB synth, 2 CPUs: 2.0 s against 8.5 s), the same bytes either way."""
-CRASH_FOR_TESTS = "ROLLTOOL_TEST_RAY_CRASH"
-"""Test-only (tests/test_ray.py): when set in the driver's environment, a pack task dies
-(``os._exit``) right after writing its first step, its first shard cut in half, as a killed
-worker would leave it: ``once:PATH`` only the first attempt to create PATH, ``always`` every
-attempt. Never set it otherwise."""
 REACH_TIMEOUT = 10.0
 """Seconds to wait for a cluster's head to accept a connection."""
 A = TypeVar("A")
@@ -82,7 +83,8 @@ class RayEngine:
     """A connected Ray cluster and how the run uses it."""
 
     cpus: int
-    """The cluster's CPUs: work is cut into at least ``CHUNKS_PER_WORKER x cpus`` (`rolltool.engine.base`) chunks."""
+    """The cluster's CPUs: work is cut into at least ``CHUNKS_PER_WORKER x cpus`` chunks
+    (`rolltool.engine.base.chunks`)."""
     tasks_in_flight: int = 0
     """Most tasks submitted and not yet collected; 0: ``WINDOW_PER_CPU x cpus`` (at least 2)."""
     nodes: int = 1
@@ -99,7 +101,15 @@ class RayEngine:
 
     def chunks(self, n: int) -> list[tuple[int, int]]:
         """``[a, b)`` bounds of the contiguous chunks ``n`` items are cut into."""
-        return spans(n, max(self.cpus * CHUNKS_PER_WORKER, -(-n // MAX_CHUNK)))
+        return base.chunks(n, self.cpus, MAX_CHUNK)
+
+    def plan_mapper(self, samples: int) -> Mapper:
+        """`map_in_order`, whatever the run's size: the cluster is up already."""
+        return lambda fn, items: self.map_in_order(fn, items)
+
+    def pack_worth_it(self, steps: Sequence[StepRecord]) -> bool:
+        """Always: on ``--engine ray`` every step is packed by Ray tasks."""
+        return True
 
     def map_in_order(
         self, fn: Callable[[Any], Any], items: Sequence[Any], what: str = "planning batches"
@@ -131,11 +141,10 @@ class RayEngine:
         task = ray.remote(_pack_task).options(max_retries=RETRIES, retry_exceptions=[OSError])
         share = dataclasses.replace(job, cache_bytes=job.cache_bytes // self.cpus)
         job_ref = ray.put(share)
-        crash = os.environ.get(CRASH_FOR_TESTS)
         chunks = [list(steps[a:b]) for a, b in self.chunks(len(steps))]
 
         def submit(chunk: list[PlannedStep]) -> Any:
-            return task.remote(job_ref, chunk, crash)
+            return task.remote(job_ref, chunk)
 
         def named(chunk: list[PlannedStep]) -> str:
             return f"packing {_steps_named(chunk)}"
@@ -159,18 +168,9 @@ def in_order(
     """Each ``submit(a)``'s result (`submit` starts a Ray task and returns its ref), in the
     order of `args`, with at most `window` tasks submitted and not yet collected: the next is
     submitted when the oldest one's result has been taken (`_get`; `named(a)` names it in an
-    error). Closing the iterator early cancels the tasks still running."""
-    todo = iter(args)
-    pending: deque[tuple[A, Any]] = deque((a, submit(a)) for a in itertools.islice(todo, window))
-    try:
-        while pending:
-            a, ref = pending[0]
-            result = _get(ref, named(a))
-            pending.popleft()
-            pending.extend((b, submit(b)) for b in itertools.islice(todo, 1))
-            yield result
-    finally:
-        _cancel([ref for _, ref in pending])
+    error). Closing the iterator early cancels the tasks still running (`_cancel`). The
+    collection is `rolltool.engine.base.in_order`, the local pools' too."""
+    return base.in_order(submit, args, window, lambda a, ref: _get(ref, named(a)), _cancel)
 
 
 @contextlib.contextmanager
@@ -245,7 +245,7 @@ def _map_chunk(fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
     return [fn(x) for x in items]
 
 
-def _pack_task(job: Job, steps: list[PlannedStep], crash: str | None) -> list[Packed]:
+def _pack_task(job: Job, steps: list[PlannedStep]) -> list[Packed]:
     from rolltool.fetch.tokens import TokenReader
     from rolltool.packing.step import pack_chunk
 
@@ -255,24 +255,7 @@ def _pack_task(job: Job, steps: list[PlannedStep], crash: str | None) -> list[Pa
             hint=SHARED_FS_HINT,
         )
     reader = TokenReader.resume(job.reader, cache_bytes=job.cache_bytes)
-    if crash is None:
-        return pack_chunk(job, steps, reader)
-    first = pack_chunk(job, steps[:1], reader)
-    _crash_for_tests(crash, job.root, first[0])
-    return first + pack_chunk(job, steps[1:], reader)
-
-
-def _crash_for_tests(crash: str, root: Path, done: Packed) -> None:
-    """See `CRASH_FOR_TESTS`."""
-    mode, _, marker = crash.partition(":")
-    if mode == "once":
-        try:
-            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        except FileExistsError:
-            return
-    shard = root / min(done.files)
-    os.truncate(shard, shard.stat().st_size // 2)
-    os._exit(1)
+    return pack_chunk(job, steps, reader)
 
 
 def _steps_named(chunk: Sequence[PlannedStep]) -> str:

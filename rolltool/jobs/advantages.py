@@ -70,8 +70,8 @@ def run_advantages(
     breaks a rule, or anything stops the job before the copy, the input is scanned in full and
     its problems are raised as `scan` lists them (as they were before the scan was deferred);
     an input without problems raises the error that stopped the job. Nothing is written either
-    way. `mapper` scans the row groups (``--workers``: `rolltool.schema.pieces.local_mapper`;
-    ``--engine ray``: Ray tasks).
+    way. `mapper` scans the row groups (``--workers``: `rolltool.engine.local.local_mapper`;
+    ``--engine ray``: Ray tasks; the CLI's is `rolltool.engine.config.open_mapper`).
     """
     check_target(output, force, inputs=inputs)
     rename = invert_mapping(columns or {})

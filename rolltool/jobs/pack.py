@@ -7,22 +7,19 @@ directory renamed into place; ``manifest.json`` is written last.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import shutil
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 import numpy as np
 import pyarrow as pa
 
-from rolltool.engine.base import check_engine, default_workers
-from rolltool.engine.local import pack_steps, plan_mapper
-from rolltool.engine.local import pack_worth_it as pool_worth_it
-from rolltool.errors import RolltoolError
+from rolltool.engine.base import Engine
+from rolltool.engine.config import EXCHANGE_CHOICES, ExecutionConfig, open_engine
 from rolltool.fetch.buckets import Buckets, exchange
 from rolltool.fetch.readplan import read_plan
 from rolltool.fetch.tokens import TokenReader
@@ -37,59 +34,64 @@ from rolltool.input.source import InputFile, invert_mapping, resolve_inputs
 from rolltool.packed.writer import PackedWriter
 from rolltool.packing.manifest import created_at, manifest_record, samples_table
 from rolltool.packing.step import Job, Packed, prefetch, step_tokens, write_step
-from rolltool.plan.advantages import ESTIMATORS
+from rolltool.plan.advantages import ESTIMATORS, AdvantageConfig
 from rolltool.plan.config import OVERLONG, PackConfig
 from rolltool.plan.loss import LOSS_AGGS
 from rolltool.plan.schedule import PlannedStep, Schedule, schedule
 from rolltool.schema import Rollouts, scan
 from rolltool.storage.outputs import check_target
 
-if TYPE_CHECKING:
-    from rolltool.engine.ray import RayEngine
+DEFAULT_EXECUTION = ExecutionConfig()
+"""This machine's processes, one per core; the exchange path where it pays."""
 
 
 def run_pack(
     inputs: Sequence[str],
     output: str | Path,
     config: PackConfig,
+    execution: ExecutionConfig = DEFAULT_EXECUTION,
     *,
     columns: Mapping[str, str] | None = None,
     force: bool = False,
-    command: Sequence[str] | None = None,
     progress: Progress | None = None,
-    estimator_chosen: bool = False,
+    command: Sequence[str] = (),
+    warn_ignored_estimator: bool | None = None,
     workers: int | None = None,
-    engine: str = "local",
+    engine: str | None = None,
     ray_address: str | None = None,
-    exchange_path: str = "auto",
+    exchange_path: str | None = None,
+    estimator_chosen: bool | None = None,
 ) -> Manifest:
     """Pack rollout Parquet `inputs` into `output` (a directory); returns the manifest written.
 
-    `progress(iterable, total, description)` may wrap the step loop (the CLI passes a progress
-    bar on stderr). `estimator_chosen`: the caller chose the estimator (the CLI: --estimator or
-    --env-estimator given); an input with its own 'advantage' column then gets a warning that
-    the estimator is not used. `workers`: processes that plan batches and pack steps (default:
-    the cores this process may use; `rolltool.engine.local`); the output is the same
-    whatever the number. `engine`: ``"local"`` (those processes) or ``"ray"`` (Ray tasks on the
-    cluster at `ray_address`, or a local one; `rolltool.engine.ray`): the same output either way.
-    `exchange_path`: ``"auto"`` (the exchange path, `rolltool.fetch.buckets`, when the plan would read
-    the input `EXCHANGE_AT` times over), ``"always"`` or ``"never"``: the same output either way.
+    `execution`: where the work runs (`rolltool.engine.config.ExecutionConfig`: the local
+    engine's workers or a Ray cluster, the exchange path's choice); the output is the same
+    whatever it says. `progress(iterable, total, description)` may wrap the step loop (the CLI
+    passes a progress bar on stderr). `command`: the command line the manifest records (the
+    CLI's argv; nothing by default). `warn_ignored_estimator`: whether an input with its own
+    'advantage' column, which is used as is, gets a warning that ``config.advantages`` is not
+    used; None: where ``config.advantages`` is not the default (the CLI says whether
+    --estimator or --env-estimator was given, which a default value cannot tell).
+
+    Deprecated, for one release (a DeprecationWarning; not with `execution`): `workers`,
+    `engine`, `ray_address` and `exchange_path` (`ExecutionConfig`'s ``workers``, ``engine``,
+    ``ray_address``, ``exchange``), and `estimator_chosen` (`warn_ignored_estimator`).
     """
+    execution, warn_ignored_estimator = _legacy(
+        execution, warn_ignored_estimator, workers=workers, engine=engine,
+        ray_address=ray_address, exchange=exchange_path, estimator_chosen=estimator_chosen,
+    )  # fmt: skip
+    if warn_ignored_estimator is None:
+        warn_ignored_estimator = config.advantages != AdvantageConfig()
     check_target(output, force, inputs=inputs)
     created_at()  # a bad SOURCE_DATE_EPOCH stops the run before any work
-    if exchange_path not in EXCHANGE_CHOICES:
-        raise RolltoolError(f"--exchange must be one of {', '.join(EXCHANGE_CHOICES)}")
-    check_engine(engine, ray_address, workers)
     workload = config.workload()
     rename = invert_mapping(columns or {})
     files = resolve_inputs(inputs)
     reader = TokenReader(files, rename, cache_bytes=int(config.cache_mb * 1e6))
     ro = _scan(files, rename, reader, progress or _no_progress)
-    workers = default_workers() if workers is None else workers
-    if workers < 1:
-        raise RolltoolError(f"--workers must be at least 1, got {workers}")
-    with _engine(engine, ray_address) as ray:
-        mapper = plan_mapper(workers, ro.num_samples) if ray is None else ray.map_in_order
+    with open_engine(execution) as engine_:
+        mapper = engine_.plan_mapper(ro.num_samples)
         plan = schedule(ro, config, workload, ro.advantage, mapper=mapper)
         reads = read_plan(
             reader.block_starts,
@@ -99,29 +101,52 @@ def run_pack(
             cache_bytes=int(config.cache_mb * 1e6),
         )
         shard_bytes = int(config.shard_mb * 1e6)
-        via = _path(exchange_path, reads)
+        via = _path(execution.exchange, reads)
         with PackedWriter(output, force=force, shard_bytes=shard_bytes) as writer:
             wrap = progress or _no_progress
-            shuffle = via == "exchange" and ray is not None and ray.data_exchange  # no buckets
+            shuffle = via == "exchange" and engine_.data_exchange  # the engine's: no buckets
             local = via == "exchange" and not shuffle
             buckets = _exchange(writer, reader, plan, wrap) if local else None
             label = "packing steps" + (" from buckets" if buckets else _reads_label(reads))
-            steps = _pack_all(
-                writer, reader, plan, config, workers, wrap, ray, buckets, label, shuffle
-            )
+            steps = _pack_all(writer, reader, plan, config, engine_, wrap, buckets, label, shuffle)
             if buckets is not None:
                 shutil.rmtree(buckets.root)  # before the commit: not part of the output
             writer.write_samples(samples_table(ro, plan))
-            warnings = [
+            notes = [
                 *filter(None, [workload.unreliable()]),
                 *ro.warnings,
-                *_given_warning(ro.advantage, estimator_chosen),
+                *_given_warning(ro.advantage, warn_ignored_estimator),
                 *plan.warnings,
                 *_read_warning(reads, config, via),
             ]
-            record = manifest_record(ro, plan, config, workload, steps, warnings, columns, command)
+            record = manifest_record(ro, plan, config, workload, steps, notes, columns, command)
             record = dataclasses.replace(record, reads=dataclasses.replace(reads, path=via))
             return writer.finish(record)
+
+
+def _legacy(
+    execution: ExecutionConfig,
+    warn_ignored_estimator: bool | None,
+    *,
+    estimator_chosen: bool | None,
+    **old: object,
+) -> tuple[ExecutionConfig, bool | None]:
+    """`run_pack`'s deprecated keywords turned into what replaces them, with a
+    DeprecationWarning naming them."""
+    given = {k: v for k, v in old.items() if v is not None}
+    if given:
+        if execution != DEFAULT_EXECUTION:
+            raise TypeError("run_pack: give `execution` or its deprecated keywords, not both")
+        names = ", ".join(f"{'exchange_path' if k == 'exchange' else k}=..." for k in given)
+        warnings.warn(f"run_pack({names}) is deprecated: pass execution=ExecutionConfig(...)",
+                      DeprecationWarning, stacklevel=3)  # fmt: skip
+        execution = ExecutionConfig(**given)  # type: ignore[arg-type]
+    if estimator_chosen is not None:
+        warnings.warn("run_pack(estimator_chosen=...) is deprecated: pass warn_ignored_estimator",
+                      DeprecationWarning, stacklevel=3)  # fmt: skip
+        if warn_ignored_estimator is None:
+            warn_ignored_estimator = estimator_chosen
+    return execution, warn_ignored_estimator
 
 
 T = TypeVar("T")
@@ -181,16 +206,6 @@ def _reads_label(reads: ReadRecord) -> str:
     return f" (reading {reads.cached_amplification:.1f}x the bytes needed)"
 
 
-def _engine(engine: str, address: str | None) -> AbstractContextManager[RayEngine | None]:
-    """The Ray cluster to run on (`rolltool.engine.ray.attach`), or None for this machine's
-    processes; Ray is imported only here, only for ``engine="ray"``."""
-    if engine == "local":
-        return contextlib.nullcontext()
-    from rolltool.engine.ray import attach
-
-    return attach(address)
-
-
 def _exchange(
     writer: PackedWriter,
     reader: TokenReader,
@@ -211,25 +226,21 @@ def _pack_all(
     reader: TokenReader,
     plan: Schedule,
     config: PackConfig,
-    workers: int,
+    engine: Engine,
     wrap: Progress,
-    ray: RayEngine | None,
     buckets: Buckets | None = None,
     label: str = "packing steps",
     shuffle: bool = False,
 ) -> list[StepRecord]:
-    """Every step packed and written, records in step order: by Ray tasks, by worker processes
-    (`rolltool.engine.local`, for runs big enough), or here; tokens from `buckets` when the exchange
-    path ran, or from Ray Data's shuffle (`shuffle`, `rolltool.engine.ray_exchange`)."""
+    """Every step packed and written, records in step order: by the engine (Ray tasks; worker
+    processes for runs big enough, `rolltool.engine.local`), or here; tokens from `buckets`
+    when the exchange path ran, or from the engine's own exchange (`shuffle`: Ray Data's,
+    `rolltool.engine.ray_exchange`)."""
     steps = plan.steps  # each step is built when it is read: once here
-    if ray is not None:
-        pack = ray.exchange_steps if shuffle else ray.pack_steps
-        return _adopt_all(writer, reader, steps, config, pack, wrap, buckets, label)
-    if pool_worth_it(workers, [o.record for o in plan.outlines]):
-        return _adopt_all(
-            writer, reader, steps, config, lambda s, job: pack_steps(s, job, workers), wrap,
-            buckets, label,
-        )  # fmt: skip
+    if shuffle:
+        return _adopt_all(writer, reader, steps, config, engine.exchange_steps, wrap, None, label)
+    if engine.pack_worth_it([o.record for o in plan.outlines]):
+        return _adopt_all(writer, reader, steps, config, engine.pack_steps, wrap, buckets, label)
     fetch = functools.partial(step_tokens, reader, buckets)
     fetched = prefetch(fetch, steps)
     return [
@@ -252,9 +263,9 @@ def _adopt_all(
     buckets: Buckets | None = None,
     label: str = "packing steps",
 ) -> list[StepRecord]:
-    """Every step packed by other processes (`pack`: `rolltool.engine.local.pack_steps` or
-    `rolltool.engine.ray.RayEngine.pack_steps`) into the writer's directory, adopted in step
-    order; records in step order."""
+    """Every step packed by other processes (`pack`: an engine's ``pack_steps`` or
+    ``exchange_steps``) into the writer's directory, adopted in step order; records in step
+    order."""
     assert writer.root is not None
     job = Job(
         reader=reader.handoff(),
@@ -281,10 +292,6 @@ EXCHANGE_AT = 4.0
 cache) take the exchange path (`rolltool.fetch.buckets`): the input read once into step buckets."""
 
 
-EXCHANGE_CHOICES = ("auto", "always", "never")
-"""``--exchange``: take the exchange path from `EXCHANGE_AT` on, always, or never."""
-
-
 def _path(choice: str, reads: ReadRecord) -> str:
     """``"exchange"`` or ``"direct"`` for ``--exchange`` `choice` and the plan's reads."""
     if choice == "auto":
@@ -304,8 +311,9 @@ def _read_warning(reads: ReadRecord, config: PackConfig, via: str) -> list[str]:
     ]
 
 
-def _given_warning(given: np.ndarray | None, estimator_chosen: bool) -> list[str]:
-    if given is None or not estimator_chosen:
+def _given_warning(given: np.ndarray | None, warn: bool) -> list[str]:
+    """The warning that the input's own advantages make ``config.advantages`` unused."""
+    if given is None or not warn:
         return []
     return [
         "the input has an 'advantage' column, used as is: --estimator/--env-estimator "
@@ -313,4 +321,13 @@ def _given_warning(given: np.ndarray | None, estimator_chosen: bool) -> list[str
     ]
 
 
-__all__ = ["ESTIMATORS", "LOSS_AGGS", "OVERLONG", "STATUSES", "PackConfig", "run_pack"]
+__all__ = [
+    "ESTIMATORS",
+    "EXCHANGE_CHOICES",
+    "LOSS_AGGS",
+    "OVERLONG",
+    "STATUSES",
+    "ExecutionConfig",
+    "PackConfig",
+    "run_pack",
+]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import datetime as dt
 import os
-import sys
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -40,9 +39,10 @@ def manifest_record(
     steps: list[StepRecord],
     warnings: list[str],
     columns: Mapping[str, str] | None,
-    command: Sequence[str] | None,
+    command: Sequence[str],
 ) -> Manifest:
-    """The manifest (without its file list, which the writer adds) of a planned, written run."""
+    """The manifest (without its file list, which the writer adds) of a planned, written run;
+    `command` is recorded as the caller gives it (the CLI: its command line)."""
     counts = {s: int((plan.status == s).sum()) for s in STATUSES}  # samples.parquet's rows
     once = {s: int((plan.status[: ro.num_samples] == s).sum()) for s in STATUSES}  # epoch 0
     notes = list(warnings)  # the caller's list stays as it was
@@ -58,9 +58,9 @@ def manifest_record(
         format_version=2 if plan.epochs > 1 else 1,
         rolltool_version=__version__,
         created_at=created_at(),
-        command=tuple(command if command is not None else sys.argv),
-        config=config.to_dict(),
-        workload=workload.to_dict(),
+        command=tuple(command),
+        config=config.record(),
+        workload=workload.record(),
         advantages=AdvantagesRecord(
             source=plan.advantages.source,
             whitening="per step" if plan.advantages.per_step_whitening else None,
