@@ -88,6 +88,24 @@ def test_unknown_keys_are_ignored_and_defaults_fill_new_fields(packed: Path) -> 
     assert all(i.given is None for i in m.inputs)
 
 
+def test_the_recorded_config_is_typed_and_old_packs_get_its_defaults(packed: Path) -> None:
+    """``config`` as packs before --sp/--cp, --equal-count-trim, --mini-batches and --epochs
+    wrote it: what those packs did; a value of the wrong type names its key."""
+
+    def old(d: dict) -> None:
+        for key in ("sp", "cp", "equal_count_trim"):
+            d["config"].pop(key)
+        for key in ("mini_batches", "epochs"):
+            d["config"]["steps"].pop(key)
+
+    m = Manifest.from_json(_broken(packed, old))
+    assert (m.config.sp, m.config.cp, m.config.equal_count_trim) == (1, 1, False)
+    assert (m.config.steps.mini_batches, m.config.steps.epochs) == (1, 1)
+    assert m.config.steps.batch_size == 64 and m.workload.kind == "flops"
+    with pytest.raises(RolltoolError, match=r"'config\.steps\.epochs' must be an integer"):
+        Manifest.from_json(_broken(packed, lambda d: d["config"]["steps"].update(epochs="2")))
+
+
 def _rows(n_rows: int, tokens_per_row: int) -> Any:
     n = n_rows
     lengths = np.full(n, tokens_per_row, dtype=np.int64)

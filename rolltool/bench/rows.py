@@ -85,7 +85,7 @@ class ReplayRows:
 def load_rows(path: str | Path, steps: Sequence[int] | None = None) -> ReplayRows:
     """Rows of ``steps`` (all steps if None), in (step, rank, micro_batch) order."""
     ds = open_packed(path)
-    workload = Workload.from_dict(ds.manifest.workload)
+    workload = Workload.from_record(ds.manifest.workload)
     chosen = range(ds.num_steps) if steps is None else steps
     for s in chosen:
         if not 0 <= s < ds.num_steps:

@@ -103,6 +103,129 @@ class Denominators:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RecordedSteps:
+    """How optimizer steps were assembled: `rolltool.plan.batches.StepConfig` as recorded."""
+
+    batch_size: int
+    """Nominal step size in ``batch_unit``s (``--batch-size``)."""
+    batch_unit: str
+    """What ``batch_size`` counts: rollouts, samples (trainable branches) or (sampled) tokens."""
+    exact: bool
+    """A step that closes short of ``batch_size`` is an error (``--exact``)."""
+    uniform: str
+    """keep: uniform groups were trained; drop: skipped (``--uniform``)."""
+    order: str
+    """Group order: input, completion or shuffle (``--order``)."""
+    seed: int
+    """Seed of the shuffled orders (``--seed``)."""
+    env_weights: Mapping[str, float]
+    """Each env's share of every step, in batch units; empty: envs pooled in one queue."""
+    keep_last: bool
+    """A final step the input could not fill was kept (``--keep-last``)."""
+    mini_batches: int = 1
+    """Optimizer steps per batch and epoch (``--mini-batches``); 1 in packs written before it."""
+    epochs: int = 1
+    """Passes over each batch (``--epochs``); 1 in packs written before it."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecordedAdvantages:
+    """The advantage settings (`rolltool.plan.advantages.AdvantageConfig`) as recorded; what was
+    used per env is the manifest's `AdvantagesRecord`."""
+
+    estimator: str
+    """Estimator of every env without an override (``--estimator``)."""
+    env_estimators: Mapping[str, str]
+    """Per-env overrides (``--env-estimator``)."""
+    std_eps: float
+    """Epsilon added to the group std by grpo (``--std-eps``)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecordedConfig:
+    """The resolved `rolltool.plan.config.PackConfig` as the manifest records it (``config``):
+    the same fields in the same order (``PackConfig.record``). Fields with a default are
+    missing from packs written before their option; the default is what those packs did."""
+
+    dp: int
+    """Data-parallel ranks (groups of sp or cp GPUs)."""
+    sp: int = 1
+    """Sequence-parallel GPUs per group (``--sp``); 1 in packs written before it."""
+    cp: int = 1
+    """Context-parallel GPUs per group (``--cp``); 1 in packs written before it."""
+    steps: RecordedSteps
+    """How optimizer steps were assembled."""
+    advantages: RecordedAdvantages
+    """The estimator settings."""
+    micro_batch_tokens: int | None
+    """Token budget per micro-batch and GPU (resolved); None in fixed mode."""
+    micro_batch_size: int | None
+    """Samples per micro-batch (fixed mode), else None."""
+    row_len: int | None
+    """Tokens per row and GPU (``--row-len``; the stored group row is this x sp or cp), or None."""
+    pad_id: int
+    """Token id written into padding."""
+    balance: str
+    """Workload the partition balanced (flops, verl, tokens, count or calibrated)."""
+    model: str | None
+    """Model preset or config.json of the flops workload (``--model``), or None."""
+    calibration: str | None
+    """Calibration JSON of the calibrated workload, or None."""
+    align: str
+    """lockstep or total (``--align``)."""
+    equal_count: bool
+    """Every rank was given the same number of samples (``--equal-count``)."""
+    equal_count_trim: bool = False
+    """Equal counts by leaving samples out of a step (``--equal-count-trim``); False in packs
+    written before it."""
+    overlong: str
+    """What was done with a sample over the token budget: error or drop."""
+    loss_agg: str
+    """Loss aggregation the per-token weights implement (``--loss-agg``)."""
+    loss_scale_factor: float | None
+    """Constant of seq-mean-token-sum-norm, else None."""
+    shard_mb: float
+    """Largest shard file, in MB (``--shard-mb``)."""
+    cache_mb: float
+    """Decoded input kept in memory, in MB (``--cache-mb``)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecordedModel:
+    """The model shape behind a flops workload (`rolltool.plan.workload.ModelShape`)."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+    head_dim: int = 0
+    """0: ``hidden_size // num_heads``."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecordedWorkload:
+    """A cost model ``cost(L) = c + a·L + b·L²`` as recorded (`rolltool.plan.workload.Workload`):
+    the run's in ``Manifest.workload``, a step's per-GPU one in its `PlanRecord`."""
+
+    kind: str
+    """flops, verl, tokens, count or calibrated."""
+    a: float = 0.0
+    """Cost per token."""
+    b: float = 0.0
+    """Cost per token²."""
+    c: float = 0.0
+    """Cost per sample."""
+    source: str | None = None
+    """Preset name, model config path or calibration file path."""
+    model: RecordedModel | None = None
+    """The model shape of a flops workload, else None."""
+    notes: Mapping[str, Any] = field(default_factory=dict)
+    """Extra keys of a calibration file (device, fit quality...)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class PlanRecord:
     """The partition plan's settings and report (`rolltool.plan.partition.StepPlan.report`)."""
 
@@ -110,7 +233,8 @@ class PlanRecord:
     equal_count: bool
     max_tokens: int | None
     micro_batch_size: int | None
-    workload: Mapping[str, Any] | None
+    workload: RecordedWorkload | None
+    """The cost model the step was planned with (per GPU: the run's over sp or cp), or None."""
     short: tuple[tuple[int, int], ...]
     dp: int
     micro_batches_per_rank: int
@@ -226,10 +350,10 @@ class Manifest:
     rolltool_version: str
     created_at: str
     command: tuple[str, ...]
-    config: Mapping[str, Any]
-    """The resolved `rolltool.plan.config.PackConfig` (``to_dict``)."""
-    workload: Mapping[str, Any]
-    """`rolltool.plan.workload.Workload.to_dict` of the cost model the plan balanced."""
+    config: RecordedConfig
+    """The resolved `rolltool.plan.config.PackConfig` (``PackConfig.record``)."""
+    workload: RecordedWorkload
+    """The cost model the plan balanced (``Workload.record``)."""
     advantages: AdvantagesRecord
     loss: LossRecord
     inputs: tuple[InputRecord, ...]
@@ -318,13 +442,31 @@ class Manifest:
         return cls.from_json(doc, str(path))
 
 
+def packed_doc(raw: str | bytes) -> dict[str, Any] | None:
+    """`raw` as the JSON object of a rolltool manifest (its ``format`` is rolltool's), else None.
+    Cheap, no full parse (`Manifest.from_json`): enough to tell a packed output from others."""
+    try:
+        doc = json.loads(raw)
+    except ValueError:  # not JSON, or not UTF-8
+        return None
+    return doc if isinstance(doc, dict) and doc.get("format") == FORMAT else None
+
+
+def listed_files(raw: str | bytes) -> set[str] | None:
+    """The files a manifest document lists, itself included; None when it is not a rolltool
+    manifest or has no file list. No full parse: a manifest this version cannot read (another
+    format version) still keeps its files from being taken for a dead run's."""
+    doc = packed_doc(raw)
+    files = None if doc is None else doc.get("files")
+    return {MANIFEST, *files} if isinstance(files, dict) else None
+
+
 def is_packed_dir(path: str | Path) -> bool:
     """A directory holding a manifest.json whose format is rolltool's (cheap: no full parse)."""
     manifest = Path(path) / MANIFEST
     if not manifest.is_file():
         return False
     try:
-        doc = json.loads(manifest.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return packed_doc(manifest.read_text()) is not None
+    except OSError:
         return False
-    return isinstance(doc, dict) and doc.get("format") == FORMAT

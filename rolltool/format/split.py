@@ -34,14 +34,14 @@ entropies) from the CP ranks (``cp_gather``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from rolltool.errors import RolltoolError
 from rolltool.format import PAD_SAMPLE
+from rolltool.format.records import RecordedConfig
 
 PER_TOKEN = ("input_ids", "position_ids", "loss_mask", "advantages", "logprobs", "loss_weight")
 """The reader row's per-token arrays: what a view slices."""
@@ -92,9 +92,6 @@ class GroupSplit:
         """[n] int64 tokens each sample occupies in the group's row (its length with CP padding)."""
         m = self.sample_multiple
         return -(-np.asarray(lengths, dtype=np.int64) // m) * m
-
-    def to_dict(self) -> dict[str, int]:
-        return {"sp": self.sp, "cp": self.cp}
 
 
 # -- CP: the zigzag mapping, both ways --------------------------------------------------------
@@ -263,18 +260,15 @@ def _check_rank(name: str, rank: int, size: int) -> None:
         raise RolltoolError(f"{name} {rank} out of range (the pack's group has {size} GPUs)")
 
 
-def recorded_split(config: Mapping[str, Any], where: str = "manifest.json") -> GroupSplit:
-    """The `GroupSplit` a pack config records (``sp``/``cp``; 1 when absent: packs written
-    before them); a bad value is a RolltoolError naming the key."""
-    values = {}
-    for key in ("sp", "cp"):
-        value = config.get(key, 1)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+def recorded_split(config: RecordedConfig, where: str = "manifest.json") -> GroupSplit:
+    """The `GroupSplit` a pack config records (``sp``/``cp``; 1 in packs written before them);
+    a bad value is a RolltoolError naming the key."""
+    for key, value in (("sp", config.sp), ("cp", config.cp)):
+        if value < 1:
             raise RolltoolError(
                 f"{where}: 'config.{key}' must be a positive integer, got {value!r}"
             )
-        values[key] = value
     try:
-        return GroupSplit(**values)
+        return GroupSplit(sp=config.sp, cp=config.cp)
     except RolltoolError as e:
         raise RolltoolError(f"{where}: {e.message}") from None

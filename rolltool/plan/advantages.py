@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from rolltool.errors import RolltoolError
+from rolltool.format.codec import to_json
 
 if TYPE_CHECKING:
     from rolltool.schema import Rollouts
@@ -54,12 +55,9 @@ class AdvantageConfig:
         if not (self.std_eps >= 0 and np.isfinite(self.std_eps)):
             raise RolltoolError(f"--std-eps must be a finite number >= 0, got {self.std_eps}")
 
-    def to_dict(self) -> dict:
-        return {
-            "estimator": self.estimator,
-            "env_estimators": dict(self.env_estimators),
-            "std_eps": self.std_eps,
-        }
+    def to_dict(self) -> dict[str, Any]:
+        """The settings as JSON (the manifest records them as `rolltool.format.RecordedAdvantages`)."""
+        return to_json(self)
 
 
 @dataclass(frozen=True, kw_only=True)

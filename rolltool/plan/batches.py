@@ -80,20 +80,6 @@ class StepConfig:
             if not (np.isfinite(w) and w > 0):
                 raise RolltoolError(f"--env-weight {env}={w}: weights must be positive numbers")
 
-    def to_dict(self) -> dict:
-        return {
-            "batch_size": self.batch_size,
-            "batch_unit": self.batch_unit,
-            "exact": self.exact,
-            "uniform": self.uniform,
-            "order": self.order,
-            "seed": self.seed,
-            "env_weights": dict(self.env_weights),
-            "keep_last": self.keep_last,
-            "mini_batches": self.mini_batches,
-            "epochs": self.epochs,
-        }
-
     @property
     def per_batch(self) -> int:
         """Optimizer steps per batch: epochs x mini-batches."""

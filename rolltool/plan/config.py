@@ -7,7 +7,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rolltool.errors import OptionConflict, RolltoolError
-from rolltool.format import MAX_TOKEN_ID
+from rolltool.format import (
+    MAX_TOKEN_ID,
+    RecordedAdvantages,
+    RecordedConfig,
+    RecordedSteps,
+    to_json,
+)
 from rolltool.format.split import GroupSplit
 from rolltool.plan.advantages import AdvantageConfig
 from rolltool.plan.batches import StepConfig
@@ -36,6 +42,11 @@ def _field_names(record: Any) -> list[str]:
     return [f.name for f in dataclasses.fields(record)]
 
 
+def _values(record: Any) -> dict[str, Any]:
+    """A record's fields by name, values as they are (no copy, no conversion)."""
+    return {name: getattr(record, name) for name in _field_names(record)}
+
+
 @dataclass(frozen=True, kw_only=True)
 class PackConfig:
     """What ``rolltool pack`` does; the one place of its defaults and of its cross-setting rules.
@@ -43,7 +54,7 @@ class PackConfig:
     ``PackConfig(...)`` and the CLI build the same record from the same settings: every default
     that depends on another setting is resolved here (``micro_batch_tokens``), and every
     combination the CLI refuses is refused here (``OptionConflict``). The resolved record goes
-    into the manifest (``to_dict``).
+    into the manifest (``record``).
 
     >>> PackConfig(dp=2, row_len=8192).micro_batch_tokens  # a row holds one micro-batch
     8192
@@ -236,26 +247,14 @@ class PackConfig:
     def workload(self) -> Workload:
         return make_workload(self.balance, model=self.model, calibration=self.calibration)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "dp": self.dp,
-            "sp": self.sp,
-            "cp": self.cp,
-            "steps": self.steps.to_dict(),
-            "advantages": self.advantages.to_dict(),
-            "micro_batch_tokens": self.micro_batch_tokens,
-            "micro_batch_size": self.micro_batch_size,
-            "row_len": self.row_len,
-            "pad_id": self.pad_id,
-            "balance": self.balance,
-            "model": self.model,
-            "calibration": self.calibration,
-            "align": self.align,
-            "equal_count": self.equal_count,
-            "equal_count_trim": self.equal_count_trim,
-            "overlong": self.overlong,
-            "loss_agg": self.loss_agg,
-            "loss_scale_factor": self.loss_scale_factor,
-            "shard_mb": self.shard_mb,
-            "cache_mb": self.cache_mb,
+    def record(self) -> RecordedConfig:
+        """The settings as the manifest records them (``config``): every field, as set."""
+        nested = {
+            "steps": RecordedSteps(**_values(self.steps)),
+            "advantages": RecordedAdvantages(**_values(self.advantages)),
         }
+        return RecordedConfig(**{**_values(self), **nested})
+
+    def to_dict(self) -> dict[str, Any]:
+        """`record` as JSON: the manifest's ``config``."""
+        return to_json(self.record())

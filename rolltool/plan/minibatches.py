@@ -22,13 +22,12 @@ the group boundaries sit at 4, 8, 16: the nearest is 8, so mini-batches of 8 and
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from rolltool.errors import RolltoolError
+from rolltool.format import RecordedConfig
 
 
 @dataclass(frozen=True)
@@ -41,18 +40,11 @@ class MiniBatch:
     level: str  # where the cuts lie: "groups", "rollouts", "samples", or "empty" (some left empty)
 
 
-def recorded_structure(config: Mapping[str, Any]) -> tuple[int, int] | None:
-    """(epochs, mini_batches) a recorded pack config (`rolltool.plan.config.PackConfig.to_dict`)
-    says: (1, 1) for packs written before them; None when they are not positive integers.
-
-    >>> recorded_structure({"steps": {"epochs": 2, "mini_batches": 4}}), recorded_structure({})
-    ((2, 4), (1, 1))
-    """
-    steps = config.get("steps")
-    cfg = steps if isinstance(steps, Mapping) else {}
-    e, m = cfg.get("epochs", 1), cfg.get("mini_batches", 1)
-    ok = all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in (e, m))
-    return (e, m) if ok else None
+def recorded_structure(config: RecordedConfig) -> tuple[int, int] | None:
+    """(epochs, mini_batches) a manifest's pack config records ((1, 1) for packs written before
+    them); None when they are not positive."""
+    e, m = config.steps.epochs, config.steps.mini_batches
+    return (e, m) if e >= 1 and m >= 1 else None
 
 
 def epoch_groups(groups: np.ndarray, batch: int, epoch: int, seed: int) -> np.ndarray:

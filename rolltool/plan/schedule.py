@@ -801,6 +801,7 @@ def step_size_warning(steps: Sequence[StepRecord], unit: str) -> str | None:
 def plan_record(plan: StepPlan) -> PlanRecord:
     """The manifest's summary of a step plan (settings and report, no index arrays)."""
     d = plan.to_dict()
+    d["workload"] = None if plan.workload is None else plan.workload.record()
     d["short"] = tuple(tuple(rc) for rc in d["short"])
     d["samples_per_rank"] = tuple(d["samples_per_rank"])
     return PlanRecord(**d)

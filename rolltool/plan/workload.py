@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from rolltool.errors import RolltoolError
+from rolltool.format import RecordedModel, RecordedWorkload, from_json, to_json
 
 __all__ = [
     "MODEL_PRESETS",
@@ -230,31 +231,25 @@ class Workload:
         src = f"({self.source})" if self.source else ""
         return f"{self.kind}{src}: {' + '.join(terms)}"
 
+    def record(self) -> RecordedWorkload:
+        """The workload as the manifest records it; `from_record` reverses it."""
+        model = None if self.model is None else RecordedModel(**asdict(self.model))
+        return RecordedWorkload(**{**asdict(self), "model": model})
+
+    @classmethod
+    def from_record(cls, r: RecordedWorkload) -> Workload:
+        """The workload a manifest recorded (coefficients taken as recorded)."""
+        model = None if r.model is None else ModelShape(**asdict(r.model))
+        return cls(**{**asdict(r), "model": model, "notes": dict(r.notes)})
+
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-able record for the manifest; ``Workload.from_dict`` reverses it."""
-        return {
-            "kind": self.kind,
-            "a": self.a,
-            "b": self.b,
-            "c": self.c,
-            "source": self.source,
-            "model": asdict(self.model) if self.model else None,
-            "notes": dict(self.notes),
-        }
+        """`record` as JSON; ``Workload.from_dict`` reverses it."""
+        return to_json(self.record())
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Workload:
-        """Rebuild a workload recorded by ``to_dict`` (coefficients are taken as recorded)."""
-        model = d.get("model")
-        return cls(
-            kind=str(d["kind"]),
-            a=float(d.get("a", 0.0)),
-            b=float(d.get("b", 0.0)),
-            c=float(d.get("c", 0.0)),
-            source=d.get("source"),
-            model=ModelShape(**model) if model else None,
-            notes=dict(d.get("notes") or {}),
-        )
+        """The workload of a ``to_dict`` document (`rolltool.format.CodecError` if misshapen)."""
+        return cls.from_record(from_json(RecordedWorkload, d, "workload"))
 
 
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")

@@ -333,7 +333,7 @@ def packed_stats(
     ds = open_packed(path)
     manifest = ds.manifest
     n_steps = _steps_read(ds.path, manifest.num_steps, step, limit)
-    workload = Workload.from_dict(manifest.workload)
+    workload = Workload.from_record(manifest.workload)
     samples = read_samples(ds.path)
     by_step = samples.partition_by("step", as_dict=True)
     empty = samples.clear()
@@ -375,7 +375,7 @@ def world_layout(manifest: Manifest) -> dict[str, Any]:
     group's (None without --row-len)."""
     split = recorded_split(manifest.config)
     k = split.size
-    budget, row_len = manifest.config.get("micro_batch_tokens"), manifest.config.get("row_len")
+    budget, row_len = manifest.config.micro_batch_tokens, manifest.config.row_len
     return {
         "dp": manifest.dp,
         "sp": split.sp,
@@ -407,7 +407,7 @@ def _gpu_workload(record: StepRecord, run: Workload) -> Workload:
     """The per-GPU cost the step was planned with (its plan record's workload: the run's divided
     by sp or cp), else the run's (manifests written before the split)."""
     recorded = record.plan.workload
-    return Workload.from_dict(recorded) if recorded else run
+    return run if recorded is None else Workload.from_record(recorded)
 
 
 def _steps_read(path: Path, num_steps: int, step: int | None, limit: int | None) -> int:
@@ -425,13 +425,15 @@ def _steps_read(path: Path, num_steps: int, step: int | None, limit: int | None)
 def _settings(manifest: Manifest) -> dict[str, Any]:
     """The pack settings the report shows (from the manifest's recorded config)."""
     config = manifest.config
-    steps = config.get("steps") or {}
     epochs, mini_batches = recorded_structure(config) or (1, 1)
     return {
-        **{k: config.get(k) for k in ("balance", "align", "micro_batch_tokens",
-                                      "micro_batch_size", "row_len")},
-        "batch_unit": steps.get("batch_unit"),
-        "batch_size": steps.get("batch_size"),
+        "balance": config.balance,
+        "align": config.align,
+        "micro_batch_tokens": config.micro_batch_tokens,
+        "micro_batch_size": config.micro_batch_size,
+        "row_len": config.row_len,
+        "batch_unit": config.steps.batch_unit,
+        "batch_size": config.steps.batch_size,
         "mini_batches": mini_batches,
         "epochs": epochs,
-    }  # fmt: skip
+    }

@@ -666,11 +666,11 @@ def _pack_steps_table(
     """One row per step: size in batch units (and why it is not full), counts, layout, balance.
     More than `MAX_STEP_ROWS` steps (and not ``per_step``): the first and last `EDGE_STEPS`,
     then a total row (ratios: mean over steps)."""
-    unit, align = manifest.config["steps"]["batch_unit"], manifest.config["align"]
+    unit, align = manifest.config.steps.batch_unit, manifest.config.align
     steps = manifest.steps
     split = _splits_budget(manifest)
     structured = bool(structure(*(recorded_structure(manifest.config) or (1, 1))))
-    title = f"pack -> {output} ({manifest.workload['kind']} balance, {align})"
+    title = f"pack -> {output} ({manifest.workload.kind} balance, {align})"
     cols = _with_split(
         [PACK_STEP_COLS[0], Col(f"{unit} (status)", f"{unit}\n(status)"), *PACK_STEP_COLS[2:]],
         split,

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rolltool.errors import RolltoolError
-from rolltool.format import FORMAT, MANIFEST, SAMPLES
+from rolltool.format import MANIFEST, SAMPLES, SHARD_PATTERN, listed_files
 from rolltool.storage.fs import Location
 
 CLAIM_PREFIX = ".rolltool-tmp-"
@@ -55,12 +55,13 @@ STALE_S = 600.0
 """A claim not rewritten for this long belongs to a dead run (clocks may differ a little)."""
 
 _CLAIM = re.compile(re.escape(CLAIM_PREFIX) + r"([0-9a-f]+)\.json")
-_SHARD = re.compile(r"rank-\d{4,}/step-\d{6,}-\d{2,}\.safetensors")
 
 
 def rolltool_named(name: str) -> bool:
     """A file name a packed directory holds (manifest, samples, shard, a run's claim)."""
-    return name in (MANIFEST, SAMPLES) or bool(_SHARD.fullmatch(name) or _CLAIM.fullmatch(name))
+    return name in (MANIFEST, SAMPLES) or bool(
+        SHARD_PATTERN.fullmatch(name) or _CLAIM.fullmatch(name)
+    )
 
 
 @dataclass(frozen=True)
@@ -105,16 +106,7 @@ def _claims(loc: Location, names: Iterable[str]) -> list[Claim]:
 def _listed(loc: Location, names: Sequence[str]) -> set[str] | None:
     """The files the prefix's manifest lists (with the manifest itself), or None when there is
     no manifest of rolltool's format."""
-    if MANIFEST not in names:
-        return None
-    try:
-        doc = json.loads(loc.read_bytes(MANIFEST))
-    except (ValueError, UnicodeDecodeError):
-        return None
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        return None
-    files = doc.get("files")
-    return {MANIFEST, *files} if isinstance(files, dict) else None
+    return listed_files(loc.read_bytes(MANIFEST)) if MANIFEST in names else None
 
 
 def repair(loc: Location) -> list[str]:

@@ -180,14 +180,9 @@ def by_epoch(manifest: Manifest, segments: Segments, input_rows: int) -> Segment
 
 
 def layout_settings(manifest: Manifest) -> tuple[int | None, int, GroupSplit]:
-    """(group row_len, pad_id, split) of the recorded pack config (the manifest types it only
-    as a mapping)."""
-    row_len, pad_id = manifest.config.get("row_len"), manifest.config.get("pad_id", 0)
-    for key, value in (("row_len", row_len), ("pad_id", pad_id)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise RolltoolError(f"manifest.json: 'config.{key}' must be an integer, got {value!r}")
-    split = recorded_split(manifest.config)
-    return None if row_len is None else row_len * split.size, pad_id or 0, split
+    """(group row_len, pad_id, split) of the recorded pack config."""
+    row_len, split = manifest.config.row_len, recorded_split(manifest.config)
+    return None if row_len is None else row_len * split.size, manifest.config.pad_id, split
 
 
 # -- the input ----------------------------------------------------------------------------------

@@ -256,8 +256,8 @@ def _actual(ctx: Context, step: int, rec: StepRecord, found: dict[str, Any]) -> 
     """The step's ``actual`` size in its batch unit (rollouts, samples or sampled tokens) as
     samples.parquet gives it (``found``: the step's `figures`; with --mini-batches or --epochs
     the whole batch's, its first epoch's samples)."""
-    steps = ctx.manifest.config.get("steps")
-    unit = str(steps.get("batch_unit")) if isinstance(steps, dict) else ""
+    steps = ctx.manifest.config.steps
+    unit = steps.batch_unit
     key = {"rollouts": "rollouts", "samples": "samples", "tokens": "sampled_tokens"}.get(unit)
     if key is not None and _per_batch(ctx) > 1:
         first = [
@@ -270,8 +270,7 @@ def _actual(ctx: Context, step: int, rec: StepRecord, found: dict[str, Any]) -> 
     if not actual_ok:
         text = f"actual is {rec.actual} {unit}, samples.parquet gives {counted}"
         yield Problem("step.counts", f"step {step}", text)
-    size = steps.get("batch_size") if isinstance(steps, dict) else None
-    yield from _status(ctx, step, rec, size, actual_ok)
+    yield from _status(ctx, step, rec, steps.batch_size, actual_ok)
 
 
 def _per_batch(ctx: Context) -> int:
@@ -286,8 +285,8 @@ def step_structure(ctx: Context) -> Iterator[Problem]:
     (manifests written before mini-batches have no batch: each step is its own)."""
     structure = recorded_structure(ctx.manifest.config)
     if structure is None:
-        steps = ctx.manifest.config.get("steps") or {}
-        e, m = steps.get("epochs"), steps.get("mini_batches")
+        steps = ctx.manifest.config.steps
+        e, m = steps.epochs, steps.mini_batches
         yield Problem("step.structure", "config", f"epochs {e!r} and mini_batches {m!r}")
         return
     e, m = structure
@@ -314,7 +313,7 @@ def _status(
     samples out of it), and ``partial`` only the run's last step (or its last batch's steps)."""
     where = f"step {step}"
     # With --equal-count-trim `actual` counts what trains; a wrong actual is step.counts' finding.
-    judge_full = actual_ok and not ctx.manifest.config.get("equal_count_trim")
+    judge_full = actual_ok and not ctx.manifest.config.equal_count_trim
     if batch_size is not None and rec.nominal != batch_size:
         yield Problem(
             "step.status", where, f"nominal is {rec.nominal}, --batch-size was {batch_size}"
@@ -348,8 +347,7 @@ def step_metadata(ctx: Context) -> Iterator[Problem]:
     dropped = _by_step(s, "uniform_dropped", m.num_steps)
     overlong = _by_step(s, "overlong_dropped", m.num_steps)
     uniform = uniform_groups(s)
-    budget = m.config.get("micro_batch_tokens") if ctx.split.size > 1 else None
-    gpu_budget = budget if isinstance(budget, int) else None
+    gpu_budget = m.config.micro_batch_tokens if ctx.split.size > 1 else None
     for step, rec in enumerate(m.steps):
         scope = Scope(f"step {step}", s.planned(step), dropped[step], overlong[step])
         weights, found = step in sound, figures(s, scope, uniform, gpu_budget)
@@ -402,7 +400,7 @@ def balance_figures(
     cell = s.rank[planned] * m + s.micro_batch[planned]
     lengths = split.padded(s.length[planned])
     tokens = np.bincount(cell, weights=lengths, minlength=dp * m).reshape(dp, m)
-    cost = Workload.from_dict(plan.workload).cost(lengths)
+    cost = Workload.from_record(plan.workload).cost(lengths)
     costs = np.bincount(cell, weights=cost, minlength=dp * m).reshape(dp, m)
     found: dict[str, Any] = {}
     for name, x in (("tokens", tokens), ("cost", costs)):

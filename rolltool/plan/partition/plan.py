@@ -133,7 +133,7 @@ class StepPlan:
             "equal_count": self.equal_count,
             "max_tokens": self.max_tokens,
             "micro_batch_size": self.micro_batch_size,
-            "workload": self.workload.to_dict() if self.workload else None,
+            "workload": None if self.workload is None else self.workload.to_dict(),
             "short": [list(rc) for rc in self.short],
             **self.report,
         }
