@@ -17,8 +17,8 @@ from rich.table import Table
 
 from rolltool.bench.report import noise_warning, winner_warning
 from rolltool.errors import RolltoolError
-from rolltool.stats.render import Col, fit_table
 from rolltool.util.numfmt import big, count, ms, num, pct
+from rolltool.util.tables import Col, fit_table
 
 
 def header(doc: dict[str, Any]) -> list[str]:

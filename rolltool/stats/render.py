@@ -17,13 +17,10 @@ wide console: piped output is 160 columns) keeps every column.
 
 from __future__ import annotations
 
-import io
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
-from rich.console import Console, Group, RenderableType
-from rich.measure import Measurement
+from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
@@ -31,101 +28,10 @@ from rolltool.format import Manifest, StepCounts, StepRecord
 from rolltool.plan.minibatches import recorded_structure
 from rolltool.stats.packed import ALTERNATIVES, COUNTS, env_totals, world_layout
 from rolltool.util.numfmt import count, num, over, pct
+from rolltool.util.tables import Col, fit, natural_width, new_table
 
 ALL = "(all)"
 """The column of all envs together in the rollout table (an env may be named "all")."""
-
-
-def _table(title: str, columns: Iterable[str], first_left: bool = True) -> Table:
-    t = Table(title=title, title_justify="left", title_style="bold", header_style="bold")
-    for i, c in enumerate(columns):
-        t.add_column(c, justify="left" if i == 0 and first_left else "right", no_wrap=i == 0)
-    return t
-
-
-@dataclass(frozen=True)
-class Col:
-    """A table column: its header, a short (two-line) header for narrow terminals, and ``keep``:
-    at a narrow width the columns with the lowest ``keep`` are hidden first (0: never)."""
-
-    header: str
-    short: str | None = None
-    keep: int = 0
-    left: bool = False
-    wrap: bool = False
-
-
-def _natural_width(t: Table) -> int:
-    """The width ``t`` takes when nothing squeezes it."""
-    console = Console(width=100_000, file=io.StringIO())
-    return Measurement.get(console, console.options, t).maximum
-
-
-def _build(
-    title: str,
-    cols: Sequence[Col],
-    rows: Sequence[Sequence[str] | None],
-    shown: Sequence[int],
-    short: bool,
-    measure: bool = False,
-) -> Table:
-    """The table of the ``shown`` columns; ``measure``: wrapping cells cut to their longest word
-    (what they need at least)."""
-    t = Table(title=title, title_justify="left", title_style="bold", header_style="bold")
-    for i in shown:
-        c = cols[i]
-        header = c.short if short and c.short is not None else c.header
-        t.add_column(header, justify="left" if c.left else "right", no_wrap=not c.wrap)
-    for row in rows:
-        if row is None:
-            t.add_section()
-        elif measure:
-            t.add_row(*(max(row[i].split(), key=len, default="") if cols[i].wrap else row[i] for i in shown))  # fmt: skip
-        else:
-            t.add_row(*(row[i] for i in shown))
-    return t
-
-
-def _fit(
-    title: str,
-    cols: Sequence[Col],
-    rows: Sequence[Sequence[str] | None],
-    width: int | None,
-) -> Table:
-    """The table at its full headers if it fits ``width``; else short headers, then without its
-    least important columns (a caption names them) until it fits."""
-    shown = list(range(len(cols)))
-    if width is None:
-        return _build(title, cols, rows, shown, short=False)
-    limit = width
-
-    def fits(short: bool) -> bool:
-        return _natural_width(_build(title, cols, rows, shown, short, measure=True)) <= limit
-
-    if fits(short=False):
-        return _build(title, cols, rows, shown, short=False)
-    hidden: list[int] = []
-    while not fits(short=True):
-        optional = [i for i in shown if cols[i].keep > 0]
-        if not optional:
-            break
-        drop = min(optional, key=lambda i: (cols[i].keep, -i))
-        shown.remove(drop)
-        hidden.append(drop)
-    t = _build(title, cols, rows, shown, short=True)
-    if hidden:
-        names = ", ".join(cols[i].header for i in sorted(hidden))
-        t.caption = f"hidden at this width: {names} (--json has them)"
-        t.caption_justify = "left"
-    return t
-
-
-def fit_table(
-    title: str, cols: Sequence[Col], rows: Sequence[Sequence[str] | None], width: int | None
-) -> Table:
-    """A table of ``cols`` and ``rows`` fitted to ``width`` (see the module docstring): the
-    one sizing rule of every command's tables (bench's too)."""
-    return _fit(title, cols, rows, width)
 
 
 # rollout Parquet: (label, getter, formatter); a None label starts a new section
@@ -187,7 +93,7 @@ def render_rollouts(report: dict[str, Any], width: int | None = None) -> list[Re
     rows = ROLLOUT_ROWS + (COMPLETION_ROWS if report["overall"].get("completion") else [])
 
     def table(part: list[tuple[str, Any]], title: str) -> Table:
-        t = _table(title, ["", *(name for name, _ in part)])
+        t = new_table(title, ["", *(name for name, _ in part)])
         for label, key, fmt in rows:
             if label is None:
                 t.add_section()
@@ -198,7 +104,7 @@ def render_rollouts(report: dict[str, Any], width: int | None = None) -> list[Re
     # too wide for the terminal: the env columns over several tables, each with the labels
     per = len(scopes)
     t = table(scopes, title)
-    while width is not None and per > 1 and _natural_width(t) > width:
+    while width is not None and per > 1 and natural_width(t) > width:
         per -= 1
         t = table(scopes[:per], title)
     if per == len(scopes):
@@ -342,7 +248,7 @@ def _run_table(report: dict[str, Any], width: int | None) -> Table:
     rows.append(["rows (padding tokens)", f"{tot['rows']:,} ({tot['padding_tokens']:,})", *[""] * 5])  # fmt: skip
     if (_split(report.get("world")) or ("",))[0] == "cp":
         rows.append(["  CP padding tokens", count(tot["cp_padding_tokens"]), *[""] * 5])
-    return _fit("per step", cols, rows, width)
+    return fit("per step", cols, rows, width)
 
 
 ENV_COLS = [
@@ -379,7 +285,7 @@ def _env_table(title: str, envs: dict[str, Any], width: int | None, split: bool 
         ]
         for env, e in envs.items()
     ]
-    return _fit(title, [*ENV_COLS, *([OVER_GPU_COL] if split else [])], rows, width)
+    return fit(title, [*ENV_COLS, *([OVER_GPU_COL] if split else [])], rows, width)
 
 
 BALANCE_COLS = [
@@ -411,11 +317,11 @@ def _balance_table(title: str, chosen: str, splits: dict[str, Any], width: int |
                 over(vs),
             ]
         )
-    return _fit(title, BALANCE_COLS, rows, width)
+    return fit(title, BALANCE_COLS, rows, width)
 
 
 def _fill_table(hist: list[int]) -> Table:
-    t = _table("micro-batch token fill", ["fill", "micro-batches", ""])
+    t = new_table("micro-batch token fill", ["fill", "micro-batches", ""])
     top = max(hist) or 1
     for i, n in enumerate(hist):
         t.add_row(f"{i * 10:>3}-{(i + 1) * 10}%", count(n), "█" * round(24 * n / top))
@@ -470,7 +376,7 @@ def _steps_table(
             ]
         )
     cols = [*STEP_COLS[:5], *([OVER_GPU_COL] if split else []), *STEP_COLS[5:]]
-    return _fit("steps", cols, rows, width)
+    return fit("steps", cols, rows, width)
 
 
 RANK_COLS = [
@@ -498,7 +404,7 @@ def _rank_table(s: dict[str, Any], width: int | None) -> Table:
         ]
         for r in s["ranks"]
     ]
-    t = _fit(f"step {s['step']}: ranks", RANK_COLS, rows, width)
+    t = fit(f"step {s['step']}: ranks", RANK_COLS, rows, width)
     return t
 
 
@@ -689,7 +595,7 @@ def _pack_steps_table(
         title += f", {short:,} not full"
     if len(steps) > 1:
         rows += [None, _pack_total_row(steps, split)]
-    return _fit(title, cols, rows, width)
+    return fit(title, cols, rows, width)
 
 
 def _splits_budget(manifest: Manifest) -> bool:
@@ -712,7 +618,7 @@ def _pack_envs_table(manifest: Manifest, width: int | None, per_step: bool = Fal
         for st in steps
         for env, e in st.envs.items()
     ]  # fmt: skip
-    return _fit("per step and env", _with_split(PACK_ENV_COLS, split), rows, width)
+    return fit("per step and env", _with_split(PACK_ENV_COLS, split), rows, width)
 
 
 def render_pack(
@@ -793,4 +699,4 @@ def render_advantages(report: dict[str, Any], *, width: int | None = None) -> Ta
              f"{num(r['advantage_mean'], '.3f')}±{num(r['advantage_std'], '.3f')}",
              num(r["advantage_min"], ".3f"), num(r["advantage_max"], ".3f")]
         )  # fmt: skip
-    return _fit(f"advantages -> {report['output']}", ADVANTAGE_COLS, rows, width)
+    return fit(f"advantages -> {report['output']}", ADVANTAGE_COLS, rows, width)
