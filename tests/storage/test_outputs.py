@@ -430,7 +430,7 @@ def test_pack_warns_when_dp_exceeds_a_steps_samples(tmp_path: Path) -> None:
 
     out = tmp_path / "packed"
     manifest = run_pack(
-        [str(Path(__file__).parent.parent / "examples" / "rollouts.parquet")],
+        [str(Path(__file__).parents[2] / "examples" / "rollouts.parquet")],
         out,
         PackConfig(dp=200, steps=StepConfig(batch_size=128)),
     )

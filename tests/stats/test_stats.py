@@ -888,7 +888,7 @@ def test_packs_without_a_split_print_as_before(run_cli: Any, packed: Path) -> No
 def test_mini_batches_and_epochs_show_the_batch_structure(run_cli: Any, tmp_path: Path) -> None:
     """A pack with --mini-batches/--epochs: the header says how batches became optimizer
     steps, every step its (batch, epoch, mini-batch) in the JSON and the per-step table."""
-    src = Path(__file__).parent.parent / "examples" / "rollouts.parquet"
+    src = Path(__file__).parents[2] / "examples" / "rollouts.parquet"
     out = tmp_path / "ppo"
     r = run_cli("pack", str(src), "-o", str(out), "--dp", "2", "--batch-size", "64",
                 "--mini-batches", "2", "--epochs", "2")  # fmt: skip

@@ -26,7 +26,7 @@ from rolltool.errors import RolltoolError
 from rolltool.format.shards import file_record
 from rolltool.input.synth import SynthConfig, generate
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ARGS = ("--dp", 3, "--batch-size", 48, "--micro-batch-tokens", 6144, "--overlong", "drop",
         "--uniform", "drop")  # fmt: skip
 NOT_TRAINED = {"uniform_dropped", "overlong_dropped", "leftover"}
@@ -276,7 +276,7 @@ def test_source_date_epoch_fixes_created_at(
 ) -> None:
     """SOURCE_DATE_EPOCH (reproducible builds) sets the manifest's created_at; a value that is
     not whole seconds stops the run before it writes anything."""
-    src = Path(__file__).parent.parent / "examples" / "rollouts.parquet"
+    src = Path(__file__).parents[2] / "examples" / "rollouts.parquet"
     monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
     m = pack(src, tmp_path / "a", "--dp", 2)
     assert m["created_at"] == "2023-11-14T22:13:20+00:00"

@@ -29,7 +29,7 @@ from rolltool.packed.writer import PackedWriter
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("fmt") / "packed"
-    example = Path(__file__).parent.parent / "examples" / "rollouts.parquet"
+    example = Path(__file__).parents[2] / "examples" / "rollouts.parquet"
     pack(example, out, "--dp", 3, "--batch-size", 64)
     return out
 

@@ -21,7 +21,7 @@ from rolltool.errors import RolltoolError
 from rolltool.jobs.pack import run_pack
 from rolltool.plan.config import PackConfig
 
-EXAMPLE = Path(__file__).parent.parent / "examples" / "rollouts.parquet"
+EXAMPLE = Path(__file__).parents[2] / "examples" / "rollouts.parquet"
 COMMAND = ["rolltool", "pack", "(test)"]
 
 

@@ -39,7 +39,7 @@ torch = pytest.importorskip("torch")
 
 pytestmark = pytest.mark.slow
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_ddp.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_ddp.py"
 LR = 1.0  # SGD: the parameters after the step are p - LR * gradient
 SCALE = 384.0  # --loss-scale-factor of seq-mean-token-sum-norm
 TOL = 1e-10

@@ -13,7 +13,7 @@ from pack_helpers import pack
 
 from rolltool.fetch.readplan import DECODED_BYTES_PER_TOKEN, read_plan
 
-EXAMPLE = Path(__file__).parent.parent / "examples" / "rollouts.parquet"
+EXAMPLE = Path(__file__).parents[2] / "examples" / "rollouts.parquet"
 
 
 def simulate(starts, sizes, lengths, steps, cache_bytes):  # type: ignore[no-untyped-def]

@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-_PATH = Path(__file__).resolve().parents[1] / "examples" / "hf_packed.py"
+_PATH = Path(__file__).resolve().parents[2] / "examples" / "hf_packed.py"
 _spec = importlib.util.spec_from_file_location("hf_packed", _PATH)
 assert _spec is not None and _spec.loader is not None
 hf = importlib.util.module_from_spec(_spec)

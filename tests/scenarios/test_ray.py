@@ -30,7 +30,7 @@ from rolltool.packing.step import Job, Packed
 from rolltool.plan.config import PackConfig
 from rolltool.plan.schedule import PlannedStep
 
-EXAMPLE = Path(__file__).parent.parent / "examples" / "rollouts.parquet"
+EXAMPLE = Path(__file__).parents[2] / "examples" / "rollouts.parquet"
 COMMAND = ["rolltool", "pack", "(test)"]
 
 

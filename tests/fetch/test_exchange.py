@@ -14,7 +14,7 @@ from rolltool.fetch.buckets import exchange
 from rolltool.fetch.tokens import TokenReader
 from rolltool.input.source import resolve_inputs
 
-EXAMPLE = Path(__file__).parent.parent / "examples" / "rollouts.parquet"
+EXAMPLE = Path(__file__).parents[2] / "examples" / "rollouts.parquet"
 
 
 @pytest.fixture(scope="module")
