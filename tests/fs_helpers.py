@@ -8,6 +8,7 @@ to `pyarrow.fs.LocalFileSystem`. Its files can be compared byte for byte with a 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pyarrow.fs as pafs
@@ -93,3 +94,27 @@ def register() -> None:
 
 def uri(path: object) -> str:
     return f"{SCHEME}://{path}"
+
+
+class Folder:
+    """A ``norename://`` prefix over a local folder, with `s3_server.S3Store`'s methods (so a
+    test runs against either)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def uri(self, rel: str = "") -> str:
+        return uri(f"{self.root}/{rel}".rstrip("/"))
+
+    def files(self, rel: str = "") -> dict[str, bytes]:
+        """Every file under `rel` (folders left empty by deletes do not count)."""
+        base = self.root / rel
+        found = {str(p.relative_to(base)): p.read_bytes() for p in base.rglob("*") if p.is_file()}
+        return dict(sorted(found.items()))
+
+    def put(self, rel: str, data: bytes) -> None:
+        (self.root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (self.root / rel).write_bytes(data)
+
+    def delete(self, rel: str) -> None:
+        (self.root / rel).unlink()

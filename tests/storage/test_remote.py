@@ -1,5 +1,7 @@
-"""Outputs and reads on a filesystem without rename (object storage), without network: the
-``norename://`` filesystem of tests/fs_helpers.py (a local folder whose ``move`` is refused).
+"""Outputs and reads on a filesystem without rename (object storage): the ``norename://``
+filesystem of tests/fs_helpers.py (a local folder whose ``move`` is refused, no network) and,
+for the tests of the protocol (the ``far`` fixture), a real S3 server (SeaweedFS on 127.0.0.1,
+tests/s3_server.py).
 
 A pack there holds exactly the bytes of a local pack (one process and worker processes),
 verifies and reads back; the manifest is the commit marker (no manifest: the reader and verify
@@ -24,6 +26,7 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import Result
 from fault_hooks import HERE, Injector
+from s3_server import S3Store
 
 from rolltool.errors import RolltoolError
 from rolltool.input.synth import SynthConfig, generate
@@ -35,6 +38,7 @@ from rolltool.verify import run_verify
 PACK = ("--dp", 2, "--batch-size", 16, "--keep-last")
 
 RunCli = Callable[..., Result]
+Far = fs_helpers.Folder | S3Store
 
 
 @pytest.fixture(autouse=True)
@@ -63,18 +67,18 @@ def _pack(run_cli: RunCli, data: Path, out: str | Path, *extra: Any) -> Result:
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_pack_without_rename_holds_the_local_bytes_verifies_and_reads_back(
-    workers: int, data: Path, tmp_path: Path, run_cli: RunCli, small_pools: None
+    workers: int, data: Path, tmp_path: Path, run_cli: RunCli, small_pools: None, far: Far
 ) -> None:
-    local, far = tmp_path / "local", tmp_path / "far"
+    local = tmp_path / "local"
     assert _pack(run_cli, data, local, "--workers", workers).exit_code == 0
-    done = _pack(run_cli, data, fs_helpers.uri(far), "--workers", workers)
+    done = _pack(run_cli, data, far.uri(), "--workers", workers)
     assert done.exit_code == 0, done.output
-    ours, theirs = _files(local), _files(far)
+    ours, theirs = _files(local), far.files()
     assert len(ours) >= 4 and ours.keys() == theirs.keys()  # shards, samples, manifest
     assert all(ours[k] == theirs[k] for k in ours), [k for k in ours if ours[k] != theirs[k]]
-    report = run_verify(fs_helpers.uri(far))
+    report = run_verify(far.uri())
     assert report.ok and report.checked["files"] == len(ours) - 1, report.problems.listed()
-    a, b = open_packed(local), open_packed(fs_helpers.uri(far), verify="hash")
+    a, b = open_packed(local), open_packed(far.uri(), verify="hash")
     rows = 0
     for rank in range(a.dp):
         for (s1, m1, r1), (s2, m2, r2) in zip(a.rank_iter(rank), b.rank_iter(rank), strict=True):
@@ -85,59 +89,58 @@ def test_a_pack_without_rename_holds_the_local_bytes_verifies_and_reads_back(
 
 
 def test_no_manifest_is_no_output_for_the_reader_and_verify(
-    data: Path, tmp_path: Path, run_cli: RunCli
+    data: Path, tmp_path: Path, run_cli: RunCli, far: Far
 ) -> None:
-    far = tmp_path / "far"
-    assert _pack(run_cli, data, fs_helpers.uri(far)).exit_code == 0
-    (far / "manifest.json").unlink()
+    assert _pack(run_cli, data, far.uri()).exit_code == 0
+    far.delete("manifest.json")
     for open_it in (open_packed, run_verify):
         with pytest.raises(RolltoolError, match=r"no manifest\.json: not a finished rolltool"):
-            open_it(fs_helpers.uri(far))
-    result = run_cli("verify", fs_helpers.uri(far))
+            open_it(far.uri())
+    result = run_cli("verify", far.uri())
     assert result.exit_code == 1 and "no manifest.json" in result.stderr
     assert "Traceback" not in result.output
+    assert _pack(run_cli, data, tmp_path / "near").exit_code == 0
+    (tmp_path / "near" / "manifest.json").unlink()
     with pytest.raises(RolltoolError, match=r"no manifest\.json"):  # a local folder: the same
-        open_packed(far)
+        open_packed(tmp_path / "near")
 
 
 def test_force_replaces_only_a_finished_rolltool_output(
-    data: Path, tmp_path: Path, run_cli: RunCli
+    data: Path, tmp_path: Path, run_cli: RunCli, far: Far
 ) -> None:
-    far, ref = tmp_path / "far", tmp_path / "ref"
-    assert _pack(run_cli, data, fs_helpers.uri(far), "--dp", 4).exit_code == 0
-    refused = _pack(run_cli, data, fs_helpers.uri(far))
+    ref = tmp_path / "ref"
+    assert _pack(run_cli, data, far.uri(), "--dp", 4).exit_code == 0
+    refused = _pack(run_cli, data, far.uri())
     assert refused.exit_code == 1 and "already exists" in refused.stderr
-    before = _files(far)
+    before = far.files()
     assert any(k.startswith("rank-0003/") for k in before)
     # --force: the dp=4 output's files all go (rank-0002/3 would not be overwritten), the new
     # output is a local pack's bytes
-    assert _pack(run_cli, data, fs_helpers.uri(far), "--force").exit_code == 0
+    assert _pack(run_cli, data, far.uri(), "--force").exit_code == 0
     assert _pack(run_cli, data, ref).exit_code == 0
-    assert _files(far) == _files(ref)
+    assert far.files() == _files(ref)
     # a file rolltool did not write: --force refuses and deletes nothing
-    (far / "notes.txt").write_text("mine")
-    kept = _files(far)
-    foreign = _pack(run_cli, data, fs_helpers.uri(far), "--force")
+    far.put("notes.txt", b"mine")
+    kept = far.files()
+    foreign = _pack(run_cli, data, far.uri(), "--force")
     assert foreign.exit_code == 1 and "notes.txt" in foreign.stderr
-    assert _files(far) == kept
+    assert far.files() == kept
     assert fs_helpers.refused == []
 
 
 def test_a_failed_run_deletes_what_it_wrote(
-    data: Path, tmp_path: Path, run_cli: RunCli, monkeypatch: pytest.MonkeyPatch
+    data: Path, run_cli: RunCli, monkeypatch: pytest.MonkeyPatch, far: Far
 ) -> None:
     from rolltool.packed.writer import PackedWriter
 
-    far = tmp_path / "far"
-
     def boom(self: PackedWriter, manifest: Any) -> Any:
-        assert _files(far)  # shards and samples were uploaded, a claim is there
+        assert far.files()  # shards and samples were uploaded, a claim is there
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(PackedWriter, "finish", boom)
-    result = _pack(run_cli, data, fs_helpers.uri(far))
+    result = _pack(run_cli, data, far.uri())
     assert result.exit_code == 1 and "No space left" in result.stderr
-    assert _files(far) == {}
+    assert far.files() == {}
 
 
 CHILD = f"""
@@ -152,35 +155,35 @@ main(sys.argv[1:])
 
 
 def test_a_killed_run_leaves_no_manifest_and_the_next_cleans_up_by_run_id(
-    data: Path, tmp_path: Path, run_cli: RunCli, monkeypatch: pytest.MonkeyPatch
+    data: Path, tmp_path: Path, run_cli: RunCli, monkeypatch: pytest.MonkeyPatch, far: Far
 ) -> None:
-    far, ref = tmp_path / "far", tmp_path / "ref"
+    ref = tmp_path / "ref"
     assert _pack(run_cli, data, ref).exit_code == 0
-    argv = [sys.executable, "-c", CHILD, "pack", data, "-o", fs_helpers.uri(far), *PACK]
+    argv = [sys.executable, "-c", CHILD, "pack", data, "-o", far.uri(), *PACK]
     env = Injector(at=3, only="write_shard").env()
     killed = subprocess.run(list(map(str, argv)), env=env, capture_output=True, timeout=120)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
-    left = _files(far)
+    left = far.files()
     claims = [k for k in left if k.startswith(remote.CLAIM_PREFIX)]
     assert len(claims) == 1 and "manifest.json" not in left
     assert any(k.endswith(".safetensors") for k in left)  # shards of the killed run
     with pytest.raises(RolltoolError, match=r"no manifest\.json"):
-        open_packed(fs_helpers.uri(far))
+        open_packed(far.uri())
     # while the claim is fresh the run counts as alive: the prefix is busy
-    busy = _pack(run_cli, data, fs_helpers.uri(far), "--force")
+    busy = _pack(run_cli, data, far.uri(), "--force")
     assert busy.exit_code == 1 and "another rolltool run" in busy.stderr
-    assert _files(far) == left
+    assert far.files() == left
     run_id = json.loads(left[claims[0]])["run_id"]
     assert claims[0] == f"{remote.CLAIM_PREFIX}{run_id}.json"
     # once its heartbeat is older than STALE_S it is dead: the next run deletes its files
     monkeypatch.setattr(remote, "STALE_S", 0.0)
-    assert remote.repair(locate(fs_helpers.uri(far))) == [*sorted(set(left) - {claims[0]}), *claims]
-    assert _files(far) == {}
+    assert remote.repair(locate(far.uri())) == [*sorted(set(left) - {claims[0]}), *claims]
+    assert far.files() == {}
     killed = subprocess.run(list(map(str, argv)), env=env, capture_output=True, timeout=120)
     assert killed.returncode == -signal.SIGKILL
-    again = _pack(run_cli, data, fs_helpers.uri(far))  # no --force: leftovers are no output
+    again = _pack(run_cli, data, far.uri())  # no --force: leftovers are no output
     assert again.exit_code == 0, again.output
-    assert _files(far) == _files(ref)
+    assert far.files() == _files(ref)
 
 
 def _beat(loc: Any, name: str) -> float | None:
@@ -190,11 +193,9 @@ def _beat(loc: Any, name: str) -> float | None:
         return None  # caught mid-rewrite (a local file is not replaced atomically)
 
 
-def test_a_heartbeat_keeps_a_long_run_alive(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_heartbeat_keeps_a_long_run_alive(monkeypatch: pytest.MonkeyPatch, far: Far) -> None:
     monkeypatch.setattr(remote, "HEARTBEAT_S", 0.01)
-    loc = locate(fs_helpers.uri(tmp_path / "far"))
+    loc = locate(far.uri())
     run = remote.RemoteRun(loc, force=False)
     run.start()
     first = run.claim.beat
@@ -230,18 +231,18 @@ def test_a_file_uri_is_a_local_path(data: Path, tmp_path: Path, run_cli: RunCli)
 
 
 def test_force_takes_over_rolltool_files_whose_claim_is_gone(
-    data: Path, tmp_path: Path, run_cli: RunCli
+    data: Path, tmp_path: Path, run_cli: RunCli, far: Far
 ) -> None:
     """A killed run's files whose claim someone deleted: no output without --force; --force
     replaces them (they are all names rolltool writes), unlike a folder with other files."""
-    far, ref = tmp_path / "far", tmp_path / "ref"
-    assert _pack(run_cli, data, fs_helpers.uri(far), "--dp", 4).exit_code == 0
-    (far / "manifest.json").unlink()
-    refused = _pack(run_cli, data, fs_helpers.uri(far))
+    ref = tmp_path / "ref"
+    assert _pack(run_cli, data, far.uri(), "--dp", 4).exit_code == 0
+    far.delete("manifest.json")
+    refused = _pack(run_cli, data, far.uri())
     assert refused.exit_code == 1 and "already exists" in refused.stderr
-    assert _pack(run_cli, data, fs_helpers.uri(far), "--force").exit_code == 0
+    assert _pack(run_cli, data, far.uri(), "--force").exit_code == 0
     assert _pack(run_cli, data, ref).exit_code == 0
-    assert _files(far) == _files(ref)
+    assert far.files() == _files(ref)
 
 
 @pytest.fixture(scope="module")
@@ -261,7 +262,7 @@ def hive(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_inputs_by_uri_are_listed_like_local_ones(hive: Path) -> None:
-    from rolltool.input.source import resolve_inputs
+    from rolltool.input.resolve import resolve_inputs
 
     local = resolve_inputs([hive])
     far = resolve_inputs([fs_helpers.uri(hive)])
@@ -313,7 +314,14 @@ def test_an_output_inside_an_input_by_uri_is_refused_before_any_work(
 
 
 @pytest.mark.parametrize(
-    ("only", "after"), [("write_shard", False), ("write_samples", False), ("finish", True)]
+    ("only", "after", "far"),
+    [
+        ("write_shard", False, "norename"),
+        ("write_samples", False, "norename"),
+        ("finish", True, "norename"),
+        ("finish", True, "s3"),  # the server once: the suite's time
+    ],
+    indirect=["far"],
 )
 def test_a_force_run_killed_anywhere_leaves_no_finished_output_and_is_repaired(
     only: str,
@@ -322,21 +330,22 @@ def test_a_force_run_killed_anywhere_leaves_no_finished_output_and_is_repaired(
     tmp_path: Path,
     run_cli: RunCli,
     monkeypatch: pytest.MonkeyPatch,
+    far: Far,
 ) -> None:
     """Killed over an existing output (--force) before the first shard, before samples.parquet,
     or just before the manifest goes up: the old output was invalidated first, no manifest is
     left, and a run without --force cleans the killed run's files and finishes."""
-    far, ref = tmp_path / "far", tmp_path / "ref"
+    ref = tmp_path / "ref"
     assert _pack(run_cli, data, ref).exit_code == 0
-    assert _pack(run_cli, data, fs_helpers.uri(far), "--dp", 4).exit_code == 0
-    argv = [sys.executable, "-c", CHILD, "pack", data, "-o", fs_helpers.uri(far), *PACK, "--force"]
+    assert _pack(run_cli, data, far.uri(), "--dp", 4).exit_code == 0
+    argv = [sys.executable, "-c", CHILD, "pack", data, "-o", far.uri(), *PACK, "--force"]
     env = Injector(at=1, only=only, after=after).env()
     killed = subprocess.run(list(map(str, argv)), env=env, capture_output=True, timeout=120)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
-    left = _files(far)
+    left = far.files()
     assert "manifest.json" not in left
     assert sum(k.startswith(remote.CLAIM_PREFIX) for k in left) == 1
     monkeypatch.setattr(remote, "STALE_S", 0.0)
-    again = _pack(run_cli, data, fs_helpers.uri(far))
+    again = _pack(run_cli, data, far.uri())
     assert again.exit_code == 0, again.output
-    assert _files(far) == _files(ref)
+    assert far.files() == _files(ref)
