@@ -60,14 +60,14 @@ run_advantages([IN], OUT, AdvantageConfig(estimator="grpo"), force=True, mapper=
 SCAN = """
 from rolltool.jobs.advantages import ADVANTAGE_COLUMNS
 from rolltool.schema import scan
-from rolltool.input.source import resolve_inputs
+from rolltool.input.resolve import resolve_inputs
 scan(resolve_inputs([IN]), ignore=ADVANTAGE_COLUMNS)
 """
 
 DEFERRED = """
 from rolltool.jobs.advantages import ADVANTAGE_COLUMNS
 from rolltool.schema import scan_deferred
-from rolltool.input.source import resolve_inputs
+from rolltool.input.resolve import resolve_inputs
 scan_deferred(resolve_inputs([IN]), ignore=ADVANTAGE_COLUMNS)
 """
 

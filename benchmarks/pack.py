@@ -59,7 +59,7 @@ def _pack(src: Path, out: Path, dp: int, cache_mb: float) -> tuple[float, int, d
 BASE = """
 import sys
 from rolltool.schema import scan
-from rolltool.input.source import resolve_inputs
+from rolltool.input.resolve import resolve_inputs
 scan(resolve_inputs([sys.argv[1]]), {})
 """
 

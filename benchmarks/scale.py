@@ -107,7 +107,7 @@ import numpy as np, pyarrow as pa
 from rolltool.plan.config import PackConfig
 from rolltool.plan.schedule import schedule
 from rolltool.schema.rollouts import Rollouts
-from rolltool.input.source import InputFile
+from rolltool.input.parquet import InputFile
 def rss():  # bytes resident now
     return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 n = int(sys.argv[1]) // 8 * 8

@@ -26,7 +26,7 @@ import polars as pl
 import pyarrow.parquet as pq
 from _data import synth_dataset
 
-from rolltool.input.source import resolve_inputs
+from rolltool.input.resolve import resolve_inputs
 from rolltool.schema import scan
 from rolltool.stats import rollout_stats
 

@@ -32,7 +32,7 @@ MOVED: dict[str, tuple[str, ...]] = {
     "rolltool.fs": ("rolltool.storage.fs",),
     "rolltool.remote": ("rolltool.storage.remote",),
     "rolltool.outputs": ("rolltool.storage.outputs",),
-    "rolltool.source": ("rolltool.input.source",),
+    "rolltool.source": ("rolltool.input.resolve", "rolltool.input.parquet", "rolltool.input.hints"),
     "rolltool.synth": ("rolltool.input.synth",),
     "rolltool.writer": ("rolltool.packed.writer",),
     "rolltool.reader": ("rolltool.packed.reader",),

@@ -181,7 +181,7 @@ def parse_mapping(pairs: Iterable[str], option: str) -> dict[str, str]:
 
 def parse_columns(pairs: Iterable[str]) -> dict[str, str]:
     """`--column NEW=OLD` pairs; one OLD read into two NEWs is a usage error (exit 2) too."""
-    from rolltool.input.source import invert_mapping
+    from rolltool.input.parquet import invert_mapping
 
     mapping = parse_mapping(pairs, "--column")
     try:

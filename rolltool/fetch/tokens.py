@@ -25,7 +25,7 @@ import pyarrow.compute as pc
 
 from rolltool.errors import RolltoolError
 from rolltool.format.layout import SampleTokens, segment_positions
-from rolltool.input.source import (
+from rolltool.input.parquet import (
     InputFile,
     file_schema,
     read_row_group,

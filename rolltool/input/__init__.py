@@ -1,3 +1,4 @@
-"""What comes in: input files, folders and globs resolved to Parquet (`source`, with the
-conversion hints for other formats) and realistic synthetic rollouts (`synth`).
+"""What comes in: input files, folders and globs resolved to Parquet (`resolve`, reading through
+`parquet`, with the conversion hints for other formats in `hints`) and realistic synthetic
+rollouts (`synth`).
 """

@@ -15,7 +15,8 @@ import pyarrow as pa
 
 from rolltool._version import __version__
 from rolltool.errors import RolltoolError
-from rolltool.input.source import InputFile, invert_mapping, resolve_inputs
+from rolltool.input.parquet import InputFile, invert_mapping
+from rolltool.input.resolve import resolve_inputs
 from rolltool.jobs.rewrite import append_columns, output_schema
 from rolltool.plan.advantages import (
     AdvantageConfig,

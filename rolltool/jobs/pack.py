@@ -30,7 +30,8 @@ from rolltool.format import (
     StepRecord,
 )
 from rolltool.format.layout import SampleTokens
-from rolltool.input.source import InputFile, invert_mapping, resolve_inputs
+from rolltool.input.parquet import InputFile, invert_mapping
+from rolltool.input.resolve import resolve_inputs
 from rolltool.packed.writer import PackedWriter
 from rolltool.packing.manifest import created_at, manifest_record, samples_table
 from rolltool.packing.step import Job, Packed, prefetch, step_tokens, write_step

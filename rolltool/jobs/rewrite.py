@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rolltool.errors import RolltoolError
-from rolltool.input.source import InputFile, file_schema, footer, iter_row_groups
+from rolltool.input.parquet import InputFile, file_schema, footer, iter_row_groups
 
 VALUE_BYTES = {"BOOLEAN": 1 / 8, "INT32": 4, "INT64": 8, "INT96": 12, "FLOAT": 4, "DOUBLE": 8}
 """Bytes per decoded value of a Parquet physical type (Arrow's width; booleans are bits)."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from rolltool.format import MAX_TOKEN_ID
-from rolltool.input.source import InputFile
+from rolltool.input.parquet import InputFile
 from rolltool.util.problems import Problem
 
 ID_COLUMNS = ("group_id", "rollout_id", "sample_id")

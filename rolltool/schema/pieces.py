@@ -28,7 +28,7 @@ import numpy as np
 import pyarrow as pa
 
 from rolltool.errors import RolltoolError
-from rolltool.input.source import footer, read_row_group
+from rolltool.input.parquet import footer, read_row_group
 from rolltool.schema.columns import SCAN_COLUMNS, FileColumns, plain_columns
 from rolltool.schema.rows import ROW_RULES, Flagged, row_batch
 from rolltool.util.mapping import Mapper

@@ -12,7 +12,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from rolltool.input.source import InputFile, check_mapping, file_schema, iter_row_groups
+from rolltool.input.parquet import InputFile, check_mapping, file_schema, iter_row_groups
 from rolltool.schema.across import CROSS_RULES
 from rolltool.schema.columns import (
     DEFAULT_ENV,

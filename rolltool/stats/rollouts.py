@@ -40,15 +40,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rolltool.errors import RolltoolError
-from rolltool.input.source import (
+from rolltool.input.parquet import (
     InputFile,
     check_mapping,
     file_schema,
     footer,
     invert_mapping,
-    resolve_inputs,
     source_names,
 )
+from rolltool.input.resolve import resolve_inputs
 from rolltool.schema import DEFAULT_ENV, id_type_conflicts, token_format
 from rolltool.stats.accumulate import Moments, Stats, ValueCounts, add_dicts, percentiles
 from rolltool.util.mapping import Mapper

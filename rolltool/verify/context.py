@@ -22,7 +22,8 @@ from rolltool.errors import RolltoolError
 from rolltool.fetch.tokens import TokenReader
 from rolltool.format import SAMPLES, STATUSES, InputRecord, Manifest
 from rolltool.format.split import GroupSplit, recorded_split
-from rolltool.input.source import InputFile, footer, invert_mapping, iter_batches, resolve_inputs
+from rolltool.input.parquet import InputFile, footer, invert_mapping, iter_batches
+from rolltool.input.resolve import resolve_inputs
 from rolltool.storage.fs import is_remote, locate_input
 from rolltool.util.problems import Problem
 from rolltool.verify.segments import Segments

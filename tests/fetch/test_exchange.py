@@ -12,7 +12,7 @@ import pytest
 
 from rolltool.fetch.buckets import exchange
 from rolltool.fetch.tokens import TokenReader
-from rolltool.input.source import resolve_inputs
+from rolltool.input.resolve import resolve_inputs
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "rollouts.parquet"
 

@@ -19,7 +19,8 @@ import pytest
 
 from rolltool.errors import RolltoolError
 from rolltool.fetch.tokens import TokenReader
-from rolltool.input.source import InputFile, resolve_inputs
+from rolltool.input.parquet import InputFile
+from rolltool.input.resolve import resolve_inputs
 from rolltool.schema import scan
 
 

@@ -14,8 +14,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import rolltool.input.source as source
-from rolltool.input.source import InputFile, read_row_group, read_row_groups, resolve_inputs
+import rolltool.input.parquet as parquet
+import rolltool.input.resolve as resolve
+from rolltool.input.parquet import InputFile, read_row_group, read_row_groups
+from rolltool.input.resolve import resolve_inputs
 from rolltool.schema import scan
 
 
@@ -103,8 +105,8 @@ def test_a_folder_that_cannot_be_read_is_an_error_not_skipped(
     if fault == "unlistable":
         monkeypatch.setattr(os, "scandir", refuse(os.scandir))
     else:
-        monkeypatch.setattr(source, "is_packed_dir", refuse(source.is_packed_dir))
-    with pytest.raises(source.RolltoolError, match=r"data/sub: cannot read this folder") as e:
+        monkeypatch.setattr(resolve, "is_packed_dir", refuse(resolve.is_packed_dir))
+    with pytest.raises(resolve.RolltoolError, match=r"data/sub: cannot read this folder") as e:
         resolve_inputs(["data"])
     assert hits and "Permission denied" in e.value.message
 
@@ -193,7 +195,7 @@ def test_row_groups_read_one_at_a_time_parse_the_footer_once(
     os.utime(path, ns=(1, 1))
     assert read_row_group(file, {}, ["sample_id"], 1).column(0).to_pylist() == ["s1-2"]
     assert len(parses) == 2
-    assert len(source._footers) <= source.FOOTERS_KEPT
+    assert len(parquet._footers) <= parquet.FOOTERS_KEPT
 
 
 def test_row_groups_read_together_open_the_file_once(
@@ -202,8 +204,8 @@ def test_row_groups_read_together_open_the_file_once(
     path = tmp_path / "rg.parquet"
     pq.write_table(pa.table(_rows(0, n=50)), path, row_group_size=5)
     opened = []
-    real = source._open
-    monkeypatch.setattr(source, "_open", lambda p: opened.append(p) or real(p))
+    real = parquet._open
+    monkeypatch.setattr(parquet, "_open", lambda p: opened.append(p) or real(p))
     file = InputFile(str(path), 50, partitions={"env": "math"})
     wanted = [7, 2, 9]
     tables = read_row_groups(file, {"sample_id": "id"}, ["id", "env"], wanted)

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from rolltool.errors import RolltoolError
-from rolltool.input.source import resolve_inputs
+from rolltool.input.resolve import resolve_inputs
 from rolltool.input.synth import VOCAB_SIZE, SynthConfig, generate, synth_lengths
 from rolltool.schema import scan
 

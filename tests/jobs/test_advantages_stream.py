@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import rolltool.jobs.advantages as jobs
 import rolltool.jobs.rewrite as rewrite
 from rolltool.errors import RolltoolError
-from rolltool.input.source import resolve_inputs
+from rolltool.input.resolve import resolve_inputs
 from rolltool.jobs.advantages import ADVANTAGE_COLUMNS, run_advantages
 from rolltool.jobs.rewrite import decoded_bytes, row_group_plan
 from rolltool.plan.advantages import AdvantageConfig, AdvantageInput, compute_advantages

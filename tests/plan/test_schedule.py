@@ -19,7 +19,7 @@ from pack_helpers import G, rollouts
 
 from rolltool.errors import RolltoolError
 from rolltool.format import STATUSES
-from rolltool.input.source import resolve_inputs
+from rolltool.input.resolve import resolve_inputs
 from rolltool.plan.advantages import AdvantageConfig
 from rolltool.plan.batches import StepConfig
 from rolltool.plan.config import PackConfig

@@ -22,7 +22,7 @@ from pack_helpers import G, rollouts
 
 from rolltool.errors import RolltoolError
 from rolltool.format import STATUSES
-from rolltool.input.source import resolve_inputs
+from rolltool.input.resolve import resolve_inputs
 from rolltool.plan.batches import StepConfig
 from rolltool.plan.config import PackConfig
 from rolltool.plan.schedule import GroupIndex, PlannedStep, Schedule, schedule

@@ -229,7 +229,7 @@ def test_lengths_unlike_the_scans_are_an_error_even_when_the_file_looks_unchange
 ) -> None:
     import rolltool.fetch.tokens
     from rolltool.errors import RolltoolError
-    from rolltool.input.source import resolve_inputs
+    from rolltool.input.resolve import resolve_inputs
 
     files = resolve_inputs([data])
     reader = rolltool.fetch.tokens.TokenReader(files, {}, cache_bytes=0)
@@ -288,12 +288,12 @@ def test_a_file_size_limit_is_one_line_and_keeps_the_old_output(data: Path, tmp_
 def test_an_unreadable_path_is_one_line_naming_it(
     data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import rolltool.input.source
+    import rolltool.input.resolve
 
     def denied(text: str) -> Any:
         raise PermissionError(13, "Permission denied", str(tmp_path / "data" / "locked"))
 
-    monkeypatch.setattr(rolltool.input.source, "_expand", denied)
+    monkeypatch.setattr(rolltool.input.resolve, "_expand", denied)
     result = cli("pack", tmp_path / "data", "-o", tmp_path / "out", *PACK)
     assert result.exit_code == 1
     assert result.stderr.splitlines()[0] == f"Error: {tmp_path}/data/locked: Permission denied"

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rolltool.errors import RolltoolError
-from rolltool.input.source import resolve_inputs
+from rolltool.input.resolve import resolve_inputs
 from rolltool.jobs.advantages import run_advantages
 from rolltool.plan.advantages import AdvantageConfig
 from rolltool.schema import scan

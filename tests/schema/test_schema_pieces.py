@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 
 from rolltool.engine.local import local_mapper
 from rolltool.errors import RolltoolError
-from rolltool.input.source import InputFile, file_schema, resolve_inputs
+from rolltool.input.parquet import InputFile, file_schema
+from rolltool.input.resolve import resolve_inputs
 from rolltool.jobs.advantages import ADVANTAGE_COLUMNS, run_advantages
 from rolltool.plan.advantages import AdvantageConfig, AdvantageInput, compute_advantages
 from rolltool.schema import Rollouts, pieces, rollouts, scan, scan_deferred

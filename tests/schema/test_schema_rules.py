@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 
 import rolltool.schema as schema
 from rolltool.errors import RolltoolError
-from rolltool.input.source import InputFile, resolve_inputs
+from rolltool.input.parquet import InputFile
+from rolltool.input.resolve import resolve_inputs
 from rolltool.schema import across, columns, rows
 from rolltool.schema.rows import Flagged, row_batch
 

@@ -1,38 +1,23 @@
-"""Where rollouts come from: resolve input paths and stream Parquet record batches.
+"""Parquet I/O: one input file's footer, schema, batches and row groups, with schema names.
 
-Inputs are files, directories (searched recursively for ``*.parquet``; ``key=value`` directory
-names become string columns, as in hive partitioning) or glob patterns. The file order is the
-sorted path order, so the row order ("sample_index") is deterministic.
-
-A file named twice (``a.parquet`` and its absolute path, or through a glob and a directory, or
-a symlink) is read once: inputs are deduplicated by resolved path, keeping the first spelling.
-
-A directory walk skips names starting with ``.`` or ``_`` (Spark/Hive bookkeeping such as
-``_SUCCESS``, ``_temporary/``, ``.tmp`` files) and any folder written by ``rolltool pack`` (it
-holds rolltool's ``manifest.json``), so packing into a folder inside the input directory does not
-read its own ``samples.parquet`` back next time.
+An `InputFile` is one resolved Parquet input (path, rows from its footer, hive partition values).
+Its reads rename columns (``--column NEW=OLD``: `invert_mapping`, `check_mapping`,
+`source_names`) and add partition values as string columns; row-group sizes are in rows
+(`row_group_rows`) and compressed bytes (`row_group_bytes`), from the footer alone.
 
 Open files are bounded: a Parquet file is opened for one read (its footer, a row group, a
 stream of batches) and closed after it, never kept per input file, so any number of input files
 fits a small ``ulimit -n``. The parsed footers of the last few files read are kept (keyed by
 path, size and modification time), so reading a file's row groups one at a time parses its
 footer once, not once per row group (with thousands of row groups that was quadratic: 96 s for
-4,000 row groups).
+4,000 row groups). A file on a `pyarrow.fs` filesystem (a URI) is identified by its URI; its
+footer is cached by size and modification time like a local file's.
 
-Example: ``data/env=math/part-0.parquet`` read through the input ``data`` gets a column
-``env = "math"`` unless the file already has one.
-
-Inputs may be URIs on any `pyarrow.fs` filesystem (``s3://bucket/rollouts/``, ``gs://...``,
-``hdfs://...``; `rolltool.storage.fs`): files, folders (listed recursively, with the same skips and
-hive partitions) and globs (``*``, ``?``, ``[...]`` within a name, ``**`` across folders). A
-file's URI is its identity (no symlinks there); its footer is cached by size and modification
-time like a local file's.
+Import order inside input/: hints < parquet < resolve (this module imports `hints` only).
 """
 
 from __future__ import annotations
 
-import fnmatch
-import glob
 import os
 import threading
 from collections import OrderedDict
@@ -46,8 +31,8 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from rolltool.errors import RolltoolError
-from rolltool.format import FORMAT, MANIFEST, is_packed_dir
-from rolltool.storage.fs import Location, is_remote, local_path, locate_input, split_query
+from rolltool.input.hints import unreadable
+from rolltool.storage.fs import is_remote, locate_input
 
 
 @dataclass(frozen=True)
@@ -67,161 +52,6 @@ class InputFile:
         if not self.resolved:
             resolved = self.path if is_remote(self.path) else str(Path(self.path).resolve())
             object.__setattr__(self, "resolved", resolved)
-
-
-def _partitions(root: Path, file: Path) -> dict[str, str]:
-    parts: dict[str, str] = {}
-    try:
-        rel = file.parent.relative_to(root)
-    except ValueError:
-        return parts
-    for piece in rel.parts:
-        key, sep, value = piece.partition("=")
-        if sep and key:
-            parts[key] = value
-    return parts
-
-
-def _skipped(name: str) -> bool:
-    return name.startswith((".", "_"))
-
-
-def _unlistable(e: OSError) -> None:
-    """os.walk's onerror: a folder it cannot list would drop its inputs silently; refuse."""
-    raise RolltoolError(
-        f"{e.filename}: cannot read this folder of the input ({e.strerror})",
-        hint="make it readable, or give the input files or folders without it",
-    ) from None
-
-
-def _packed(folder: Path) -> bool:
-    try:
-        return is_packed_dir(folder)
-    except OSError as e:  # a folder that cannot be entered (no x permission)
-        _unlistable(e)
-        raise  # not reached
-
-
-def _walk(root: Path) -> list[Path]:
-    """The *.parquet files under `root`, sorted; hidden, `_`-prefixed and packed folders skipped."""
-    files: list[Path] = []
-    for dirpath, dirnames, filenames in os.walk(root, onerror=_unlistable):
-        folder = Path(dirpath)
-        dirnames[:] = [d for d in dirnames if not _skipped(d) and not _packed(folder / d)]
-        files.extend(
-            folder / f
-            for f in filenames
-            if f.endswith(".parquet") and not _skipped(f) and (folder / f).is_file()
-        )
-    return sorted(files)
-
-
-def _expand(text: str) -> list[tuple[Path, dict[str, str]]]:
-    """One input (file, directory or glob) -> its Parquet files with their hive partitions."""
-    path = Path(text)
-    if path.is_dir():
-        if is_packed_dir(path):
-            raise RolltoolError(
-                f"{text}: is a directory written by `rolltool pack`, not rollout Parquet",
-                hint="give the rollout files it was packed from; `rolltool stats` reads it",
-            )
-        files = _walk(path)
-        if not files:
-            raise RolltoolError(
-                f"{text}: directory holds no *.parquet files "
-                "(names starting with '.' or '_' and folders written by `rolltool pack` "
-                "are skipped)",
-                hint=convert_hint(path),
-            )
-        return [(f, _partitions(path, f)) for f in files]
-    if path.is_file():
-        return [(path, {})]
-    if glob.has_magic(text):
-        matches = sorted(m for m in glob.glob(text, recursive=True) if Path(m).is_file())
-        if not matches:
-            raise RolltoolError(f"{text}: no file matches this pattern")
-        return [(Path(m), {}) for m in matches]
-    raise RolltoolError(f"{text}: no such file or directory")
-
-
-def _packed_remote(loc: Location, manifest: str) -> bool:
-    """`is_packed_dir` on a filesystem: `manifest` (a path under `loc`) is rolltool's."""
-    try:
-        return b'"format":"' + FORMAT.encode() + b'"' in loc.read_bytes(manifest)[:4096]
-    except RolltoolError:
-        return False
-
-
-def _remote_partitions(rel: str) -> dict[str, str]:
-    parts: dict[str, str] = {}
-    for piece in rel.split("/")[:-1]:
-        key, sep, value = piece.partition("=")
-        if sep and key:
-            parts[key] = value
-    return parts
-
-
-def _expand_folder(text: str, loc: Location) -> list[tuple[str, dict[str, str]]]:
-    """`_walk` on a filesystem: the folder's *.parquet files by URI with their partitions."""
-    names = loc.files()
-    if MANIFEST in names and _packed_remote(loc, MANIFEST):
-        raise RolltoolError(
-            f"{text}: is a directory written by `rolltool pack`, not rollout Parquet",
-            hint="give the rollout files it was packed from; `rolltool stats` reads it",
-        )
-    packed = [
-        n[: -len(MANIFEST)] for n in names if n.endswith(f"/{MANIFEST}") and _packed_remote(loc, n)
-    ]
-    files = [
-        n
-        for n in names
-        if n.endswith(".parquet")
-        and not any(_skipped(piece) for piece in n.split("/"))
-        and not any(n.startswith(folder) for folder in packed)
-    ]
-    if not files:
-        raise RolltoolError(
-            f"{text}: directory holds no *.parquet files "
-            "(names starting with '.' or '_' and folders written by `rolltool pack` are skipped)"
-        )
-    return [(loc.show(n), _remote_partitions(n)) for n in files]
-
-
-def _glob_match(pattern: Sequence[str], name: Sequence[str]) -> bool:
-    """`name`'s folders and file match `pattern`'s (``**``: any number of folders; a name
-    starting with ``.`` only where the pattern's does, as `glob.glob` does)."""
-    if not pattern:
-        return not name
-    if pattern[0] == "**":
-        hidden = next((i for i, n in enumerate(name) if n.startswith(".")), len(name))
-        return any(_glob_match(pattern[1:], name[i:]) for i in range(hidden + 1))
-    return bool(
-        name
-        and (not name[0].startswith(".") or pattern[0].startswith("."))
-        and fnmatch.fnmatchcase(name[0], pattern[0])
-        and _glob_match(pattern[1:], name[1:])
-    )
-
-
-def _expand_remote(text: str) -> list[tuple[str, dict[str, str]]]:
-    """`_expand` for a URI: a file, a folder or a glob on its filesystem."""
-    loc = locate_input(text)
-    kind = loc.info().type
-    if kind == pafs.FileType.File:
-        return [(text, {})]
-    if kind == pafs.FileType.Directory:
-        return _expand_folder(text, loc)
-    base, query = split_query(text)
-    if glob.has_magic(base):
-        magic = min(base.index(c) for c in "*?[" if c in base)
-        root = base[: base.rindex("/", 0, magic)]
-        pattern = base[len(root) + 1 :].split("/")
-        where = locate_input(root + query)
-        matches = [n for n in where.files() if _glob_match(pattern, n.split("/"))]
-        if not matches:
-            raise RolltoolError(f"{text}: no file matches this pattern")
-        return [(where.show(n), {}) for n in matches]
-    raise RolltoolError(f"{text}: no such file or directory")
 
 
 FOOTERS_KEPT = 4
@@ -281,98 +111,12 @@ def _open(path: str | os.PathLike[str]) -> Iterator[pq.ParquetFile]:
         yield pf
 
 
-JSON_SUFFIXES = (".jsonl", ".ndjson", ".json")
-ARROW_SUFFIXES = (".arrow", ".feather", ".ipc")
-
-
-def _hf_hint(folder: str) -> str:
-    shards = os.path.join(folder, "*.arrow")
-    return (
-        "a Hugging Face datasets directory: write Parquet next to its shards once with "
-        'python -c "import glob, pyarrow as pa, pyarrow.parquet as pq; '
-        "[pq.write_table(pa.ipc.open_stream(f).read_all(), f[:-6] + '.parquet') "
-        f'for f in sorted(glob.glob({shards!r}))]" and give the directory again '
-        "(or, with the datasets package: datasets.load_from_disk(DIR).to_parquet(FILE))"
-    )
-
-
-def convert_hint(path: str | os.PathLike[str]) -> str | None:
-    """The exact command that converts a JSON Lines or JSON file, an Arrow file or a Hugging
-    Face ``datasets`` directory (``save_to_disk``: ``*.arrow`` shards) to Parquet; None for
-    other paths. rolltool reads Parquet only (it reads row groups on demand by the footer).
-
-    >>> print(convert_hint("r.jsonl"))
-    convert it once: python -c "import polars as pl; pl.scan_ndjson('r.jsonl').sink_parquet('r.parquet')"
-    """
-    text = os.fspath(path)
-    if os.path.isdir(text):
-        return _hf_hint(text) if any(f.endswith(".arrow") for f in os.listdir(text)) else None
-    suffix = next((x for x in (*JSON_SUFFIXES, *ARROW_SUFFIXES) if text.lower().endswith(x)), "")
-    if not suffix:
-        return None
-    out = text[: -len(suffix)] + ".parquet"
-    if suffix == ".json":  # one JSON array of objects
-        return (
-            f'convert it once: python -c "import polars as pl; pl.read_json({text!r})'
-            f'.write_parquet({out!r})" (one object per line: pl.scan_ndjson instead)'
-        )
-    if suffix in JSON_SUFFIXES:
-        return (
-            f'convert it once: python -c "import polars as pl; pl.scan_ndjson({text!r})'
-            f'.sink_parquet({out!r})"'
-        )
-    return (
-        'convert it once: python -c "import pyarrow as pa, pyarrow.parquet as pq; '
-        f'pq.write_table(pa.ipc.open_stream({text!r}).read_all(), {out!r})" '
-        "(an Arrow file rather than a stream: pa.ipc.open_file)"
-    )
-
-
-def _unreadable(path: str, e: Exception) -> RolltoolError:
-    hint = convert_hint(path)
-    if hint is not None:
-        return RolltoolError(f"{path}: not a Parquet file (rolltool reads Parquet)", hint=hint)
-    return RolltoolError(f"{path}: not a readable Parquet file ({e})")
-
-
-def _rows(path: str) -> int:
-    """Rows of a Parquet file from its footer (the file is closed again at once)."""
-    try:
-        return footer(path).num_rows
-    except (pa.ArrowException, OSError) as e:
-        raise _unreadable(path, e) from None
-
-
-def resolve_inputs(inputs: Sequence[str | os.PathLike[str]]) -> list[InputFile]:
-    """Expand files, directories and globs into a sorted list of Parquet files, each once.
-
-    A file reached twice (``a.parquet`` and its absolute path, a glob and a directory, a
-    symlink) keeps its first spelling and partitions; the list is sorted by that spelling.
-    """
-    if not inputs:
-        raise RolltoolError(
-            "no input given", hint="pass one or more Parquet files, directories or globs"
-        )
-    found: dict[str, tuple[str, dict[str, str]]] = {}  # resolved -> (first spelling, partitions)
-    for raw in inputs:
-        if is_remote(raw):
-            for uri, partitions in _expand_remote(os.fspath(raw)):
-                found.setdefault(uri, (uri, partitions))
-            continue
-        for path, partitions in _expand(local_path(raw)):
-            found.setdefault(str(path.resolve()), (str(path), partitions))
-    return [
-        InputFile(path=path, rows=_rows(path), partitions=partitions, resolved=resolved)
-        for resolved, (path, partitions) in sorted(found.items(), key=lambda kv: kv[1][0])
-    ]
-
-
 def _read_schema(file: InputFile) -> pa.Schema:
     try:
         with _open(file.path) as pf:
             return pf.schema_arrow
     except (pa.ArrowException, OSError) as e:
-        raise _unreadable(file.path, e) from None
+        raise unreadable(file.path, e) from None
 
 
 def file_schema(file: InputFile, rename: Mapping[str, str]) -> pa.Schema:
@@ -536,7 +280,7 @@ def row_group_rows(file: InputFile) -> list[int]:
     try:
         meta = footer(file.path)
     except (pa.ArrowException, OSError) as e:
-        raise _unreadable(file.path, e) from None
+        raise unreadable(file.path, e) from None
     return [meta.row_group(rg).num_rows for rg in range(meta.num_row_groups)]
 
 
@@ -548,7 +292,7 @@ def row_group_bytes(
     try:
         meta = footer(file.path)
     except (pa.ArrowException, OSError) as e:
-        raise _unreadable(file.path, e) from None
+        raise unreadable(file.path, e) from None
     names = source_names(meta.schema.to_arrow_schema().names, rename)
     wanted = {names[c] for c in columns if c in names}
     out = []
