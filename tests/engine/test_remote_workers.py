@@ -1,6 +1,7 @@
 """Worker processes on a remote output upload their own shards (a Ray task on another node needs
 no filesystem shared with the driver), and a run that fails removes shards its workers uploaded
-but never reported: the ``norename://`` filesystem of tests/fs_helpers.py, no network."""
+but never reported: the ``norename://`` filesystem of tests/fs_helpers.py (no network) and a real
+S3 server (SeaweedFS on 127.0.0.1, tests/s3_server.py), through the ``far`` fixture."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import fs_helpers
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from s3_server import S3Store
 
 from rolltool.format.layout import PackedRows
 from rolltool.input.synth import SynthConfig, generate
@@ -17,6 +19,8 @@ from rolltool.packed import writer
 from rolltool.packing.step import Job
 from rolltool.storage.fs import locate
 from rolltool.storage.remote import RemoteRun
+
+Far = fs_helpers.Folder | S3Store
 
 
 @pytest.fixture(autouse=True)
@@ -30,7 +34,7 @@ def _files(root: Path) -> dict[str, bytes]:
 
 
 def test_workers_upload_their_shards_and_the_driver_stages_none(
-    tmp_path: Path, run_cli, small_pools: None, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, run_cli, small_pools: None, monkeypatch: pytest.MonkeyPatch, far: Far
 ) -> None:
     """With --workers 2 on a remote output every shard is uploaded by a worker process: the
     driver's own upload (`PackedWriter._put`) sees only samples.parquet, and the bytes equal a
@@ -48,10 +52,10 @@ def test_workers_upload_their_shards_and_the_driver_stages_none(
     args = ("--dp", 2, "--batch-size", 16, "--keep-last", "--workers", 2)
     assert run_cli("pack", data, "-o", tmp_path / "local", *args).exit_code == 0
     put.clear()
-    done = run_cli("pack", data, "-o", fs_helpers.uri(tmp_path / "far"), *args)
+    done = run_cli("pack", data, "-o", far.uri(), *args)
     assert done.exit_code == 0, done.output
     assert put == ["samples.parquet"]  # every shard came from a worker
-    ours, theirs = _files(tmp_path / "local"), _files(tmp_path / "far")
+    ours, theirs = _files(tmp_path / "local"), far.files()
     assert ours.keys() == theirs.keys() and all(ours[k] == theirs[k] for k in ours)
 
 
@@ -70,23 +74,26 @@ def _rows(n: int) -> PackedRows:
     )
 
 
-def test_direct_writer_uploads_under_final_names_without_the_driver_folder(tmp_path: Path) -> None:
+def test_direct_writer_uploads_under_final_names_without_the_driver_folder(
+    tmp_path: Path, far: Far
+) -> None:
     """A worker given `upload` writes nothing under the driver's folder (which need not exist
     on its node) and leaves no local file; the remote file is the local writer's bytes."""
-    loc = locate(fs_helpers.uri(tmp_path / "far"))
+    store = far
+    loc = locate(store.uri())
     far = writer.DirectWriter(tmp_path / "not-on-this-node", 1 << 20, upload=loc)
     near = writer.DirectWriter(tmp_path / "near", 1 << 20)
     (tmp_path / "near").mkdir()
     assert far.write_rank(3, 1, _rows(40)) == near.write_rank(3, 1, _rows(40))
     assert far.files == near.files and len(far.files) == 1
     assert not (tmp_path / "not-on-this-node").exists()
-    assert _files(tmp_path / "far") == _files(tmp_path / "near")
+    assert store.files() == _files(tmp_path / "near")
 
 
 def test_a_failed_run_removes_shards_its_workers_uploaded_but_never_reported(
-    tmp_path: Path,
+    tmp_path: Path, far: Far
 ) -> None:
-    loc = locate(fs_helpers.uri(tmp_path / "far"))
+    loc = locate(far.uri())
     run = RemoteRun(loc, force=False)
     run.start()
     w = writer.DirectWriter(tmp_path / "unused", 1 << 20, upload=loc)
@@ -94,7 +101,7 @@ def test_a_failed_run_removes_shards_its_workers_uploaded_but_never_reported(
     reported = writer.DirectWriter(tmp_path / "unused", 1 << 20, upload=loc)
     reported.write_rank(1, 0, _rows(8))
     run.adopt(reported.files)  # a reported one, for contrast
-    (tmp_path / "far" / "notes.txt").write_text("not rolltool's")
+    far.put("notes.txt", b"not rolltool's")
     assert len([n for n in loc.files() if n.endswith(".safetensors")]) == 2
     run.abort()
     assert loc.files() == ["notes.txt"]  # shards and the claim gone; a foreign file kept
