@@ -29,7 +29,7 @@ from rolltool.errors import OptionConflict, RolltoolError
 if TYPE_CHECKING:
     from rolltool.format import StepRecord
     from rolltool.packing.step import Job, Packed
-    from rolltool.plan.schedule import PlannedStep
+    from rolltool.plan.step_plan import PlannedStep
     from rolltool.util.mapping import Mapper
 
 ENGINES = ("local", "ray")

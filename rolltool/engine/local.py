@@ -6,7 +6,7 @@ its own (`pack_worth_it`). Both pools cut their work with the one chunk policy
 (`rolltool.engine.base.chunks`) and collect it in order with `rolltool.engine.base.in_order`
 (`_pool_in_order`); they differ in how their workers start and what they are handed, below.
 
-Planning (``pack --workers N``): each batch's plan (`rolltool.plan.schedule.plan_one_step` /
+Planning (``pack --workers N``): each batch's plan (`rolltool.plan.step_plan.plan_one_step` /
 ``plan_batch``) is a pure function of the light columns, the config and the batch, so batches
 can be planned anywhere and in any order: `iter_in_order` puts the results back in batch order
 and every byte written is the same as a serial run's (tests/test_workers.py compares every
@@ -46,7 +46,7 @@ from rolltool.errors import RolltoolError
 from rolltool.fetch.tokens import TokenReader
 from rolltool.format import StepRecord
 from rolltool.packing.step import Job, Packed, pack_chunk
-from rolltool.plan.schedule import PlannedStep
+from rolltool.plan.step_plan import PlannedStep
 from rolltool.util.mapping import Mapper
 
 T = TypeVar("T")

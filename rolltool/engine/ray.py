@@ -60,7 +60,7 @@ from rolltool.errors import RolltoolError
 if TYPE_CHECKING:  # imported where used: attaching to a cluster needs neither
     from rolltool.format import StepRecord
     from rolltool.packing.step import Job, Packed
-    from rolltool.plan.schedule import PlannedStep
+    from rolltool.plan.step_plan import PlannedStep
     from rolltool.util.mapping import Mapper
 
 RETRIES = 3

@@ -43,7 +43,7 @@ from rolltool.format.layout import SampleTokens
 
 if TYPE_CHECKING:
     from rolltool.packing.step import Job, Packed
-    from rolltool.plan.schedule import PlannedStep
+    from rolltool.plan.step_plan import PlannedStep
 
 _TOKENS = {"input_ids": pa.int32(), "loss_mask": pa.uint8(), "logprobs": pa.float32()}
 _ROWS = pa.schema(

@@ -38,7 +38,8 @@ from rolltool.packing.step import Job, Packed, prefetch, step_tokens, write_step
 from rolltool.plan.advantages import ESTIMATORS, AdvantageConfig
 from rolltool.plan.config import OVERLONG, PackConfig
 from rolltool.plan.loss import LOSS_AGGS
-from rolltool.plan.schedule import PlannedStep, Schedule, schedule
+from rolltool.plan.schedule import Schedule, schedule
+from rolltool.plan.step_plan import PlannedStep
 from rolltool.schema import Rollouts, scan
 from rolltool.storage.outputs import check_target
 

@@ -1,6 +1,6 @@
 """The unit of work every engine runs: one planned step fetched, laid out and written.
 
-A step's rows depend only on its plan (`rolltool.plan.schedule.PlannedStep`) and the input's
+A step's rows depend only on its plan (`rolltool.plan.step_plan.PlannedStep`) and the input's
 tokens, so any process can pack any step in any order. `write_step` lays out one step's rows
 rank by rank (`rolltool.format.layout.step_rows`) and hands them to a writer; `pack_chunk` is
 what a worker of any engine does with its share of the steps (`rolltool.engine.local`,
@@ -25,7 +25,7 @@ from rolltool.format import FileRecord, StepRecord
 from rolltool.format.layout import SampleTokens, step_rows
 from rolltool.packed.writer import DirectWriter, PackedWriter
 from rolltool.plan.config import PackConfig
-from rolltool.plan.schedule import PlannedStep
+from rolltool.plan.step_plan import PlannedStep
 from rolltool.storage.fs import Location
 
 

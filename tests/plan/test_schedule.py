@@ -23,7 +23,8 @@ from rolltool.input.resolve import resolve_inputs
 from rolltool.plan.advantages import AdvantageConfig
 from rolltool.plan.batches import StepConfig
 from rolltool.plan.config import PackConfig
-from rolltool.plan.schedule import Schedule, group_advantages, schedule
+from rolltool.plan.group_advantages import group_advantages
+from rolltool.plan.schedule import Schedule, schedule
 from rolltool.plan.workload import make_workload
 from rolltool.schema import Rollouts, scan
 

@@ -25,7 +25,9 @@ from rolltool.format import STATUSES
 from rolltool.input.resolve import resolve_inputs
 from rolltool.plan.batches import StepConfig
 from rolltool.plan.config import PackConfig
-from rolltool.plan.schedule import GroupIndex, PlannedStep, Schedule, schedule
+from rolltool.plan.groups import GroupIndex
+from rolltool.plan.schedule import Schedule, schedule
+from rolltool.plan.step_plan import PlannedStep
 from rolltool.plan.workload import make_workload
 from rolltool.schema import Rollouts, scan
 

@@ -118,7 +118,7 @@ def test_token_unit_with_a_tiny_step_warns(run_cli, synth_path: Path, tmp_path: 
 def test_step_size_warning_counts_steps_off_size() -> None:
     from types import SimpleNamespace as S
 
-    from rolltool.plan.schedule import step_size_warning
+    from rolltool.plan.step_warnings import step_size_warning
 
     def steps(*actual: int, status: str = "short") -> list[Any]:
         return [S(status=status, actual=a, nominal=100) for a in actual]

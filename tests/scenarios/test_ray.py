@@ -28,7 +28,7 @@ from rolltool.errors import OptionConflict, RolltoolError
 from rolltool.jobs.pack import run_pack
 from rolltool.packing.step import Job, Packed
 from rolltool.plan.config import PackConfig
-from rolltool.plan.schedule import PlannedStep
+from rolltool.plan.step_plan import PlannedStep
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "rollouts.parquet"
 COMMAND = ["rolltool", "pack", "(test)"]
