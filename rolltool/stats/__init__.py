@@ -22,10 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from rolltool.errors import RolltoolError
-from rolltool.format import MANIFEST, Manifest, is_packed_dir
+from rolltool.format import MANIFEST, Manifest, is_packed_dir, packed_doc
 from rolltool.stats.accumulate import Moments, Stats, ValueCounts
 from rolltool.stats.packed import packed_stats
 from rolltool.stats.rollouts import HINT, Mapper, rollout_stats
+from rolltool.storage.fs import is_remote, locate
 
 __all__ = [
     "Moments",
@@ -40,6 +41,14 @@ __all__ = [
 def _is_packed(path: str) -> bool:
     """A directory written by ``rolltool pack``; one holding another ``manifest.json`` is an
     error saying why it is not (never read as rollout Parquet)."""
+    if is_remote(path):  # format/ knows local paths only
+        loc = locate(path)
+        if not loc.is_file(MANIFEST):
+            return False
+        raw = loc.read_bytes(MANIFEST)
+        if packed_doc(raw) is None:
+            Manifest.loads(raw, loc.show(MANIFEST))  # raises, saying why
+        return True
     if is_packed_dir(path):
         return True
     if (Path(path) / MANIFEST).is_file():

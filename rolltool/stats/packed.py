@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import io
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,7 @@ from rolltool.plan.partition import metrics, plan_step
 from rolltool.plan.workload import Workload, make_workload
 from rolltool.stats.accumulate import Stats, ValueCounts, percentiles
 from rolltool.stats.rollouts import Mapper
+from rolltool.storage.fs import Location
 
 ALTERNATIVES = ("tokens", "count")
 """Workloads the chosen split is compared with."""
@@ -300,11 +302,18 @@ def _balance_totals(steps: list[dict[str, Any]], chosen_cost: float) -> dict[str
     }
 
 
-def read_samples(path: Path) -> pl.DataFrame:
-    """The trained samples of a packed directory: step, rank, micro_batch, env, length."""
+def read_samples(path: Path, remote: Location | None = None) -> pl.DataFrame:
+    """The trained samples of a packed directory: step, rank, micro_batch, env, length (of a
+    `remote` one, samples.parquet read whole through its filesystem: polars does not know
+    pyarrow's filesystems)."""
+    if remote is not None:
+        source: Any = io.BytesIO(remote.read_bytes("samples.parquet"))
+        path = Path(remote.shown)
+    else:
+        source = path / "samples.parquet"
     try:
         return (
-            pl.scan_parquet(path / "samples.parquet")
+            pl.scan_parquet(source)
             .filter(pl.col("status") == "trained")
             .select("step", "rank", "micro_batch", "env", "length")
             .collect()
@@ -332,9 +341,10 @@ def packed_stats(
     """
     ds = open_packed(path)
     manifest = ds.manifest
-    n_steps = _steps_read(ds.path, manifest.num_steps, step, limit)
+    shown = ds.path if ds.location.local else ds.location.shown
+    n_steps = _steps_read(shown, manifest.num_steps, step, limit)
     workload = Workload.from_record(manifest.workload)
-    samples = read_samples(ds.path)
+    samples = read_samples(ds.path, None if ds.location.local else ds.location)
     by_step = samples.partition_by("step", as_dict=True)
     empty = samples.clear()
     records = manifest.steps[:n_steps]
@@ -347,7 +357,7 @@ def packed_stats(
     across = {k: percentiles(np.array([_get(s, k) for s in steps], dtype=object)) for k in ACROSS}
     report = {
         "kind": "packed",
-        "path": str(ds.path),
+        "path": str(shown),
         "dp": manifest.dp,
         "world": world,
         "num_steps": manifest.num_steps,
@@ -410,7 +420,7 @@ def _gpu_workload(record: StepRecord, run: Workload) -> Workload:
     return run if recorded is None else Workload.from_record(recorded)
 
 
-def _steps_read(path: Path, num_steps: int, step: int | None, limit: int | None) -> int:
+def _steps_read(path: Path | str, num_steps: int, step: int | None, limit: int | None) -> int:
     """How many steps to read (``--limit``), checking ``--step`` against them."""
     if limit is not None and limit < 1:
         raise RolltoolError(f"--limit must be at least 1, got {limit}")

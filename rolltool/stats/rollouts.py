@@ -51,6 +51,7 @@ from rolltool.input.parquet import (
 from rolltool.input.resolve import resolve_inputs
 from rolltool.schema import DEFAULT_ENV, id_type_conflicts, token_format
 from rolltool.stats.accumulate import Moments, Stats, ValueCounts, add_dicts, percentiles
+from rolltool.storage.fs import is_remote, locate_input
 from rolltool.util.mapping import Mapper
 
 HINT = (
@@ -302,10 +303,42 @@ def _as_float(col: pl.Expr, dtype: pa.DataType) -> pl.Expr:
     return col.cast(pl.Float64)
 
 
+def _frame(
+    path: str, columns: Sequence[str], first_row: int, offset: int = 0, limit: int | None = None
+) -> pl.LazyFrame:
+    """Rows ``offset`` to ``offset + limit`` of the file (`columns` of it at least), with the
+    ``row`` index from ``first_row``. A URI is read with pyarrow through its filesystem (the row
+    groups holding those rows): polars knows neither pyarrow's filesystems nor its URI options
+    (``?endpoint_override=``), and must never guess an endpoint of its own."""
+    if not is_remote(path):
+        lf = pl.scan_parquet(path, hive_partitioning=False).with_row_index("row", first_row)
+        return lf.slice(offset, limit) if offset or limit is not None else lf
+    meta = footer(path)
+    end = meta.num_rows if limit is None else min(meta.num_rows, offset + limit)
+    groups, start, at = [], None, 0
+    for i in range(meta.num_row_groups):
+        n = meta.row_group(i).num_rows
+        if at + n > offset and at < end:
+            groups.append(i)
+            start = at if start is None else start
+        at += n
+    start = offset if start is None else start
+    loc = locate_input(path)
+    with loc.fs.open_input_file(loc.path) as f:
+        table = pq.ParquetFile(f, metadata=meta).read_row_groups(groups, columns=list(columns))
+    lf = pl.from_arrow(table).lazy().with_row_index("row", first_row + start)  # type: ignore[union-attr]
+    return lf.slice(offset - start, max(end - offset, 0))
+
+
+def _sources(file: InputFile, rename: Mapping[str, str]) -> dict[str, str]:
+    """Schema column name -> the file's column holding it."""
+    return source_names(footer(file.path).schema.to_arrow_schema().names, rename)
+
+
 def _columns(file: InputFile, rename: Mapping[str, str]) -> Any:
     """``col(name)``: the expression reading schema column ``name`` of ``file`` (a renamed
     column, or a hive partition value)."""
-    source = source_names(pq.read_schema(file.path).names, rename)
+    source = _sources(file, rename)
 
     def col(name: str) -> pl.Expr:
         if name not in source:  # a hive partition value (file_schema added it)
@@ -330,14 +363,14 @@ def group_end(files: Sequence[InputFile], rename: Mapping[str, str], limit: int)
         first += f.rows
         col = _columns(f, rename)
         try:
+            wanted = [c for n, c in _sources(f, rename).items() if n == "group_id"]
             ids = (
-                pl.scan_parquet(f.path, hive_partitioning=False)
-                .with_row_index("row")
+                _frame(f.path, wanted, 0)
                 .select(col("group_id").alias("g"), pl.col("row"))
                 .slice(offset)
                 .collect()["g"]
             )
-        except (OSError, KeyError, pl.exceptions.PolarsError):
+        except (OSError, KeyError, pa.ArrowException, pl.exceptions.PolarsError):
             return rows  # not rollout Parquet: file_stats says what is wrong
         if group is None:  # the file holding the limit-th row
             group, ids = ids[0], ids[1:]
@@ -348,6 +381,11 @@ def group_end(files: Sequence[InputFile], rename: Mapping[str, str], limit: int)
             return rows + int(other[0])
         rows += len(ids)
     return rows
+
+
+READ = ("group_id", "rollout_id", "env", "reward", "finished_at", "loss_mask", "prompt_ids",
+        "response_ids")  # fmt: skip
+"""The schema columns `file_stats` reads (of a remote file, only those are fetched)."""
 
 
 def file_stats(
@@ -390,12 +428,11 @@ def file_stats(
             else pl.lit(None, pl.Float64)
         ).alias("finished"),
     ]
-    lf = pl.scan_parquet(file.path, hive_partitioning=False).with_row_index("row", first_row)
-    if offset or limit is not None:
-        lf = lf.slice(offset, limit)
+    wanted = [c for n, c in _sources(file, rename).items() if n in READ]
     try:
+        lf = _frame(file.path, wanted, first_row, offset, limit)
         df = lf.select(exprs).collect(engine="streaming")
-    except (OSError, pl.exceptions.PolarsError) as e:
+    except (OSError, pa.ArrowException, pl.exceptions.PolarsError) as e:
         raise RolltoolError(f"{file.path}: could not be read ({e})") from None
     df = df.with_columns(pl.col("row").cast(pl.Int64))
     if "rollout_id" not in has:

@@ -207,7 +207,17 @@ def locate(given: str | os.PathLike[str]) -> Location:
 
 _ROOTS: dict[str, tuple[pafs.FileSystem, str]] = {}
 """Filesystems of input URIs by ``scheme://authority?query``: one `FileSystem.from_uri` (for S3
-a network round trip to find the bucket's region) per bucket, not per file."""
+a network round trip to find the bucket's region) per bucket, not per file. Emptied in every
+forked child (`_forget_after_fork`): pyarrow's S3 client is not fork-safe (a forked scan worker
+reading through its parent's read corrupted pages), so no process uses a filesystem made before
+it was forked; the child makes its own on first use."""
+
+
+def _forget_after_fork() -> None:
+    _ROOTS.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def locate_input(uri: str) -> Location:

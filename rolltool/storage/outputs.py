@@ -66,7 +66,7 @@ import pyarrow.parquet as pq
 from rolltool.errors import RolltoolError
 from rolltool.format import is_packed_dir
 from rolltool.storage import remote
-from rolltool.storage.fs import Location, is_remote, local_path, locate
+from rolltool.storage.fs import Location, is_remote, local_path, locate, split_query
 
 LOCK = "lock"
 """The lock file inside a run's temporary directory."""
@@ -189,7 +189,8 @@ def _check_remote_inputs(out: Location, inputs: Sequence[str | os.PathLike[str]]
         text = os.fspath(raw)
         if not is_remote(text):
             continue
-        inp = locate(text.split("*", 1)[0].split("?", 1)[0].split("[", 1)[0])
+        base, query = split_query(text)  # the URI options stay (endpoint_override=...)
+        inp = locate(base.split("*", 1)[0].split("?", 1)[0].split("[", 1)[0] + query)
         if inp.fs.type_name != out.fs.type_name:
             continue
         a, b = out.path.rstrip("/"), inp.path.rstrip("/")
