@@ -104,10 +104,17 @@ def exchange(src: Path, work: Path, repeats: int) -> None:
 PLAN = """
 import gc, json, os, resource, sys, time
 import numpy as np, pyarrow as pa
-from rolltool.plan.config import PackConfig
-from rolltool.plan.schedule import schedule
 from rolltool.schema.rollouts import Rollouts
-from rolltool.input.parquet import InputFile
+try:  # the layered tree (0.2); --plan-trees may name a checkout from before it
+    from rolltool.engine.local import plan_mapper
+    from rolltool.input.parquet import InputFile
+    from rolltool.plan.config import PackConfig
+    from rolltool.plan.schedule import schedule
+except ImportError:
+    plan_mapper = None
+    from rolltool.config import PackConfig
+    from rolltool.schedule import schedule
+    from rolltool.source import InputFile
 def rss():  # bytes resident now
     return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 n = int(sys.argv[1]) // 8 * 8
@@ -128,10 +135,9 @@ def cpu():  # CPU seconds of this process and its finished children
     return sum(resource.getrusage(w).ru_utime + resource.getrusage(w).ru_stime
                for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
 t0, c0 = time.perf_counter(), cpu()
-try:  # the layered tree hands schedule a mapper; older trees (--plan-trees) took workers
-    from rolltool.engine.local import plan_mapper
+if plan_mapper is not None:  # the layered tree hands schedule a mapper; older trees took workers
     kw = {"mapper": plan_mapper(int(sys.argv[2]), ro.num_samples)}
-except ImportError:
+else:
     kw = {"workers": int(sys.argv[2])}
 plan = schedule(ro, config, config.workload(), **kw)
 dt, cpu_s = time.perf_counter() - t0, cpu() - c0

@@ -22,7 +22,7 @@ which averages, so the loss is multiplied by the world size. One optimizer step 
 
 Several PACKED directories train one after another, each from the same initial weights; with
 ``--out DIR`` every rank saves its parameters after the run as DIR/<name>.rank<R>.npz.
-tests/test_train_ddp.py runs this for 1, 2 and 4 processes and checks those parameters against
+tests/scenarios/test_train_ddp.py runs this for 1, 2 and 4 processes and checks those parameters against
 a single process that runs every sample alone.
 """
 

@@ -61,11 +61,17 @@ MOVED: dict[str, tuple[str, ...]] = {
     "rolltool.ray_engine": ("rolltool.engine.ray", "rolltool.engine.base"),
     "rolltool.ray_exchange": ("rolltool.engine.ray_exchange",),
     "rolltool.rewrite": ("rolltool.jobs.rewrite",),
-    "rolltool.pool": ("rolltool.engine.local", "rolltool.packing.step"),
+    "rolltool.pool": ("rolltool.engine.local", "rolltool.packing.step", "rolltool.engine.base"),
     "rolltool.pack": ("rolltool.jobs.pack", "rolltool.packing.step", "rolltool.packing.manifest"),
 }
 """Old module -> the modules that hold its names now (first: where most of it went). A package
 moves with its submodules: ``rolltool.partition.kk`` is ``rolltool.plan.partition.kk``."""
+
+RENAMED: dict[str, dict[str, str]] = {
+    "rolltool.pool": {"worth_it": "pack_worth_it"},
+    "rolltool.ray_engine": {"CHUNKS_PER_CPU": "CHUNKS_PER_WORKER"},
+}
+"""Names that changed as they moved, per old module: the old name reads the new one."""
 
 
 def targets(name: str) -> tuple[str, ...] | None:
@@ -78,17 +84,40 @@ def targets(name: str) -> tuple[str, ...] | None:
 
 
 class _Proxy(types.ModuleType):
-    """An old module split over several new ones: each name looked up in them, in order."""
+    """An old module split over several new ones: each name looked up in them, in order (its
+    old name first, `RENAMED`); setting a name sets it where it lives, so a patch through the
+    old path reaches the code that reads it."""
 
     def __init__(self, name: str, modules: Sequence[types.ModuleType]) -> None:
         super().__init__(name, f"Moved: {', '.join(m.__name__ for m in modules)}.")
-        self._modules = tuple(modules)
+        renamed = RENAMED.get(name, {})
+        names = {n for m in modules for n in getattr(m, "__all__", dir(m)) if not n.startswith("_")}
+        object.__setattr__(self, "_modules", tuple(modules))
+        object.__setattr__(self, "_renamed", renamed)
+        object.__setattr__(self, "__all__", sorted(names | set(renamed)))
 
-    def __getattr__(self, attr: str) -> Any:
+    def _holder(self, attr: str) -> tuple[types.ModuleType, str] | None:
+        attr = self._renamed.get(attr, attr)
         for m in self._modules:
             if hasattr(m, attr):
-                return getattr(m, attr)
-        raise AttributeError(f"module {self.__name__!r} has no attribute {attr!r}")
+                return m, attr
+        return None
+
+    def __getattr__(self, attr: str) -> Any:
+        found = self._holder(attr)
+        if found is None:
+            raise AttributeError(f"module {self.__name__!r} has no attribute {attr!r}")
+        return getattr(*found)
+
+    def __setattr__(self, attr: str, value: Any) -> None:
+        found = None if attr.startswith("__") else self._holder(attr)
+        if found is None:
+            object.__setattr__(self, attr, value)
+        else:
+            setattr(found[0], found[1], value)
+
+    def __dir__(self) -> list[str]:
+        return list(self.__all__)
 
 
 class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):

@@ -7,7 +7,7 @@ Fixtures are small on purpose (the whole suite runs on a 2-core machine in under
 - ``synth_path``: that table written to ``tmp_path / "synth.parquet"``.
 - ``write_parquet(data, name="data.parquet")``: write a pyarrow Table or a dict of columns under
   ``tmp_path`` and return the path (sub-folders in ``name`` are created).
-- ``small_pools``: the worker pools of ``pack --workers`` (`rolltool.engine.local`, `rolltool.pool`)
+- ``small_pools``: the worker pools of ``pack --workers`` (`rolltool.engine.local`)
   used even for the small example input (their size thresholds lowered), and a fixed
   ``created_at`` (SOURCE_DATE_EPOCH), so that runs compare byte for byte.
 - ``s3``: a prefix of its own on a real S3 server (SeaweedFS on 127.0.0.1, tests/s3_server.py,

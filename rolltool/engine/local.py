@@ -9,7 +9,7 @@ its own (`pack_worth_it`). Both pools cut their work with the one chunk policy
 Planning (``pack --workers N``): each batch's plan (`rolltool.plan.step_plan.plan_one_step` /
 ``plan_batch``) is a pure function of the light columns, the config and the batch, so batches
 can be planned anywhere and in any order: `iter_in_order` puts the results back in batch order
-and every byte written is the same as a serial run's (tests/test_workers.py compares every
+and every byte written is the same as a serial run's (tests/engine/test_workers.py compares every
 file). Its workers are forked from the driver after the scan, so they inherit the light columns
 without pickling them; only each batch's plan travels back. Processes, not threads: planning is
 Python and NumPy over small arrays and holds the GIL. A pool costs ~50-100 ms to start, so it is

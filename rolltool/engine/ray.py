@@ -8,7 +8,7 @@ and returns the plans in batch order; `pack_steps` packs contiguous chunks of st
 `TokenReader.handoff`, so an input changed since the scan is refused on any node) and yields
 each step's record and files in step order, for the driver to adopt. The driver writes
 samples.parquet and the manifest last, as always: identity comes from the pure per-batch and
-per-step functions and fixed shard names, not from Ray options (tests/test_ray.py compares every
+per-step functions and fixed shard names, not from Ray options (tests/scenarios/test_ray.py compares every
 file with the local engine's). On the exchange path `exchange_steps` brings each step's samples
 together with Ray Data's hash shuffle instead of local buckets (`rolltool.engine.ray_exchange`).
 
@@ -66,7 +66,8 @@ if TYPE_CHECKING:  # imported where used: attaching to a cluster needs neither
 RETRIES = 3
 """Times a failed task is run again (a dead worker, an OSError) before the run stops."""
 MAX_CHUNK = 32
-"""... of at most this many items (batches, steps, files) each."""
+"""A chunk of work sent to one Ray task holds at most this many items (batches, steps, files),
+however few CPUs the cluster has (`rolltool.engine.base.chunks`)."""
 WINDOW_PER_CPU = 2
 """Tasks submitted and not yet collected, per cluster CPU (`RayEngine.window`)."""
 DATA_EXCHANGE_NODES = 2

@@ -20,7 +20,7 @@ runs as a Ray Data pipeline (`exchange_steps`, ``RayEngine.exchange_steps``):
    packed on the driver, reading nothing.
 
 Identity: the shards are written by the same function, from the same tokens in the same
-order, under names fixed by (step, rank, part); tests/test_ray.py compares every file with the
+order, under names fixed by (step, rank, part); tests/scenarios/test_ray.py compares every file with the
 direct one-process run's. Memory: a read task holds one decoded row group; the shuffle keeps
 its blocks in the object store (spilled to disk when it fills); a pack task holds one step.
 The shards go where `rolltool.packing.step.Job.writer` puts them (the driver's temporary directory, a

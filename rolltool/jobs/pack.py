@@ -56,8 +56,8 @@ def run_pack(
     columns: Mapping[str, str] | None = None,
     force: bool = False,
     progress: Progress | None = None,
-    command: Sequence[str] = (),
-    warn_ignored_estimator: bool | None = None,
+    command: Sequence[str] | None = None,
+    warn_ignored_estimator: bool | None = False,
     workers: int | None = None,
     engine: str | None = None,
     ray_address: str | None = None,
@@ -70,10 +70,12 @@ def run_pack(
     engine's workers or a Ray cluster, the exchange path's choice); the output is the same
     whatever it says. `progress(iterable, total, description)` may wrap the step loop (the CLI
     passes a progress bar on stderr). `command`: the command line the manifest records (the
-    CLI's argv; nothing by default). `warn_ignored_estimator`: whether an input with its own
-    'advantage' column, which is used as is, gets a warning that ``config.advantages`` is not
-    used; None: where ``config.advantages`` is not the default (the CLI says whether
-    --estimator or --env-estimator was given, which a default value cannot tell).
+    CLI's argv; None records ``[]``: before 0.2 it recorded this process's ``sys.argv``, a
+    fact of the CLI the library no longer reads). `warn_ignored_estimator`: whether an input
+    with its own 'advantage' column, which is used as is, gets a warning that
+    ``config.advantages`` is not used (the CLI says whether --estimator or --env-estimator was
+    given, which a default value cannot tell); False by default, as before; None: warn where
+    ``config.advantages`` is not the default.
 
     Deprecated, for one release (a DeprecationWarning; not with `execution`): `workers`,
     `engine`, `ray_address` and `exchange_path` (`ExecutionConfig`'s ``workers``, ``engine``,

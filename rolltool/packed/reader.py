@@ -34,12 +34,20 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from rolltool.packed.core import VERIFY_MODES, PackedReader, RowRef, VerifyMode
+from rolltool.packed.core import VERIFY_MODES, PackedReader, RowRef, VerifyMode, value_problem
 
 if TYPE_CHECKING:
     from rolltool.packed.torch_data import RankRows
 
-__all__ = ["VERIFY_MODES", "PackedDataset", "PackedReader", "RowRef", "VerifyMode", "open_packed"]
+__all__ = [
+    "VERIFY_MODES",
+    "PackedDataset",
+    "PackedReader",
+    "RowRef",
+    "VerifyMode",
+    "open_packed",
+    "value_problem",
+]
 
 
 class PackedDataset(PackedReader):

@@ -39,7 +39,7 @@ def manifest_record(
     steps: list[StepRecord],
     warnings: list[str],
     columns: Mapping[str, str] | None,
-    command: Sequence[str],
+    command: Sequence[str] | None,
 ) -> Manifest:
     """The manifest (without its file list, which the writer adds) of a planned, written run;
     `command` is recorded as the caller gives it (the CLI: its command line)."""
@@ -58,7 +58,7 @@ def manifest_record(
         format_version=2 if plan.epochs > 1 else 1,
         rolltool_version=__version__,
         created_at=created_at(),
-        command=tuple(command),
+        command=tuple(command or ()),
         config=config.record(),
         workload=workload.record(),
         advantages=AdvantagesRecord(

@@ -108,3 +108,25 @@ def test_new_paths_do_not_warn() -> None:
         "rolltool.open_packed, rolltool.run_pack, rolltool.PackConfig\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_split_module_proxies_renames_star_imports_and_patches() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pool = importlib.import_module("rolltool.pool")
+        ray_engine = importlib.import_module("rolltool.ray_engine")
+        namespace: dict = {}
+        exec("from rolltool.pack import *", namespace)
+    local = importlib.import_module("rolltool.engine.local")
+    base = importlib.import_module("rolltool.engine.base")
+    assert pool.worth_it is local.pack_worth_it  # pool's own worth_it, under its new name
+    assert ray_engine.CHUNKS_PER_CPU == base.CHUNKS_PER_WORKER
+    assert pool.CHUNKS_PER_WORKER == base.CHUNKS_PER_WORKER
+    assert {"run_pack", "write_step", "manifest_record"} <= set(namespace)
+    assert "pack_steps" in dir(pool)
+    old = local.MIN_WORKERS
+    try:
+        pool.MIN_WORKERS = old + 1  # a patch through the old path reaches the code
+        assert local.MIN_WORKERS == old + 1
+    finally:
+        local.MIN_WORKERS = old

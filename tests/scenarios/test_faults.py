@@ -2,7 +2,7 @@
 (nothing complete-looking is left, and a rerun is byte-identical), SIGTERM and SIGINT, runs at
 the same time, an input changed during a run, a full disk and a file-size limit, and what
 --force refuses. Child processes cost ~0.5 s each: the sweep samples kill points (seeded)
-rather than trying them all; tests/test_outputs.py tries every point of the swap itself."""
+rather than trying them all; tests/storage/test_outputs.py tries every point of the swap itself."""
 
 from __future__ import annotations
 

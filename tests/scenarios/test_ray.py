@@ -374,7 +374,7 @@ def test_ray_address_needs_engine_ray(tmp_path: Path) -> None:
     )
     assert result.exit_code == 2 and "--ray-address" in result.output
     assert not (tmp_path / "p").exists() and not (tmp_path / "c").exists()
-    # the other commands refuse the same (ray_engine.check_engine), in the same words
+    # the other commands refuse the same (rolltool.engine.base.check_engine), in the same words
     cases = [(("local", "auto", None), {"ray_address": "auto"}),
              (("ray", None, 2), {"engine": "ray", "workers": 2})]  # fmt: skip
     for args, kw in cases:
