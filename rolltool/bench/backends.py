@@ -94,8 +94,8 @@ def _sdpa(torch: Any) -> Backend:
 
 def _lower_right(torch: Any) -> Callable[[int, int, Any], Any]:
     """``(m, n, device) -> attn_mask``: causal, bottom-right aligned, for m queries and n keys:
-    torch's ``causal_lower_right`` bias (sdpa dispatches it to fused kernels, ~4x faster than a
-    boolean mask on CPU), else the boolean mask itself (query j sees keys 0 .. n - m + j)."""
+    torch's ``causal_lower_right`` bias (sdpa dispatches it to fused kernels, faster than a
+    boolean mask: docs/performance.md, "bench"), else the boolean mask itself (query j sees keys 0 .. n - m + j)."""
     try:
         from torch.nn.attention.bias import causal_lower_right
     except ImportError:  # pragma: no cover - torch < 2.2

@@ -32,9 +32,8 @@ workers) every array is copied once into one pinned buffer per row, ready for ``
 non_blocking=True)``; `prefetch` issues the next row's transfer while the current one is used. In a worker the row's buffer is allocated in
 shared memory, so handing it to the main process copies nothing more (a DataLoader's
 ``pin_memory=True`` then copies it once more into pinned memory: pinned pages cannot cross
-processes). Reading is cheap next to a training step (benchmarks/loading.py: ~3,000 rows/s of
-27k tokens in one process on a loaded 2-core machine), and passing tensors between processes
-costs more than it saves there (~500 rows/s with 2 workers): prefer ``num_workers=0``.
+processes). Reading is cheap next to a training step, and passing tensors between processes
+costs more than it saves (docs/performance.md, "loading"): prefer ``num_workers=0``.
 """
 
 from __future__ import annotations
