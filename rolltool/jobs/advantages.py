@@ -27,7 +27,7 @@ from rolltool.plan.advantages import (
 )
 from rolltool.schema import scan, scan_deferred
 from rolltool.schema.pieces import DeferredProblem, Mapper
-from rolltool.storage.outputs import atomic_path, check_target, parquet_marker
+from rolltool.storage.outputs import atomic_file, check_target, parquet_marker
 
 ADVANTAGE_COLUMNS = (
     "advantage",
@@ -74,7 +74,7 @@ def run_advantages(
     way. `mapper` scans the row groups (``--workers``: `rolltool.engine.local.local_mapper`;
     ``--engine ray``: Ray tasks; the CLI's is `rolltool.engine.config.open_mapper`).
     """
-    check_target(output, force, inputs=inputs)
+    check_target(output, force, inputs=inputs, file=True)
     rename = invert_mapping(columns or {})
     files = resolve_inputs(inputs)
     with _problems_first(files, rename, mapper, RolltoolError):
@@ -87,7 +87,7 @@ def run_advantages(
     with _problems_first(
         files, rename, mapper, DeferredProblem
     ):  # the copy's own errors as they come
-        with atomic_path(output, force=force, directory=False) as tmp:
+        with atomic_file(output, force=force) as tmp:
             append_columns(
                 tmp, files, rename, schema, replaced, new,
                 max_rows=ROW_GROUP, max_bytes=ROW_GROUP_BYTES, check=check,

@@ -142,7 +142,7 @@ def output_schema(
 
 
 def append_columns(
-    target: str | os.PathLike[str],
+    target: str | os.PathLike[str] | pa.NativeFile,
     files: Sequence[InputFile],
     rename: Mapping[str, str],
     schema: pa.Schema,

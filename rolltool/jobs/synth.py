@@ -7,14 +7,14 @@ import os
 import pyarrow.parquet as pq
 
 from rolltool.input.synth import SynthConfig, generate
-from rolltool.storage.outputs import atomic_path, check_target, parquet_marker
+from rolltool.storage.outputs import atomic_file, check_target, output_bytes, parquet_marker
 
 
 def run_synth(config: SynthConfig, output: str | os.PathLike[str], *, force: bool = False) -> dict:
     """Write `generate(config)` to `output` (Parquet, zstd) and describe what was written."""
-    check_target(output, force)
+    check_target(output, force, file=True)
     table = generate(config)
-    with atomic_path(output, force=force, directory=False) as tmp:
+    with atomic_file(output, force=force) as tmp:
         marked = table.replace_schema_metadata(parquet_marker("synth"))
         pq.write_table(marked, tmp, compression="zstd", row_group_size=4096)
     envs = table.column("env").value_counts().to_pylist()
@@ -28,5 +28,5 @@ def run_synth(config: SynthConfig, output: str | os.PathLike[str], *, force: boo
         },
         "rows": table.num_rows,
         "samples_per_env": {e["values"]: e["counts"] for e in envs},
-        "bytes": os.path.getsize(output),
+        "bytes": output_bytes(output),
     }

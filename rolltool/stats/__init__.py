@@ -26,6 +26,7 @@ from rolltool.format import MANIFEST, Manifest, is_packed_dir, packed_doc
 from rolltool.stats.accumulate import Moments, Stats, ValueCounts
 from rolltool.stats.packed import packed_stats
 from rolltool.stats.rollouts import HINT, Mapper, rollout_stats
+from rolltool.storage import remote
 from rolltool.storage.fs import is_remote, locate
 
 __all__ = [
@@ -44,6 +45,8 @@ def _is_packed(path: str) -> bool:
     if is_remote(path):  # format/ knows local paths only
         loc = locate(path)
         if not loc.is_file(MANIFEST):
+            if loc.is_dir() and (killed := remote.unfinished(loc, loc.files())) is not None:
+                raise killed  # a pack's shards and claim: never read as rollout Parquet
             return False
         raw = loc.read_bytes(MANIFEST)
         if packed_doc(raw) is None:

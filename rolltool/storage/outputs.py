@@ -1,8 +1,13 @@
 """Atomic outputs: write into a hidden sibling, rename into place when complete.
 
 This is for local paths (and ``file://`` URIs). An output on object storage (``s3://``, ...)
-cannot be renamed into place: `rolltool.storage.remote` writes it under its final names with
-``manifest.json`` last as the commit marker, and `check_target` hands it the checks.
+cannot be renamed into place: `rolltool.storage.remote` writes a packed directory under its final
+names with ``manifest.json`` last as the commit marker, and `check_target` hands it the checks.
+A single file there (`atomic_file`: ``advantages``/``synth -o s3://.../x.parquet``) is written
+to a temporary object under the claim rules of `rolltool.storage.remote` (`remote.file_stage`),
+then copied to its name (one server-side copy: the object appears complete or not at all) and
+the temporary object deleted: never streamed to its final name, as an upload closed after an
+error completes, leaving a cut object that looks whole.
 
 What may be replaced. An existing output is refused unless ``force``, and ``force`` replaces
 only what rolltool wrote (`rolltool_output`): a packed directory, a Parquet file whose footer
@@ -59,14 +64,23 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeAlias
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from rolltool.errors import RolltoolError
 from rolltool.format import is_packed_dir
 from rolltool.storage import remote
-from rolltool.storage.fs import Location, is_remote, local_path, locate, split_query
+from rolltool.storage.fs import (
+    Location,
+    is_remote,
+    local_path,
+    locate,
+    location_error,
+    split_query,
+)
 
 LOCK = "lock"
 """The lock file inside a run's temporary directory."""
@@ -79,7 +93,7 @@ PARQUET_KINDS = (b"advantages", b"synth")
 CALIBRATION_KEYS = frozenset({"a", "b", "r2", "rows"})
 """Keys a bench calibration file (JSON) holds."""
 
-committed: list[Path] = []
+committed: list[Path | str] = []
 """Outputs this process has put in place (the CLI says so when interrupted afterwards)."""
 
 
@@ -135,14 +149,18 @@ def _unremovable(target: Path) -> Path | None:
     return Path(problems[0].filename) if problems else None
 
 
+def _not_ours(shown: str) -> RolltoolError:
+    return RolltoolError(
+        f"{shown} exists and is not an output rolltool wrote: --force replaces only "
+        "packed directories, advantages/synth Parquet files and calibration files",
+        hint="choose another -o, or move it away yourself if you mean to replace it",
+    )
+
+
 def _check_replaceable(target: Path, shown: str) -> None:
     what = rolltool_output(target)
     if what is None:
-        raise RolltoolError(
-            f"{shown} exists and is not an output rolltool wrote: --force replaces only "
-            "packed directories, advantages/synth Parquet files and calibration files",
-            hint="choose another -o, or move it away yourself if you mean to replace it",
-        )
+        raise _not_ours(shown)
     blocked = _unremovable(target)
     if blocked is not None:
         raise RolltoolError(
@@ -227,16 +245,22 @@ def check_target(
     force: bool,
     *,
     inputs: Sequence[str | os.PathLike[str]] = (),
+    file: bool = False,
 ) -> None:
     """Everything about the output path that can fail, checked before any work: repair what
     killed runs left (the module docstring), then refuse a path that is not writable as asked.
 
     `inputs` (files, folders or globs as given) may not equal, contain or hold the output.
+    `file`: the output is one file (`atomic_file`), not a packed directory (this matters only
+    on object storage, where a prefix is no file).
     """
     shown = os.fspath(path)
     if is_remote(shown) and not (loc := locate(shown)).local:
         _check_remote_inputs(loc, inputs)
-        remote.check_target(loc, force)  # object storage: no rename (`rolltool.storage.remote`)
+        if file:
+            _check_remote_file(loc, force)
+        else:
+            remote.check_target(loc, force)  # object storage: no rename (`rolltool.storage.remote`)
         return
     target = Path(os.path.abspath(local_path(shown)))
     _check_path(target, shown)
@@ -246,6 +270,56 @@ def check_target(
         if not force:
             raise RolltoolError(f"{shown} already exists", hint="pass --force to replace it")
         _check_replaceable(target, shown)
+
+
+def _remote_output(loc: Location) -> str | None:
+    """`rolltool_output` of one object (its footer, or its text for a calibration file)."""
+    try:
+        with loc.fs.open_input_file(loc.path) as f:
+            meta = pq.read_metadata(f).metadata or {}
+    except (pa.ArrowException, OSError):
+        try:
+            if (loc.info().size or 0) > 1_000_000:
+                return None
+            doc = json.loads(loc.read_bytes(""))
+        except (RolltoolError, UnicodeDecodeError, json.JSONDecodeError):
+            return None
+        return (
+            "a bench calibration file"
+            if isinstance(doc, dict) and CALIBRATION_KEYS <= set(doc)
+            else None
+        )
+    kind = meta.get(OUTPUT_KEY)
+    return f"an {kind.decode()} file" if kind in PARQUET_KINDS else None
+
+
+def _check_remote_existing(loc: Location, force: bool, *, appeared: bool = False) -> None:
+    """The local rules on an existing output, for one object: refused without `force`, and
+    with it unless rolltool wrote it. A prefix holding objects is no file to replace."""
+    found = loc.info().type
+    if found == pafs.FileType.Directory:
+        raise RolltoolError(
+            f"{loc.shown} is a folder (it holds objects): a file output cannot replace it",
+            hint="choose another -o",
+        )
+    if found == pafs.FileType.NotFound:
+        return
+    if not force:
+        if appeared:
+            raise RolltoolError(f"{loc.shown} appeared while this run was writing it")
+        raise RolltoolError(f"{loc.shown} already exists", hint="pass --force to replace it")
+    if _remote_output(loc) is None:
+        raise _not_ours(loc.shown)
+
+
+def _check_remote_file(loc: Location, force: bool) -> None:
+    """`check_target` of one file on object storage: repair and refuse as
+    `rolltool.storage.remote` does for its runs' stage (`remote.file_stage`), then the local
+    rules on an existing output."""
+    if "/" not in loc.path.strip("/") or loc.path.rsplit("/", 1)[1] in ("", ".", ".."):
+        raise RolltoolError(f"-o {loc.shown}: not a path rolltool can write to")
+    remote.check_stage(remote.file_stage(loc), loc.shown)
+    _check_remote_existing(loc, force)
 
 
 # -- leftovers of dead runs ----------------------------------------------------------------------
@@ -508,3 +582,66 @@ def atomic_path(path: str | os.PathLike[str], *, force: bool, directory: bool) -
         raise _named(e, shown) from e
     finally:
         _remove(tmp, fd)
+
+
+Sink: TypeAlias = Path | pa.NativeFile
+"""Where `atomic_file` has the output written: a local path, or an output stream."""
+
+
+@contextmanager
+def atomic_file(path: str | os.PathLike[str], *, force: bool) -> Iterator[Sink]:
+    """Yield where to write the one-file output `path` (a pyarrow writer's ``where``): a
+    local path from `atomic_path`, or, on object storage, a stream to a temporary object under
+    a claim (`remote.file_stage`, rewritten every `remote.HEARTBEAT_S`). When the block ends
+    without an exception, the temporary object is copied to `path` (its previous object, under
+    --force, stays whole until then) and deleted; on one, or when the copy fails, the
+    temporary object and the claim are deleted and `path` is untouched. A killed run leaves
+    them to the next run to `path`, which deletes them once the claim is `remote.STALE_S` old.
+    """
+    shown = os.fspath(path)
+    if not is_remote(shown) or (loc := locate(shown)).local:
+        with atomic_path(path, force=force, directory=False) as tmp:
+            yield tmp
+        return
+    check_target(shown, force, file=True)
+    stage = remote.file_stage(loc)
+    run = remote.RemoteRun(stage, force=True)  # force: dead runs' orphans there are deleted
+    run.start()
+    try:
+        part = stage.join(run.part)
+        run.adopt([run.part])
+        try:
+            sink = stage.fs.open_output_stream(part)
+        except (pa.ArrowException, OSError) as e:
+            raise location_error(shown, e, "cannot write") from None
+        try:
+            yield sink
+        except BaseException:
+            with contextlib.suppress(pa.ArrowException, OSError):
+                sink.close()  # completes the temporary object, deleted below: never the output
+            raise
+        sink.close()
+        with _signals_held():
+            _check_remote_existing(loc, force, appeared=True)
+            try:
+                loc.fs.copy_file(part, loc.path)
+            except (pa.ArrowException, OSError) as e:
+                raise location_error(shown, e, "cannot write") from None
+            committed.append(shown)
+        with contextlib.suppress(RolltoolError):
+            stage.delete(run.part)
+        run.finish()
+    except (pa.ArrowException, OSError) as e:
+        run.abort()
+        raise location_error(shown, e, "cannot write") from None
+    except BaseException:
+        run.abort()
+        raise
+
+
+def output_bytes(path: str | os.PathLike[str]) -> int:
+    """The size of the one-file output `path` (local or on object storage)."""
+    shown = os.fspath(path)
+    if not is_remote(shown):
+        return os.path.getsize(local_path(shown))
+    return int(locate(shown).info().size or 0)

@@ -45,7 +45,7 @@ from pathlib import Path
 
 from rolltool.errors import RolltoolError
 from rolltool.format import MANIFEST, SAMPLES, SHARD_PATTERN, listed_files
-from rolltool.storage.fs import Location
+from rolltool.storage.fs import Location, split_query
 
 CLAIM_PREFIX = ".rolltool-tmp-"
 """A run's claim is ``<prefix>/.rolltool-tmp-<run id>.json``."""
@@ -54,13 +54,20 @@ HEARTBEAT_S = 30.0
 STALE_S = 600.0
 """A claim not rewritten for this long belongs to a dead run (clocks may differ a little)."""
 
+STAGE_SUFFIX = ".rolltool-tmp"
+"""A file output ``name``'s runs work under the prefix ``.<name>.rolltool-tmp/`` next to it
+(`file_stage`)."""
+
 _CLAIM = re.compile(re.escape(CLAIM_PREFIX) + r"([0-9a-f]+)\.json")
+_PART = re.compile(re.escape(CLAIM_PREFIX) + r"([0-9a-f]+)\.part")
+"""A file output's temporary object, ``.rolltool-tmp-<run id>.part`` in its stage."""
 
 
 def rolltool_named(name: str) -> bool:
-    """A file name a packed directory holds (manifest, samples, shard, a run's claim)."""
+    """A file name a packed directory holds (manifest, samples, shard, a run's claim), or a
+    file output's temporary object."""
     return name in (MANIFEST, SAMPLES) or bool(
-        SHARD_PATTERN.fullmatch(name) or _CLAIM.fullmatch(name)
+        SHARD_PATTERN.fullmatch(name) or _CLAIM.fullmatch(name) or _PART.fullmatch(name)
     )
 
 
@@ -133,9 +140,9 @@ def _other_run(loc: Location, mine: str | None = None) -> Claim | None:
     return next((c for c in _claims(loc, loc.files()) if c.alive(now) and c.name != mine), None)
 
 
-def _refuse_busy(loc: Location, other: Claim) -> RolltoolError:
+def _refuse_busy(loc: Location, other: Claim, shown: str | None = None) -> RolltoolError:
     return RolltoolError(
-        f"{loc.shown}: another rolltool run ({other.run_id} on {other.host}, pid {other.pid}) "
+        f"{shown or loc.shown}: another rolltool run ({other.run_id} on {other.host}, pid {other.pid}) "
         "is writing here",
         hint=f"wait for it; a run that died is cleaned up {STALE_S:.0f} s after its last "
         f"heartbeat (or delete {loc.show(other.name)})",
@@ -220,9 +227,18 @@ class RemoteRun:
     def commit(self, manifest: bytes) -> None:
         """Write ``manifest.json`` (the commit), then drop the claim."""
         self.loc.write_bytes(MANIFEST, manifest)
+        self.finish()
+
+    def finish(self) -> None:
+        """Drop the claim (the run's output is in place)."""
         self._stop_heartbeat()
         with contextlib.suppress(RolltoolError):
             self.loc.delete(self.claim.name)
+
+    @property
+    def part(self) -> str:
+        """The name of this run's temporary object (a file output's, `file_stage`)."""
+        return f"{CLAIM_PREFIX}{self.claim.run_id}.part"
 
     def _stop_heartbeat(self) -> None:
         """Stop rewriting the claim (waiting for a rewrite under way, which would otherwise
@@ -258,3 +274,60 @@ def staged(run: RemoteRun) -> Iterator[Path]:
     except BaseException:
         run.abort()
         raise
+
+
+# -- one file on object storage (``advantages``/``synth`` -o s3://.../x.parquet) ---------------
+
+
+def file_stage(loc: Location) -> Location:
+    """Where runs writing the file output `loc` keep their claim and temporary object: the
+    prefix ``.<name>.rolltool-tmp/`` next to it, a packed directory's rules applied to it (the
+    module docstring): a dead run's claim and ``.rolltool-tmp-<run id>.part`` there are
+    deleted by the next run to the same output once the claim is `STALE_S` old."""
+    parent, _, name = loc.path.rpartition("/")
+    base, query = split_query(loc.shown)
+    shown = base.rstrip("/").rpartition("/")[0]
+    return Location(
+        loc.fs, f"{parent}/.{name}{STAGE_SUFFIX}", f"{shown}/.{name}{STAGE_SUFFIX}{query}"
+    )
+
+
+def check_stage(stage: Location, shown: str) -> None:
+    """Repair what dead runs left in a file output's `stage`; refuse while another run writes
+    the same output (`shown`)."""
+    repair(stage)
+    other = _other_run(stage)
+    if other is not None:
+        raise _refuse_busy(stage, other, shown)
+
+
+# -- what a prefix without a manifest is ----------------------------------------------------------
+
+
+def unfinished(loc: Location, names: Sequence[str]) -> RolltoolError | None:
+    """The error for a prefix without ``manifest.json`` that holds a run's claim or shards (an
+    unfinished or killed `rolltool pack`), saying when its leftovers can be cleaned up; None
+    for a prefix that holds neither."""
+    if MANIFEST in names or not any(
+        _CLAIM.fullmatch(n) or SHARD_PATTERN.fullmatch(n) for n in names
+    ):
+        return None
+    claims = sorted(_claims(loc, names), key=lambda c: -c.beat)
+    now = time.time()
+    if claims and claims[0].alive(now):
+        c = claims[0]
+        at = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(c.beat + STALE_S))
+        when = (
+            f"run {c.run_id} on {c.host} (pid {c.pid}) last wrote its claim "
+            f"{max(now - c.beat, 0):.0f} s ago: if it is still running, wait for it; if it "
+            f"was killed, the next `rolltool pack` to this prefix deletes its files from {at} "
+            f"({STALE_S:.0f} s after its last heartbeat)"
+        )
+    else:
+        when = "its run is dead: the next `rolltool pack` to this prefix deletes its files"
+    return RolltoolError(
+        f"{loc.shown}: no {MANIFEST}: not a finished rolltool output (files of an unfinished "
+        f"or killed run; {when})",
+        hint="on object storage the manifest, written last, marks a finished output; an "
+        "interrupted `rolltool pack` leaves none: run it again",
+    )
