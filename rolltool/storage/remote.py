@@ -25,6 +25,15 @@ run writes. So, unlike a local output, the previous output is gone from the
 start of a --force run, not from its end (no rename swaps it in one step). Without --force any
 file under the prefix refuses the run. A run that fails with an exception deletes what it wrote
 and its claim; one that is killed leaves them to the next run's repair.
+
+One file (``advantages``/``synth -o s3://b/out.parquet``, `rolltool.storage.outputs.atomic_file`)
+follows the same rules in a stage of its own next to it, ``s3://b/.out.parquet.rolltool-tmp/``
+(`file_stage`): the run's claim and its temporary object ``.rolltool-tmp-<run id>.part``,
+streamed there and then copied to ``s3://b/out.parquet`` in one server-side copy, then deleted.
+A run killed before the copy leaves no object under the output's name, and its claim and
+temporary object are the next run's to delete (`repair`). A prefix without a manifest that
+holds a claim or shards is an unfinished or killed run's (`unfinished` says so, and when the
+next run may clean it).
 """
 
 from __future__ import annotations
