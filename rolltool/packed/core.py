@@ -26,9 +26,20 @@ only then (it imports torch; opening and reading NumPy rows never does).
   ranks or steps: the error names both), its size is the recorded size, its rows hold together
   (`rolltool.format.layout.check_rows`) and its values are in range (`value_problem`: dtypes, token ids
   >= 0, loss_mask 0/1, finite logprobs/advantages/weights, weights >= 0, sample_index >= -1,
-  padding weighing 0). One vectorized pass over the mapped arrays: on the loading benchmark (102
-  small shards, 2.7 rows each) a rank's pass of NumPy views goes from ~9.1k to ~7.3-8.0k rows/s;
-  the torch paths, which copy every stored array, are within noise.
+  padding weighing 0) and they are laid out as the manifest's config says (`layout_problem`:
+  with ``--row-len`` every row of that length, with ``--sp``/``--cp`` every row a multiple of
+  the group's size, with ``--cp`` every sample followed by its CP padding: a manifest whose
+  ``cp``, ``sp`` or ``row_len`` was edited, or a sample boundary moved in a ``--cp`` pack); once
+  all of a (step, rank)'s shards were mapped, its rows' samples, tokens and real tokens are its
+  record's (`counts_problem`: a boundary moved between a sample and padding). One vectorized
+  pass over the mapped arrays: on the loading benchmark (102 small shards, 2.7 rows each) a
+  rank's pass of NumPy views goes from ~9.1k to ~7.3-8.0k rows/s; the torch paths, which copy
+  every stored array, are within noise.
+
+A token moved between two samples (one ``seq_lens`` +1, the next -1) that is not trained on
+changes no array but ``seq_lens``, no sum and, under token-mean, no weight: outside a ``--cp``
+pack only the samples' own lengths (samples.parquet, which the reader does not read) and the
+sha256 tell, so ``verify="hash"`` refuses it and the default serves it.
 
 A flipped bit that leaves values in range (a token id, a logprob, a weight) passes these checks;
 ``open_packed(path, verify="hash")`` also hashes each shard on its first read through the
@@ -60,6 +71,7 @@ from rolltool.format import (
     SEGMENT_ARRAYS,
     TOKEN_ARRAYS,
     Manifest,
+    RankRecord,
     ShardRef,
     StepRecord,
 )
@@ -165,6 +177,102 @@ def _padding_weighs(arrays: dict[str, np.ndarray]) -> bool:
     return bool(np.any(arrays["seg_weight"][pad] != 0) or np.any(arrays["seg_advantage"][pad] != 0))
 
 
+def layout_problem(
+    arrays: dict[str, np.ndarray], split: GroupSplit, row_len: int | None
+) -> str | None:
+    """Why a shard's rows are not laid out as the manifest's config says, or None (vectorized,
+    O(rows + segments): the cheap part of `rolltool verify`'s ``row.length`` and ``row.split``).
+
+    Expects arrays that passed `value_problem`. ``row_len``: every (group) row's length when
+    the pack pads rows to one (``--row-len`` x sp or cp). With ``--sp``/``--cp`` every row is a
+    multiple of the group's size (`_rows_split`); with ``--cp`` every sample is followed by its
+    CP padding (`_cp_padding`). A manifest whose ``sp``/``cp``/``row_len`` was edited, or rows
+    whose segment lengths changed, fail here instead of being split into wrong GPU views.
+    """
+    rows = np.diff(arrays["row_offsets"].astype(np.int64))
+    checks = (
+        lambda: _rows_of_length(rows, row_len),
+        lambda: _rows_split(rows, split),
+        lambda: _cp_padding(arrays, split.cp),
+    )
+    return next((text for text in (check() for check in checks) if text is not None), None)
+
+
+def _rows_of_length(rows: np.ndarray, row_len: int | None) -> str | None:
+    """Every row has the recorded length (a pack made with ``--row-len``)."""
+    if row_len is None:
+        return None
+    off = np.flatnonzero(rows != row_len)
+    if not len(off):
+        return None
+    r = int(off[0])
+    return f"row {r} has {rows[r]} tokens, the manifest's row length is {row_len}"
+
+
+def _rows_split(rows: np.ndarray, split: GroupSplit) -> str | None:
+    """Every row splits evenly over the group's GPUs (`GroupSplit.row_multiple`)."""
+    k = split.row_multiple
+    if k == 1:
+        return None
+    off = np.flatnonzero(rows % k)
+    if not len(off):
+        return None
+    r = int(off[0])
+    return f"row {r} of {rows[r]} tokens does not split over the manifest's --{split.kind} {k}"
+
+
+def _cp_padding(arrays: dict[str, np.ndarray], cp: int) -> str | None:
+    """With ``--cp``: every sample is followed, in its row, by exactly the padding segment that
+    brings it to a multiple of 2 x cp (none where it is one), and every other padding segment
+    (row-end padding) is a multiple of cp: the layout `rolltool.format.split.cp_spans` reads."""
+    if cp == 1 or not len(arrays["seq_lens"]):
+        return None
+    lens = arrays["seq_lens"].astype(np.int64)
+    sample = arrays["sample_index"]
+    row = np.repeat(np.arange(len(arrays["row_segments"]) - 1), np.diff(arrays["row_segments"]))
+    real = sample != PAD_SAMPLE
+    m = 2 * cp
+    want = np.where(real, -lens % m, 0)  # the CP padding each sample needs
+    follows = np.zeros(len(lens), dtype=bool)  # the next segment, in the row, is that padding
+    follows[:-1] = (row[1:] == row[:-1]) & ~real[1:] & (lens[1:] == want[:-1])
+    unpadded = np.flatnonzero(real & (want > 0) & ~follows)
+    own = np.zeros(len(lens), dtype=bool)  # padding that is a sample's CP padding
+    own[1:] = (want[:-1] > 0) & follows[:-1]
+    uneven = np.flatnonzero(~real & ~own & (lens % cp != 0))
+    if len(unpadded) and (not len(uneven) or unpadded[0] < uneven[0]):
+        k = int(unpadded[0])
+        return (
+            f"row {row[k]}: sample {sample[k]} ({lens[k]} tokens) is not followed by the "
+            f"{want[k]} padding tokens that bring it to a multiple of 2 x cp = {m} (the "
+            f"manifest's --cp {cp})"
+        )
+    if len(uneven):
+        k = int(uneven[0])
+        return f"row {row[k]}: {lens[k]} padding tokens do not split over the manifest's --cp {cp}"
+    return None
+
+
+def shard_counts(arrays: dict[str, np.ndarray]) -> tuple[int, int, int]:
+    """(samples, tokens, real tokens) in a shard's rows: what a rank's record (`RankRecord`'s
+    ``samples``, ``tokens``, ``real_tokens``) sums over its shards."""
+    real = arrays["sample_index"] != PAD_SAMPLE
+    lens = arrays["seq_lens"]
+    tokens = int(lens.sum(dtype=np.int64))
+    return int(np.count_nonzero(real)), tokens, tokens - int(lens[~real].sum(dtype=np.int64))
+
+
+def counts_problem(counted: tuple[int, int, int], record: RankRecord) -> str | None:
+    """Why a (step, rank)'s rows, summed over its shards (`shard_counts`), are not what its
+    record says, or None: a sample's boundary moved into padding, or padding into a sample."""
+    recorded = (record.samples, record.tokens, record.real_tokens)
+    for name, got, want in zip(
+        ("samples", "tokens", "real tokens"), counted, recorded, strict=True
+    ):
+        if got != want:
+            return f"its rows hold {got} {name}, the manifest says {want}"
+    return None
+
+
 @dataclass(frozen=True)
 class RowRef:
     """Where one micro-batch (a packed row) of a rank lies: row `row` of shard `file`."""
@@ -201,9 +309,15 @@ class PackedReader:
             self.manifest = self._open_remote()
         self.split: GroupSplit = recorded_split(self.manifest.config, str(self._at(MANIFEST)))
         """How each rank's rows are shared by its sp or cp GPUs (`rolltool.format.split`)."""
+        row_len = self.manifest.config.row_len
+        self._row_len: int | None = None if row_len is None else row_len * self.split.size
+        """Every (group) row's length when the pack pads rows to one (--row-len x sp or cp)."""
         self._rank_rows: dict[int, tuple[RowRef, ...]] = {}
         self._listed_cache: dict[str, _Listed] | None = None
         self._ranks_checked: set[int] = set()
+        self._counted: dict[str, tuple[int, int, int]] = {}
+        """`shard_counts` of each shard mapped so far (3 ints a shard)."""
+        self._counts_checked: set[tuple[int, int]] = set()
         self._hashed: set[str] = set()
 
     def _at(self, rel: str) -> Path | str:
@@ -443,7 +557,32 @@ class PackedReader:
             broken = value_problem(arrays)
         if broken is not None:
             raise _bad(path, f"corrupt shard ({broken})")
+        misfit = layout_problem(arrays, self.split, self._row_len)
+        if misfit is not None:
+            raise _bad(path, f"rows not laid out as the manifest's config says ({misfit})")
+        self._check_counts(f, arrays)
         return arrays
+
+    def _check_counts(self, f: ShardRef, arrays: dict[str, np.ndarray]) -> None:
+        """Once all of a (step, rank)'s shards were mapped, its rows' samples, tokens and real
+        tokens against its record (`counts_problem`): before any of its rows is served when it
+        has one shard, as most do; when its rows are split over shards, on mapping the last
+        (the error names that one), so rows of the others may have been served."""
+        listed = self._listed[f.path]
+        key = (listed.step, listed.rank)
+        if key in self._counts_checked:
+            return
+        self._counted[f.path] = shard_counts(arrays)
+        record = self.manifest.steps[listed.step].ranks[listed.rank]
+        if any(g.path not in self._counted for g in record.files):
+            return
+        sums = [self._counted[g.path] for g in record.files]
+        total = (sum(c[0] for c in sums), sum(c[1] for c in sums), sum(c[2] for c in sums))
+        wrong = counts_problem(total, record)
+        if wrong is not None:
+            where = f"step {listed.step} rank {listed.rank}"
+            raise _bad(self._at(f.path), f"{where}: {wrong}")
+        self._counts_checked.add(key)
 
     def _check_identity(self, f: ShardRef, meta: Any) -> None:
         """The shard's own header (step, rank, first_row) against where the manifest lists it."""
