@@ -29,16 +29,34 @@ thread pools); the steps travel to them pickled, a chunk at a time. A failing st
 with its error, the pool is shut down before the temporary directory is removed, and a worker
 that dies (killed, out of memory) is one error naming the steps it held. The exchange path's
 buckets are the job's (`rolltool.fetch.buckets`, on the driver): ``data_exchange`` is false.
+
+Dead processes, both pools (`_guarded`, each worker's start): a worker that dies (the OOM
+killer's SIGKILL) fails the run at once with one line naming the batches or steps it held, and
+the survivors are killed (``_kill``: one blocked writing a result nobody reads would keep the
+pool, and the driver waiting for it, alive for good). A driver that dies takes its workers with
+it: each worker watches a pipe only the driver holds open (``_watch``: end of file, the driver
+is gone, and the worker kills itself at once, before it writes anything more), and forked
+workers also get a parent-death signal on Linux. The forkserver and the resource tracker then
+exit by themselves (they stay only while a worker holds their pipes). Forked workers drop the
+driver's SIGTERM and SIGHUP handlers (``rolltool.cli`` raises on them), so that ``terminate``
+stops them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import dataclasses
 import multiprocessing
+import os
+import signal
+import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
 from rolltool.engine.base import chunks, default_workers, in_order
@@ -65,14 +83,20 @@ def worth_it(workers: int, batches: int, samples: int) -> bool:
     return workers > 1 and batches >= MIN_BATCHES and samples >= MIN_SAMPLES
 
 
-def map_in_order(fn: Callable[[T], R], items: Sequence[T], workers: int) -> list[R]:
+def map_in_order(
+    fn: Callable[[T], R], items: Sequence[T], workers: int, what: str = "planning batches"
+) -> list[R]:
     """``[fn(x) for x in items]``, computed by `workers` forked processes in contiguous chunks
     (`rolltool.engine.base.chunks`), in order. `fn` and `items` reach the workers by fork, not pickle;
-    each result is pickled back. An exception in a worker is raised here, as serially."""
-    return list(iter_in_order(fn, items, workers))
+    each result is pickled back. An exception in a worker is raised here, as serially; a worker
+    that dies is one `RolltoolError` naming `what` it was doing and its items ("planning
+    batches 8-11")."""
+    return list(iter_in_order(fn, items, workers, what))
 
 
-def iter_in_order(fn: Callable[[T], R], items: Sequence[T], workers: int) -> Iterator[R]:
+def iter_in_order(
+    fn: Callable[[T], R], items: Sequence[T], workers: int, what: str = "planning batches"
+) -> Iterator[R]:
     """`map_in_order`'s results one by one, each yielded as soon as it and those before it
     are computed (serially: computed when asked for), so a caller that folds them as they
     come never holds them all. Leaving early stops the pool."""
@@ -80,16 +104,20 @@ def iter_in_order(fn: Callable[[T], R], items: Sequence[T], workers: int) -> Ite
         yield from (fn(x) for x in items)
         return
     parts = chunks(len(items), workers)
-    for chunk in _pool_in_order("fork", workers, _adopt, (fn, items), _run, parts):
+
+    def died(span: tuple[int, int]) -> RolltoolError:
+        return _died_doing(f"{what} {span[0]}-{span[1] - 1}", "fewer --workers")
+
+    for chunk in _pool_in_order("fork", workers, _adopt, (fn, items), _run, parts, died):
         yield from chunk
 
 
-def local_mapper(workers: int) -> Mapper | None:
-    """``--workers N``: items mapped by N forked processes (`map_in_order`); None (map here) for
-    one worker."""
+def local_mapper(workers: int, what: str = "mapping items") -> Mapper | None:
+    """``--workers N``: items mapped by N forked processes (`map_in_order`, a dead worker named
+    by `what`: "scanning row groups"); None (map here) for one worker."""
     if workers <= 1:
         return None
-    return lambda fn, items: map_in_order(fn, items, workers)
+    return lambda fn, items: map_in_order(fn, items, workers, what)
 
 
 def plan_mapper(workers: int, samples: int) -> Mapper:
@@ -117,19 +145,23 @@ def _pool_in_order(
     `method` starts (``fork``: they inherit what `initargs` holds; ``forkserver``: it is pickled
     to each) and `initializer` prepares, in order (`rolltool.engine.base.in_order`; every part
     submitted at once). A worker's exception is raised here as it was raised there; a worker
-    that dies is ``died(part)`` where given. Leaving early cancels the parts not started and
-    waits for the running ones: the pool is gone when this returns."""
+    that dies is ``died(part)`` where given, the others killed (`_kill`). Leaving early cancels
+    the parts not started and waits for the running ones: the pool is gone when this returns.
+    Every worker dies with this process (`_guarded`)."""
+    watch, alive = multiprocessing.Pipe(duplex=False)  # only this process holds `alive` open
+    forked = method == "fork"
     pool = ProcessPoolExecutor(
         max_workers=min(workers, max(len(parts), 1)),
         mp_context=multiprocessing.get_context(method),
-        initializer=initializer,
-        initargs=initargs,
+        initializer=_guarded,
+        initargs=(os.getpid(), watch, alive if forked else None, initializer, initargs),
     )
 
     def collect(part: Any, future: Future[Any]) -> Any:
         try:
             return future.result()
         except BrokenProcessPool:
+            _kill(pool)
             if died is None:
                 raise
             raise died(part) from None
@@ -139,6 +171,61 @@ def _pool_in_order(
                             _cancel)  # fmt: skip
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+        alive.close()
+        watch.close()
+
+
+def _kill(pool: ProcessPoolExecutor) -> None:
+    """SIGKILL every process of a broken pool: the executor only terminates them and waits,
+    and a survivor blocked writing its result into a pipe nobody reads any more would never
+    exit (nor the driver, which waits for it)."""
+    processes = getattr(pool, "_processes", None) or {}
+    for process in list(processes.values()):
+        with contextlib.suppress(Exception):
+            process.kill()
+
+
+def _guarded(
+    parent: int,
+    watch: Connection,
+    inherited: Connection | None,
+    initializer: Callable[..., None],
+    initargs: tuple[Any, ...],
+) -> None:
+    """A worker's start, before `initializer`: it dies with the driver `parent` (see the module
+    docstring). `watch` is the pipe's end the driver holds the other end of; `inherited`, in a
+    forked worker, is its copy of that other end (closed here: only the driver may hold it)."""
+    if inherited is not None:  # forked: the driver's handlers, and its end of the pipe
+        for s in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(s, signal.SIG_DFL)
+        inherited.close()
+        _die_with_parent(parent)
+    threading.Thread(
+        target=_watch, args=(watch,), name="rolltool-driver-watch", daemon=True
+    ).start()
+    initializer(*initargs)
+
+
+def _die_with_parent(parent: int) -> None:
+    """Linux: SIGKILL this process when its parent dies (``prctl(PR_SET_PDEATHSIG)``), and at
+    once if it has died already (the race between the fork and the prctl)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _watch(watch: Connection) -> None:
+    """Wait for the end of the driver's pipe (the driver is gone: nothing else closes it while
+    this process lives), then SIGKILL this process, before it writes anything more."""
+    with contextlib.suppress(EOFError, OSError):
+        while True:
+            watch.recv_bytes()
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _cancel(futures: list[Future[Any]]) -> None:
@@ -203,10 +290,14 @@ def pack_steps(steps: Sequence[PlannedStep], job: Job, workers: int) -> Iterator
 
 def _died(chunk: list[PlannedStep]) -> RolltoolError:
     first, last = chunk[0].index, chunk[-1].index
+    return _died_doing(f"packing steps {first}-{last}", "fewer --workers or a smaller --cache-mb")
+
+
+def _died_doing(doing: str, fewer: str) -> RolltoolError:
+    """A worker that died (SIGKILL: the OOM killer, or a person) while `doing` its part."""
     return RolltoolError(
-        f"a worker process died while packing steps {first}-{last} (killed, or out "
-        "of memory?); nothing was written",
-        hint="run again with fewer --workers or a smaller --cache-mb",
+        f"a worker process died while {doing} (killed, or out of memory?); nothing was written",
+        hint=f"run again with {fewer}",
     )
 
 
