@@ -133,3 +133,50 @@ def test_packs_last_line_says_how_the_input_was_read(tmp_path: Path) -> None:
     assert "fetching the steps read the input" in r.stderr and "x over" in r.stderr
     r = cli("pack", src, "--dp", 2, "-o", tmp_path / "c")  # input order: read about once
     assert "read the input" not in r.stderr and "exchange" not in r.stderr
+
+
+def _short(f: object, array: np.ndarray) -> int:
+    return array.nbytes // 2  # what a full disk does to a write: part of it
+
+
+def _enospc(f: object, array: np.ndarray) -> int:
+    raise OSError(28, "No space left on device")
+
+
+@pytest.mark.parametrize("write", [_short, _enospc], ids=["short", "enospc"])
+def test_a_full_disk_while_bucketing_says_so_with_the_hint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, write: object
+) -> None:
+    """A bucket write that comes back short or fails with ENOSPC is the direct path's one line
+    (the output named, "No space left on device") and its hint; nothing is left behind."""
+    from pack_helpers import cli
+
+    import rolltool.fetch.buckets
+
+    src = tmp_path / "in.parquet"
+    pq.write_table(pq.read_table(EXAMPLE), src, row_group_size=40)
+    monkeypatch.setattr(rolltool.fetch.buckets, "_write", write)
+    out = tmp_path / "out"
+    r = cli("pack", src, "-o", out, "--dp", 2, "--batch-size", 16, "--order", "shuffle",
+            "--cache-mb", 0, "--exchange", "always")  # fmt: skip
+    assert r.exit_code == 1
+    assert r.stderr.splitlines()[0] == f"Error: {out}: No space left on device"
+    assert "Hint: free some space, or write the output elsewhere with -o" in r.stderr
+    assert "requested and" not in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.parquet"]
+
+
+def test_bucket_writes_are_the_arrays_bytes(tmp_path: Path) -> None:
+    """`_write` appends exactly what numpy's ``tofile`` did, for every dtype and for a
+    non-contiguous array."""
+    from rolltool.fetch.buckets import _write
+
+    arrays = [np.arange(7, dtype=np.int32), np.ones(5, np.uint8), np.linspace(0, 1, 9,
+              dtype=np.float32)[::2], np.zeros(0, np.int32)]  # fmt: skip
+    with open(tmp_path / "a", "ab") as f:
+        for a in arrays:
+            assert _write(f, np.ascontiguousarray(a)) == a.nbytes
+    with open(tmp_path / "b", "ab") as f:
+        for a in arrays:
+            a.tofile(f)
+    assert (tmp_path / "a").read_bytes() == (tmp_path / "b").read_bytes()
