@@ -54,6 +54,11 @@ _ROWS = pa.schema(
 """The shuffled rows; a row group that could not be read is one row of step -1 (its index in
 ``slot``) carrying its pickled error: Ray Data keeps only the text of a task's exception."""
 FAILED = -1
+LOST_NODE_S = 20.0
+"""Once a node is lost, the exchange must deliver a step within this long, else the run stops
+(`_watched`)."""
+WATCH_S = 0.5
+"""How often the driver looks at the cluster's nodes during the exchange."""
 _PLANS: dict[str, Any] = {}  # per Ray worker process: the plan, fetched once per run
 
 
@@ -96,13 +101,69 @@ def _shuffle_and_pack(
             packed = rows.groupby("step").map_groups(
                 _pack_group, batch_format="pyarrow", fn_args=(job, plan_ref)
             )
-            return {
-                int(s): pickle.loads(p)
-                for batch in packed.iter_batches(batch_format="pyarrow")
-                for s, p in zip(batch["step"].to_pylist(), batch["packed"].to_pylist(), strict=True)
-            }
+            got = _watched(packed)
     except Exception as e:
         raise _cause(e) from None
+    return _raised(got)
+
+
+def _raised(got: dict[int, Any]) -> dict[int, Packed]:
+    """The steps' `Packed` records; a step's error (its read or its write failed) raised: the
+    failed read's (the cause) before the steps it left short of samples."""
+    errors = [got[s] for s in sorted(got) if isinstance(got[s], BaseException)]
+    if errors:
+        raise errors[0]
+    return got
+
+
+def _watched(packed: Any) -> dict[int, Any]:
+    """Every step's unpickled result (`Packed` or its error), consumed on a thread while this
+    one watches the cluster: once a node is lost, the exchange must deliver a step within
+    `LOST_NODE_S` (Ray Data recovering its lost blocks) or the run stops with one
+    `RolltoolError` (Ray Data can wait for good for resources the lost node held)."""
+    import threading
+    import time
+
+    import ray
+
+    def alive() -> int:
+        return sum(1 for n in ray.nodes() if n["Alive"])
+
+    nodes = alive()
+    state: dict[str, Any] = {"got": {}, "last": time.monotonic()}
+
+    def consume() -> None:
+        try:
+            for batch in packed.iter_batches(batch_format="pyarrow"):
+                steps, payloads = batch["step"].to_pylist(), batch["packed"].to_pylist()
+                for s, p in zip(steps, payloads, strict=True):
+                    state["got"][int(s)] = pickle.loads(p)
+                state["last"] = time.monotonic()
+        except BaseException as e:  # raised on the driver's thread below
+            state["error"] = e
+
+    thread = threading.Thread(target=consume, name="rolltool-exchange", daemon=True)
+    thread.start()
+    lost: float | None = None
+    while thread.is_alive():
+        thread.join(WATCH_S)
+        if not thread.is_alive():
+            break
+        if lost is None and alive() < nodes:
+            lost = time.monotonic()
+        if lost is not None and time.monotonic() - max(lost, state["last"]) > LOST_NODE_S:
+            from rolltool.errors import RolltoolError
+
+            raise RolltoolError(
+                f"a node of the Ray cluster was lost during the exchange on Ray Data and it "
+                f"did not recover in {LOST_NODE_S:.0f} s; nothing was written",
+                hint="run again, or with --exchange never (Ray Core tasks are retried on the "
+                "nodes left); see `ray status`",
+            )
+    if "error" in state:
+        raise state["error"]
+    got: dict[int, Any] = state["got"]
+    return got
 
 
 def _cause(e: BaseException) -> BaseException:
@@ -234,14 +295,22 @@ def _data_context(cpus: int) -> Iterator[None]:
 
     ctx = DataContext.get_current()
     log = logging.getLogger("ray.data")
-    saved = (ctx.shuffle_strategy, ctx.enable_progress_bars, ctx.default_hash_shuffle_parallelism)
+    names = ("shuffle_strategy", "enable_progress_bars", "default_hash_shuffle_parallelism",
+             "hash_shuffle_operator_actor_num_cpus_override",
+             "hash_aggregate_operator_actor_num_cpus_override")  # fmt: skip
+    saved = {name: getattr(ctx, name) for name in names}
     level = log.level
     ctx.shuffle_strategy = ShuffleStrategy.HASH_SHUFFLE
     ctx.enable_progress_bars = False
     ctx.default_hash_shuffle_parallelism = max(cpus, 1)
+    # The shuffle's aggregator actors hold no CPU: restarted after a lost node, they would
+    # otherwise wait for the CPUs the tasks that recover the lost blocks need (defect 6).
+    ctx.hash_shuffle_operator_actor_num_cpus_override = 0
+    ctx.hash_aggregate_operator_actor_num_cpus_override = 0
     log.setLevel(logging.ERROR)
     try:
         yield
     finally:
-        ctx.shuffle_strategy, ctx.enable_progress_bars, ctx.default_hash_shuffle_parallelism = saved
+        for name, value in saved.items():
+            setattr(ctx, name, value)
         log.setLevel(level)
