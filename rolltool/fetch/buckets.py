@@ -165,4 +165,4 @@ def _write(f: BinaryIO, array: np.ndarray) -> int:
     """Append `array`'s bytes to `f`; the bytes written. A failed write raises the OSError of
     its cause (``ENOSPC``: disk full), naming no file: the job names the output (numpy's
     ``tofile`` said only "82368 requested and 36070 written")."""
-    return f.write(memoryview(array).cast("B"))
+    return f.write(array.data.cast("B"))

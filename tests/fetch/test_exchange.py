@@ -4,6 +4,7 @@ reading every row group once."""
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -145,7 +146,7 @@ def _enospc(f: object, array: np.ndarray) -> int:
 
 @pytest.mark.parametrize("write", [_short, _enospc], ids=["short", "enospc"])
 def test_a_full_disk_while_bucketing_says_so_with_the_hint(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, write: object
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, write: Callable[..., int]
 ) -> None:
     """A bucket write that comes back short or fails with ENOSPC is the direct path's one line
     (the output named, "No space left on device") and its hint; nothing is left behind."""
@@ -171,8 +172,9 @@ def test_bucket_writes_are_the_arrays_bytes(tmp_path: Path) -> None:
     non-contiguous array."""
     from rolltool.fetch.buckets import _write
 
-    arrays = [np.arange(7, dtype=np.int32), np.ones(5, np.uint8), np.linspace(0, 1, 9,
-              dtype=np.float32)[::2], np.zeros(0, np.int32)]  # fmt: skip
+    floats = np.linspace(0, 1, 9, dtype=np.float32)[::2]
+    arrays: list[np.ndarray] = [np.arange(7, dtype=np.int32), np.ones(5, np.uint8), floats,
+                                np.zeros(0, np.int32)]  # fmt: skip
     with open(tmp_path / "a", "ab") as f:
         for a in arrays:
             assert _write(f, np.ascontiguousarray(a)) == a.nbytes
