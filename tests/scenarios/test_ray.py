@@ -460,3 +460,37 @@ def test_an_input_changed_before_the_ray_data_exchange_is_refused(
         )
     assert "\n" not in e.value.message and str(copy) in e.value.message
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.parquet"]
+
+
+def test_an_input_changed_during_the_ray_data_exchange_is_one_error(
+    cluster: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Defect 7 of issue 20: the input changed after some row groups were read (the last read
+    task rewrites the file's time first): the steps short of samples came back as errors, which
+    the driver passed on as records (``AttributeError: 'RolltoolError' object has no attribute
+    'files'``). It is the changed file's one `RolltoolError`, and nothing is written."""
+    import pyarrow.parquet as pq
+
+    from rolltool.engine import ray_exchange
+    from rolltool.jobs import pack as pack_module
+
+    copy = tmp_path / "in.parquet"
+    pq.write_table(pq.read_table(EXAMPLE), copy, row_group_size=50)
+    last = pq.read_metadata(copy).num_row_groups - 1
+    real = ray_exchange._read_blocks
+
+    def touching_last(batch, job, pairs, starts):  # type: ignore[no-untyped-def]
+        if last in batch["id"].to_pylist():
+            os.utime(str(copy), (0, 0))
+        return real(batch, job, pairs, starts)
+
+    monkeypatch.setattr(pack_module, "EXCHANGE_AT", 0.0)
+    monkeypatch.setattr(ray_engine, "DATA_EXCHANGE_NODES", 1)
+    monkeypatch.setattr(ray_exchange, "_read_blocks", touching_last)
+    config = PackConfig.from_options(dp=2, batch_size=32, order="shuffle", cache_mb=0)
+    with pytest.raises(RolltoolError, match="changed while rolltool was reading it") as e:
+        run_pack(
+            [str(copy)], tmp_path / "out", config, ExecutionConfig(engine="ray"), command=COMMAND
+        )
+    assert "\n" not in e.value.message and str(copy) in e.value.message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.parquet"]

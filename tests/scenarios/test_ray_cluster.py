@@ -51,7 +51,7 @@ class TwoNodes:
             head_node_args={"num_cpus": 1, "include_dashboard": False,
                             "object_store_memory": STORE_BYTES},
         )  # fmt: skip
-        self.head = self.cluster.head_node.node_id
+        self.head: str = self.cluster.head_node.node_id  # type: ignore[attr-defined]
         self.other: Any = None
         self.add()
 
