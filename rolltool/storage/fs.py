@@ -10,6 +10,11 @@ support, and their credentials (the usual environment variables and config files
 pyarrow itself; rolltool imports no cloud SDK. `SCHEMES` adds schemes (tests register
 filesystems without network there). A failure to reach a location is one line naming the URI,
 with a hint for the usual causes (network, credentials, bucket, Java for HDFS).
+
+S3 timeouts: ``?connect_timeout=SECONDS`` and ``?request_timeout=SECONDS`` in an ``s3://`` URI
+(pyarrow's `S3FileSystem` takes them, its URI parser does not: `locate` takes them out and gives
+them to the filesystem), by default `S3_TIMEOUTS`, so that an endpoint that accepts connections
+and never answers fails in about half a minute instead of ~100 s (pyarrow's own defaults).
 """
 
 from __future__ import annotations
@@ -48,6 +53,10 @@ _HINTS = (
     ("Unrecognized filesystem", "use a local path or an s3://, gs://, hdfs:// or file:// URI"),
 )  # fmt: skip
 
+
+S3_TIMEOUTS = {"connect_timeout": 5.0, "request_timeout": 10.0}
+"""Seconds an S3 request may take to connect, and may go without receiving a byte (each of
+pyarrow's 3 attempts), unless the URI says otherwise (docs/storage.md)."""
 
 _QUERY = re.compile(r"\?[\w.-]+=[^/?]*(?:&[\w.-]+=[^/?]*)*$")
 
@@ -198,11 +207,40 @@ def locate(given: str | os.PathLike[str]) -> Location:
     try:
         if name in SCHEMES:
             fs, path = SCHEMES[name](text)
+        elif name == "s3":
+            fs, path = _s3_from_uri(text)
         else:
             fs, path = pafs.FileSystem.from_uri(text)
     except (pa.ArrowException, OSError, ValueError) as e:
         raise location_error(text, e) from None
     return Location(fs, path.rstrip("/") or path, text)
+
+
+def _s3_from_uri(text: str) -> tuple[pafs.FileSystem, str]:
+    """`FileSystem.from_uri` for an ``s3://`` URI, with its timeouts (`S3_TIMEOUTS`, or the
+    URI's ``connect_timeout=`` and ``request_timeout=``, which pyarrow's parser refuses)."""
+    base, query = split_query(text)
+    kept, timeouts = [], dict(S3_TIMEOUTS)
+    for piece in query[1:].split("&") if query else []:
+        key, _, value = piece.partition("=")
+        if key not in S3_TIMEOUTS:
+            kept.append(piece)
+            continue
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = -1.0
+        if not 0 < seconds < float("inf"):
+            raise RolltoolError(
+                f"{text}: {key}={value!r} is not a number of seconds",
+                hint=f"give {key}= a positive number of seconds (5, 0.5)",
+            )
+        timeouts[key] = seconds
+    fs, path = pafs.FileSystem.from_uri(base + ("?" + "&".join(kept) if kept else ""))
+    if isinstance(fs, pafs.S3FileSystem):
+        rebuild, (options,) = fs.__reduce__()
+        fs = rebuild({**options, **timeouts})
+    return fs, path
 
 
 _ROOTS: dict[str, tuple[pafs.FileSystem, str]] = {}
