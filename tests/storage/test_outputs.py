@@ -398,6 +398,19 @@ def test_a_write_error_without_a_file_name_names_the_output(tmp_path: Path) -> N
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.fixture
+def sigint_raises() -> Iterator[None]:
+    """SIGINT raising KeyboardInterrupt, as in a foreground run, for the test: pytest started
+    as a background job (``nohup ... &``, some CI runners) inherits SIGINT ignored, and the swap
+    rightly keeps an ignored signal ignored."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.usefixtures("sigint_raises")
 def test_sigint_during_the_swap_is_delivered_after_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
