@@ -140,7 +140,7 @@ class RayEngine:
         import ray
 
         task = ray.remote(_pack_task).options(max_retries=RETRIES, retry_exceptions=[OSError])
-        share = dataclasses.replace(job, cache_bytes=job.cache_bytes // self.cpus)
+        share = dataclasses.replace(for_tasks(job), cache_bytes=job.cache_bytes // self.cpus)
         job_ref = ray.put(share)
         chunks = [list(steps[a:b]) for a, b in self.chunks(len(steps))]
 
@@ -160,7 +160,22 @@ class RayEngine:
         local step buckets (``job.buckets`` is not used)."""
         from rolltool.engine.ray_exchange import exchange_steps
 
-        return exchange_steps(steps, dataclasses.replace(job, buckets=None), self.cpus)
+        return exchange_steps(steps, dataclasses.replace(for_tasks(job), buckets=None), self.cpus)
+
+
+def for_tasks(job: Job) -> Job:
+    """`job` with every local path absolute (the input files, the output's temporary
+    directory): a Ray worker runs in its raylet's working directory, not the driver's, and
+    would open a relative path there (defect 5 of issue 20). Only what tasks open changes: the
+    manifest records the inputs as the driver resolved them."""
+    from rolltool.input.parquet import InputFile
+    from rolltool.storage.fs import is_remote
+
+    def absolute(f: InputFile) -> InputFile:
+        return f if is_remote(f.path) else dataclasses.replace(f, path=os.path.abspath(f.path))
+
+    reader = dataclasses.replace(job.reader, files=[absolute(f) for f in job.reader.files])
+    return dataclasses.replace(job, reader=reader, root=job.root.absolute())
 
 
 def in_order(

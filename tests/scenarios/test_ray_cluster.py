@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -259,3 +260,19 @@ def test_a_node_lost_in_the_ray_data_exchange_finishes_or_fails_in_bounded_time(
         assert json.loads(got["manifest.json"])["reads"]["path"] == "exchange"
     else:
         assert "\n" not in error.message and "manifest.json" not in got, error.message
+
+
+def test_relative_input_paths_with_a_ray_address(
+    nodes: TwoNodes, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Defect 5: a relative input (and output) given with ``--ray-address``: tasks opened it in
+    their raylet's working directory ("not a readable Parquet file"). The driver makes the paths
+    tasks open absolute; the output is the local run's from the same directory, manifest
+    included (it records the input resolved, as before)."""
+    monkeypatch.chdir(tmp_path)  # the cluster's processes run in the directory pytest started in
+    shutil.copy(EXAMPLE, "in.parquet")
+    config = PackConfig.from_options(dp=2, batch_size=16)
+    want = local(["in.parquet"], Path("local"), config)
+    pack(["in.parquet"], "out", config, nodes.address)
+    assert files(tmp_path / "out") == want
+    assert json.loads(want["manifest.json"])["inputs"][0]["path"] == str(tmp_path / "in.parquet")
