@@ -189,13 +189,12 @@ def layout_problem(
     CP padding (`_cp_padding`). A manifest whose ``sp``/``cp``/``row_len`` was edited, or rows
     whose segment lengths changed, fail here instead of being split into wrong GPU views.
     """
-    rows = np.diff(arrays["row_offsets"].astype(np.int64))
-    checks = (
-        lambda: _rows_of_length(rows, row_len),
-        lambda: _rows_split(rows, split),
-        lambda: _cp_padding(arrays, split.cp),
+    if row_len is None and split.size == 1:
+        return None
+    rows = np.diff(arrays["row_offsets"])
+    return (
+        _rows_of_length(rows, row_len) or _rows_split(rows, split) or _cp_padding(arrays, split.cp)
     )
-    return next((text for text in (check() for check in checks) if text is not None), None)
 
 
 def _rows_of_length(rows: np.ndarray, row_len: int | None) -> str | None:
@@ -224,32 +223,33 @@ def _rows_split(rows: np.ndarray, split: GroupSplit) -> str | None:
 def _cp_padding(arrays: dict[str, np.ndarray], cp: int) -> str | None:
     """With ``--cp``: every sample is followed, in its row, by exactly the padding segment that
     brings it to a multiple of 2 x cp (none where it is one), and every other padding segment
-    (row-end padding) is a multiple of cp: the layout `rolltool.format.split.cp_spans` reads."""
-    if cp == 1 or not len(arrays["seq_lens"]):
+    (row-end padding) is a multiple of cp: the layout `rolltool.format.split.cp_spans` reads
+    (and `rolltool verify`'s ``row.split`` judges). A few NumPy calls over the segments."""
+    lens = arrays["seq_lens"]
+    if cp == 1 or not len(lens):
         return None
-    lens = arrays["seq_lens"].astype(np.int64)
-    sample = arrays["sample_index"]
-    row = np.repeat(np.arange(len(arrays["row_segments"]) - 1), np.diff(arrays["row_segments"]))
-    real = sample != PAD_SAMPLE
+    pad = arrays["sample_index"] == PAD_SAMPLE
     m = 2 * cp
-    want = np.where(real, -lens % m, 0)  # the CP padding each sample needs
+    want = -lens % m  # the CP padding each sample needs (int32: lens are below 2**31)
+    want[pad] = 0
     follows = np.zeros(len(lens), dtype=bool)  # the next segment, in the row, is that padding
-    follows[:-1] = (row[1:] == row[:-1]) & ~real[1:] & (lens[1:] == want[:-1])
-    unpadded = np.flatnonzero(real & (want > 0) & ~follows)
+    np.logical_and(pad[1:], lens[1:] == want[:-1], out=follows[:-1])
+    follows[arrays["row_segments"][1:-1] - 1] = False
+    needs = want > 0
     own = np.zeros(len(lens), dtype=bool)  # padding that is a sample's CP padding
-    own[1:] = (want[:-1] > 0) & follows[:-1]
-    uneven = np.flatnonzero(~real & ~own & (lens % cp != 0))
-    if len(unpadded) and (not len(uneven) or unpadded[0] < uneven[0]):
-        k = int(unpadded[0])
-        return (
-            f"row {row[k]}: sample {sample[k]} ({lens[k]} tokens) is not followed by the "
-            f"{want[k]} padding tokens that bring it to a multiple of 2 x cp = {m} (the "
-            f"manifest's --cp {cp})"
-        )
-    if len(uneven):
-        k = int(uneven[0])
-        return f"row {row[k]}: {lens[k]} padding tokens do not split over the manifest's --cp {cp}"
-    return None
+    np.logical_and(needs[:-1], follows[:-1], out=own[1:])
+    bad = np.where(pad, ~own & (lens % cp != 0), needs & ~follows)
+    if not bad.any():
+        return None
+    k = int(np.argmax(bad))
+    row = int(np.searchsorted(arrays["row_segments"], k, side="right")) - 1
+    if pad[k]:
+        return f"row {row}: {lens[k]} padding tokens do not split over the manifest's --cp {cp}"
+    return (
+        f"row {row}: sample {arrays['sample_index'][k]} ({lens[k]} tokens) is not followed by "
+        f"the {want[k]} padding tokens that bring it to a multiple of 2 x cp = {m} (the "
+        f"manifest's --cp {cp})"
+    )
 
 
 def shard_counts(arrays: dict[str, np.ndarray]) -> tuple[int, int, int]:
