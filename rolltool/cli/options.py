@@ -80,7 +80,7 @@ def engine_options(work: str) -> list[dict[str, Any]]:
     from rolltool.engine.base import ENGINES  # no Ray import: ENGINES only
 
     return [
-        opt("--engine", ENGINES, "local", f"What {work}: this process, or Ray tasks (the [ray] extra; on several machines the input needs a shared filesystem); the same output either way."),
+        opt("--engine", ENGINES, "local", f"What {work}: this process, or Ray tasks (the [ray] extra; on several machines the input is a URI on object storage, e.g. s3://, or on a filesystem every node mounts); the same output either way."),
         opt("--ray-address", str, None, "The Ray cluster --engine ray attaches to (auto, HOST:6379, ray://HOST:10001) [default: RAY_ADDRESS, else one `ray start` began on this machine, else a new local cluster]."),
     ]  # fmt: skip
 

@@ -86,7 +86,7 @@ BUDGET = (f"Hard token budget per micro-batch and GPU [default: --row-len when g
     opt("--cache-mb", float, D.cache_mb, "Decoded input kept in memory, MB (input that fits is read once)."),
     opt("--workers", POSITIVE, None, "Processes that plan batches (the same output whatever the number) [default: the cores available]."),
     opt("--exchange exchange_path", EXCHANGE_CHOICES, "auto", "Scattered steps (--order completion/shuffle): read the input once into step buckets when fetching step by step would read it 4x over (auto), always, or never; the same output either way."),
-    opt("--engine", ENGINES, "local", "What plans batches and packs steps: this machine's processes (--workers), or Ray tasks (the [ray] extra; on several machines the input and output need a shared filesystem); the same output either way."),
+    opt("--engine", ENGINES, "local", "What plans batches and packs steps: this machine's processes (--workers), or Ray tasks (the [ray] extra; on several machines the input and output are URIs on object storage, e.g. s3://, or on a filesystem every node mounts); the same output either way."),
     opt("--ray-address", str, None, "The Ray cluster --engine ray attaches to (auto, HOST:6379, ray://HOST:10001) [default: RAY_ADDRESS, else one `ray start` began on this machine, else a new local cluster]."),
 )  # fmt: skip
 @section(

@@ -21,11 +21,13 @@ errors, cancelling) are its own.
 Other commands: `engine_mapper` gives ``stats`` and the scan of ``advantages`` a ``mapper(fn,
 items)`` that is `map_in_order` on the cluster (``--engine ray``) or None (this process).
 
-Files: tasks write the shards straight into the driver's temporary output directory, so on a
-cluster of several machines the inputs and the output's parent must be on a filesystem every
-node mounts at the same path (NFS, Lustre, ...); a task that does not see the directory stops
-the run saying so. (``pyarrow.fs`` URIs such as ``s3://`` are not supported yet.) Every node
-also needs rolltool (the same version) installed in the Python its Ray workers run.
+Files: on a cluster of several machines the inputs and the output are either URIs on object
+storage (``s3://``, ...: tasks read the input and upload their own shards, no filesystem is
+shared) or on a filesystem every node mounts at the same path (NFS, Lustre, ...: tasks write the
+shards straight into the driver's temporary output directory; a task that does not see it stops
+the run saying so). Local paths reach tasks absolute (`for_tasks`: a worker runs in its
+raylet's directory). Every node also needs rolltool (the same version) installed in the Python
+its Ray workers run.
 
 Failures: a task whose worker dies (killed, out of memory, a lost node) or that hits an OSError
 is retried up to `RETRIES` times; a retried step writes the same bytes under the same names, so
@@ -54,7 +56,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from rolltool.engine import base
-from rolltool.engine.base import SHARED_FS_HINT, check_engine
+from rolltool.engine.base import check_engine
 from rolltool.errors import RolltoolError
 
 if TYPE_CHECKING:  # imported where used: attaching to a cluster needs neither
@@ -74,6 +76,11 @@ DATA_EXCHANGE_NODES = 2
 """The exchange path runs on Ray Data (`RayEngine.exchange_steps`) on a cluster of at least this
 many nodes, where it spreads the read over them; on one node the driver's local buckets are
 ~4x faster (a 90 MB synth, 2 CPUs: 2.0 s against 8.5 s), the same bytes either way."""
+FILES_HINT = (
+    "on a cluster of several machines the inputs and the output must be URIs on object storage "
+    "(s3://, ...) or on a filesystem every node mounts at the same path"
+)
+"""Where a multi-node run's files may be (docs/storage.md says the same)."""
 REACH_TIMEOUT = 10.0
 """Seconds to wait for a cluster's head to accept a connection."""
 A = TypeVar("A")
@@ -205,19 +212,16 @@ def attach(address: str | None) -> Iterator[RayEngine]:
     _check_reachable(address)
     started = not ray.is_initialized()
     if started:
-        try:
-            ray.init(
-                address=address,
-                include_dashboard=False if address is None else None,
-                log_to_driver=False,
-                configure_logging=False,
-            )
-        except ConnectionError as e:
-            raise RolltoolError(
-                f"cannot connect to the Ray cluster at {address!r}: {str(e).splitlines()[0]}",
-                hint="start one with `ray start --head`, or leave out --ray-address for a "
-                "local cluster",
-            ) from None
+        with _own_sigterm():
+            try:
+                ray.init(
+                    address=address,
+                    include_dashboard=False if address is None else None,
+                    log_to_driver=False,
+                    configure_logging=False,
+                )
+            except (ConnectionError, ray.exceptions.RayError) as e:
+                raise _not_connected(address, e) from None
     try:
         cpus = max(int(ray.cluster_resources().get("CPU", 1)), 1)
         yield RayEngine(cpus=cpus, nodes=max(sum(n["Alive"] for n in ray.nodes()), 1))
@@ -238,6 +242,83 @@ def engine_mapper(engine: str, address: str | None, what: str) -> Iterator[Mappe
         return
     with attach(address) as ray:
         yield functools.partial(ray.map_in_order, what=what)
+
+
+AUTH_HINT = (
+    "the cluster requires a token: set RAY_AUTH_MODE=token and its token (RAY_AUTH_TOKEN, or "
+    "RAY_AUTH_TOKEN_PATH to a file holding it) as the cluster's nodes have them"
+)
+
+
+def _not_connected(address: str | None, e: BaseException) -> RolltoolError:
+    """The error of a failed ``ray.init``: a refused or missing token says so (defect 9 of issue
+    20: Ray retries for ~22 s, then says nothing of the token); a head that accepted the
+    connection (`_check_reachable`) is not told to be started."""
+    import ray
+
+    text = str(e).splitlines()[0] if str(e) else type(e).__name__
+    where = f"the Ray cluster at {address!r}" if address else "the Ray cluster"
+    lowered = str(e).lower()
+    if isinstance(e, ray.exceptions.AuthenticationError) or "auth" in lowered or "token" in lowered:
+        return RolltoolError(
+            f"{where} refused this driver: no valid token ({text})", hint=AUTH_HINT
+        )
+    if address not in (None, "auto"):  # its head accepted a connection (_check_reachable)
+        return RolltoolError(
+            f"cannot connect to {where}, though its head accepts connections: {text}",
+            hint=f"if {AUTH_HINT}; else check the address is the head's GCS port "
+            "(`ray start --head` prints it) and that this Ray is the cluster's version",
+        )
+    return RolltoolError(
+        f"cannot connect to {where}: {text}",
+        hint="start one with `ray start --head`, or leave out --ray-address for a local cluster",
+    )
+
+
+_RAISED: list[BaseException] = []
+"""The exception this process's SIGTERM or SIGHUP handler raised last (`_own_signals`)."""
+
+
+@contextlib.contextmanager
+def _own_sigterm() -> Iterator[None]:
+    """Keep this process's SIGTERM handler across ``ray.init``, which sets its own (an exit 15
+    with a "*** SIGTERM received" dump), and note what it and SIGHUP's raise (`_own_signals`):
+    the CLI's handlers interrupt a run as on the local engine (exit 143, "Interrupted by
+    SIGTERM", temporary files removed)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        _own_signals()
+
+
+def _own_signals() -> None:
+    """Wrap this process's Python SIGTERM and SIGHUP handlers so that what they raise is kept:
+    raised inside ``ray.get`` it comes out as a bare KeyboardInterrupt (`_get` raises the
+    original instead, e.g. the CLI's ``Terminated``, exit 143)."""
+    import signal
+
+    for s in (signal.SIGTERM, signal.SIGHUP):
+        handler = signal.getsignal(s)
+        if not callable(handler) or getattr(handler, "_rolltool_noted", False):
+            continue
+
+        def noted(signum: int, frame: Any, handler: Callable[[int, Any], Any] = handler) -> Any:
+            try:
+                return handler(signum, frame)
+            except BaseException as e:
+                _RAISED[:] = [e]
+                raise
+
+        noted._rolltool_noted = True  # type: ignore[attr-defined]
+        signal.signal(s, noted)
 
 
 def _check_reachable(address: str | None) -> None:
@@ -268,7 +349,7 @@ def _pack_task(job: Job, steps: list[PlannedStep]) -> list[Packed]:
     if job.upload is None and not job.root.is_dir():  # a remote output: tasks upload
         raise RolltoolError(
             f"a Ray task on {os.uname().nodename} does not see the output directory {job.root}",
-            hint=SHARED_FS_HINT,
+            hint=FILES_HINT,
         )
     reader = TokenReader.resume(job.reader, cache_bytes=job.cache_bytes)
     return pack_chunk(job, steps, reader)
@@ -286,6 +367,12 @@ def _get(ref: Any, what: str) -> Any:
 
     try:
         return ray.get(ref)
+    except KeyboardInterrupt as e:  # a signal handler's own exception, if one raised it
+        raised = _RAISED[:1]
+        _RAISED.clear()
+        if raised and raised[0] is not e:
+            raise raised[0] from None
+        raise
     except ray.exceptions.RayTaskError as e:
         if isinstance(e.cause, RolltoolError | OSError):
             raise e.cause from None
@@ -295,7 +382,7 @@ def _get(ref: Any, what: str) -> Any:
             f"a Ray task {what} failed {1 + RETRIES} times ({type(e).__name__}); "
             "nothing was written",
             hint="a worker killed or out of memory? see `ray status` and the Ray logs; "
-            + SHARED_FS_HINT,
+            + FILES_HINT,
         ) from None
 
 

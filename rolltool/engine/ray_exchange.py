@@ -169,7 +169,7 @@ def _watched(packed: Any) -> dict[int, Any]:
 def _cause(e: BaseException) -> BaseException:
     """The first `RolltoolError` or OSError in the chain of causes Ray Data wraps a task's error
     in; else a `RolltoolError` naming the exchange."""
-    from rolltool.engine.base import SHARED_FS_HINT
+    from rolltool.engine.ray import FILES_HINT
     from rolltool.errors import RolltoolError
 
     seen: BaseException | None = e
@@ -180,7 +180,7 @@ def _cause(e: BaseException) -> BaseException:
     return RolltoolError(
         f"the exchange on Ray Data failed ({type(e).__name__}: {str(e).splitlines()[0]}); "
         "nothing was written",
-        hint="see `ray status` and the Ray logs, or run with --exchange never; " + SHARED_FS_HINT,
+        hint="see `ray status` and the Ray logs, or run with --exchange never; " + FILES_HINT,
     )
 
 

@@ -397,6 +397,64 @@ def test_ray_is_imported_only_for_engine_ray(tmp_path: Path) -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_sigterm_of_the_driver_mid_pack_is_the_local_engines(cluster: None, tmp_path: Path) -> None:
+    """``pack --engine ray`` SIGTERMed mid-pack (a pack task is running): exit 143 and the
+    local engine's "Interrupted by SIGTERM" line, not Ray's exit 15 with its "*** SIGTERM
+    received" dump; nothing is left. The child attaches to this module's cluster, its pack task
+    made slow (a closure, pickled by value) after it creates a marker."""
+    import signal
+    import time
+
+    import ray
+
+    marker, out = tmp_path / "packing", tmp_path / "out"
+    code = (
+        "import os, sys, time\n"
+        "from rolltool.engine import ray as ray_engine\n"
+        "from rolltool.cli import main\n"
+        "def slow(job, steps):\n"
+        f"    open({str(marker)!r}, 'w').close()\n"
+        "    time.sleep(60)\n"
+        "ray_engine._pack_task = slow\n"
+        "sys.argv = ['rolltool'] + sys.argv[1:]\n"
+        "main()\n"
+    )
+    address = ray.get_runtime_context().gcs_address
+    args = ["pack", str(EXAMPLE), "--dp", "2", "-o", str(out), "--engine", "ray",
+            "--ray-address", address]  # fmt: skip
+    child = subprocess.Popen([sys.executable, "-c", code, *args], stderr=subprocess.PIPE,
+                             stdout=subprocess.DEVNULL, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists() and child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert marker.exists(), "no pack task ran"
+        child.send_signal(signal.SIGTERM)
+        _, stderr = child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == 143, stderr
+    assert "Interrupted by SIGTERM: no output was written" in stderr
+    assert "SIGTERM received" not in stderr and "Traceback" not in stderr
+    assert not out.exists() and not list(tmp_path.glob(".out*"))
+
+
+def test_a_cluster_that_wants_a_token_says_so() -> None:
+    """Defect 9 of issue 20: a connection refused for a missing token said "start one with ray
+    start --head" while the cluster was running; it says the token is missing, and a head that
+    accepts connections is never told to be started."""
+    ray = pytest.importorskip("ray")
+    refused = ray_engine._not_connected("10.0.0.1:6379", ConnectionError("InvalidAuthToken: ..."))
+    assert "token" in refused.message and "RAY_AUTH_MODE=token" in (refused.hint or "")
+    auth = ray_engine._not_connected("h:1", ray.exceptions.AuthenticationError("no token"))
+    assert "RAY_AUTH_MODE=token" in (auth.hint or "")
+    silent = ray_engine._not_connected("10.0.0.1:6379", ConnectionError("timed out"))
+    assert "ray start --head`," not in (silent.hint or "") and "token" in (silent.hint or "")
+    assert "\n" not in refused.message + auth.message + silent.message
+
+
 # Ray Data last: its driver threads (a prefetcher, ...) live until the cluster shuts down, and a
 # fork of a process with a thread holding a lock can hang (the local runs above fork workers).
 
