@@ -162,12 +162,18 @@ def spy_nodes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 def killing_the_other_node(real: Callable[..., Any], head: str, marker: str) -> Callable[..., Any]:
     """`real` as a task that, the first time it runs on a node other than the head, kills that
-    node's raylet (its parent process: the node is lost, its objects with it) and dies."""
+    node's raylet (its parent process: the node is lost, its objects with it) and dies. On the
+    head a task first waits (at most 20 s) for that to happen: holding the head's one CPU, it
+    leaves the next task to the other node."""
 
     def task(*args: Any) -> Any:
         import ray
 
-        if ray.get_runtime_context().get_node_id() != head:
+        if ray.get_runtime_context().get_node_id() == head:
+            deadline = time.monotonic() + 20
+            while not os.path.exists(marker) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        else:
             try:
                 os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
             except FileExistsError:
