@@ -224,24 +224,23 @@ def _cp_padding(arrays: dict[str, np.ndarray], cp: int) -> str | None:
     """With ``--cp``: every sample is followed, in its row, by exactly the padding segment that
     brings it to a multiple of 2 x cp (none where it is one), and every other padding segment
     (row-end padding) is a multiple of cp: the layout `rolltool.format.split.cp_spans` reads
-    (and `rolltool verify`'s ``row.split`` judges). A few NumPy calls over the segments."""
+    (and `rolltool verify`'s ``row.split`` judges). A few NumPy calls over the segments; the
+    first wrong segment is looked for only when there is one."""
     lens = arrays["seq_lens"]
     if cp == 1 or not len(lens):
         return None
     pad = arrays["sample_index"] == PAD_SAMPLE
     m = 2 * cp
-    want = -lens % m  # the CP padding each sample needs (int32: lens are below 2**31)
-    want[pad] = 0
-    follows = np.zeros(len(lens), dtype=bool)  # the next segment, in the row, is that padding
-    np.logical_and(pad[1:], lens[1:] == want[:-1], out=follows[:-1])
-    follows[arrays["row_segments"][1:-1] - 1] = False
-    needs = want > 0
-    own = np.zeros(len(lens), dtype=bool)  # padding that is a sample's CP padding
-    np.logical_and(needs[:-1], follows[:-1], out=own[1:])
-    bad = np.where(pad, ~own & (lens % cp != 0), needs & ~follows)
-    if not bad.any():
+    want = np.where(pad, 0, -lens % m)  # the CP padding each sample needs
+    after = np.where(pad, lens, -1)  # as the segment after another: its padding, if any
+    after[arrays["row_segments"][:-1]] = -1  # a row's first segment follows nothing
+    follows = want[:-1] == after[1:]  # followed by exactly its padding (never where want is 0)
+    uneven = pad & (lens % cp != 0)  # padding that may only be a sample's own
+    own = np.concatenate([[False], follows])
+    if np.count_nonzero(want) == np.count_nonzero(follows) and not np.any(uneven > own):
         return None
-    k = int(np.argmax(bad))
+    bad = np.flatnonzero((want > 0) & ~np.append(follows, False) | (uneven & ~own))
+    k = int(bad[0])
     row = int(np.searchsorted(arrays["row_segments"], k, side="right")) - 1
     if pad[k]:
         return f"row {row}: {lens[k]} padding tokens do not split over the manifest's --cp {cp}"
@@ -254,11 +253,11 @@ def _cp_padding(arrays: dict[str, np.ndarray], cp: int) -> str | None:
 
 def shard_counts(arrays: dict[str, np.ndarray]) -> tuple[int, int, int]:
     """(samples, tokens, real tokens) in a shard's rows: what a rank's record (`RankRecord`'s
-    ``samples``, ``tokens``, ``real_tokens``) sums over its shards."""
+    ``samples``, ``tokens``, ``real_tokens``) sums over its shards. Expects arrays that passed
+    `rolltool.format.layout.check_rows` (``row_offsets`` ends at the segments' sum)."""
     real = arrays["sample_index"] != PAD_SAMPLE
-    lens = arrays["seq_lens"]
-    tokens = int(lens.sum(dtype=np.int64))
-    return int(np.count_nonzero(real)), tokens, tokens - int(lens[~real].sum(dtype=np.int64))
+    real_tokens = int(arrays["seq_lens"][real].sum(dtype=np.int64))
+    return int(np.count_nonzero(real)), int(arrays["row_offsets"][-1]), real_tokens
 
 
 def counts_problem(counted: tuple[int, int, int], record: RankRecord) -> str | None:
