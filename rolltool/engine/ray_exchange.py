@@ -154,6 +154,12 @@ def _watched(packed: Any) -> dict[int, Any]:
         if lost is not None and time.monotonic() - max(lost, state["last"]) > LOST_NODE_S:
             from rolltool.errors import RolltoolError
 
+            # The thread is still inside Ray Data; once the driver disconnects it fails and
+            # ends, and must not start a local cluster of its own (Ray's auto-init) first.
+            from ray._private import auto_init_hook
+
+            auto_init_hook.enable_auto_connect = False
+
             raise RolltoolError(
                 f"a node of the Ray cluster was lost during the exchange on Ray Data and it "
                 f"did not recover in {LOST_NODE_S:.0f} s; nothing was written",
