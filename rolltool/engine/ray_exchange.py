@@ -152,12 +152,12 @@ def _watched(packed: Any) -> dict[int, Any]:
         if lost is None and alive() < nodes:
             lost = time.monotonic()
         if lost is not None and time.monotonic() - max(lost, state["last"]) > LOST_NODE_S:
+            from ray._private import auto_init_hook
+
             from rolltool.errors import RolltoolError
 
             # The thread is still inside Ray Data; once the driver disconnects it fails and
             # ends, and must not start a local cluster of its own (Ray's auto-init) first.
-            from ray._private import auto_init_hook
-
             auto_init_hook.enable_auto_connect = False
 
             raise RolltoolError(
