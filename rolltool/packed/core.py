@@ -191,6 +191,8 @@ def layout_problem(
     """
     if row_len is None and split.size == 1:
         return None
+    if split.cp > 1 and row_len is None:  # its padding rule makes every row a multiple of cp
+        return _cp_padding(arrays, split.cp)
     rows = np.diff(arrays["row_offsets"])
     return (
         _rows_of_length(rows, row_len) or _rows_split(rows, split) or _cp_padding(arrays, split.cp)
@@ -236,7 +238,8 @@ def _cp_padding(arrays: dict[str, np.ndarray], cp: int) -> str | None:
     after[arrays["row_segments"][:-1]] = -1  # a row's first segment follows nothing
     follows = want[:-1] == after[1:]  # followed by exactly its padding (never where want is 0)
     uneven = pad & (lens % cp != 0)  # padding that may only be a sample's own
-    own = np.concatenate([[False], follows])
+    own = np.zeros(len(lens), dtype=bool)  # padding that is a sample's own
+    own[1:] = follows
     if np.count_nonzero(want) == np.count_nonzero(follows) and not np.any(uneven > own):
         return None
     bad = np.flatnonzero((want > 0) & ~np.append(follows, False) | (uneven & ~own))
@@ -264,6 +267,8 @@ def counts_problem(counted: tuple[int, int, int], record: RankRecord) -> str | N
     """Why a (step, rank)'s rows, summed over its shards (`shard_counts`), are not what its
     record says, or None: a sample's boundary moved into padding, or padding into a sample."""
     recorded = (record.samples, record.tokens, record.real_tokens)
+    if counted == recorded:
+        return None
     for name, got, want in zip(
         ("samples", "tokens", "real tokens"), counted, recorded, strict=True
     ):
@@ -315,8 +320,7 @@ class PackedReader:
         self._listed_cache: dict[str, _Listed] | None = None
         self._ranks_checked: set[int] = set()
         self._counted: dict[str, tuple[int, int, int]] = {}
-        """`shard_counts` of each shard mapped so far (3 ints a shard)."""
-        self._counts_checked: set[tuple[int, int]] = set()
+        """`shard_counts` of each shard of a (step, rank) split over shards mapped so far."""
         self._hashed: set[str] = set()
 
     def _at(self, rel: str) -> Path | str:
@@ -568,20 +572,18 @@ class PackedReader:
         has one shard, as most do; when its rows are split over shards, on mapping the last
         (the error names that one), so rows of the others may have been served."""
         listed = self._listed[f.path]
-        key = (listed.step, listed.rank)
-        if key in self._counts_checked:
-            return
-        self._counted[f.path] = shard_counts(arrays)
         record = self.manifest.steps[listed.step].ranks[listed.rank]
-        if any(g.path not in self._counted for g in record.files):
-            return
-        sums = [self._counted[g.path] for g in record.files]
-        total = (sum(c[0] for c in sums), sum(c[1] for c in sums), sum(c[2] for c in sums))
-        wrong = counts_problem(total, record)
+        counted = shard_counts(arrays)
+        if len(record.files) > 1:
+            self._counted[f.path] = counted
+            if any(g.path not in self._counted for g in record.files):
+                return
+            parts = [self._counted[g.path] for g in record.files]
+            counted = (sum(c[0] for c in parts), sum(c[1] for c in parts), sum(c[2] for c in parts))
+        wrong = counts_problem(counted, record)
         if wrong is not None:
             where = f"step {listed.step} rank {listed.rank}"
             raise _bad(self._at(f.path), f"{where}: {wrong}")
-        self._counts_checked.add(key)
 
     def _check_identity(self, f: ShardRef, meta: Any) -> None:
         """The shard's own header (step, rank, first_row) against where the manifest lists it."""
