@@ -37,8 +37,12 @@ EXAMPLE = Path(__file__).parents[2] / "examples" / "rollouts.parquet"
 COMMAND = ["rolltool", "pack", "(test)"]
 TAG = "rolltool-test:ran-on"
 STORE_BYTES = 80 * 2**20
-BOUND_S = 60.0
-"""A run that loses a node finishes or fails within this long."""
+BOUND_S = 90.0
+"""A run that loses a node finishes or fails within this long (the loss is seen after ~5 missed
+health checks, then Ray Data has `rolltool.engine.ray_exchange.LOST_NODE_S` to deliver a step;
+30-65 s measured on 2 cores shared with other work)."""
+HEALTH_CHECKS = {"health_check_period_ms": 1000, "health_check_failure_threshold": 5}
+"""A lost node is declared dead after ~5 s (Ray's default is slower)."""
 
 
 class TwoNodes:
@@ -50,7 +54,7 @@ class TwoNodes:
         self.cluster = Cluster(
             initialize_head=True,
             head_node_args={"num_cpus": 1, "include_dashboard": False,
-                            "object_store_memory": STORE_BYTES},
+                            "object_store_memory": STORE_BYTES, "_system_config": HEALTH_CHECKS},
         )  # fmt: skip
         self.head: str = self.cluster.head_node.node_id  # type: ignore[attr-defined]
         self.other: Any = None
@@ -259,13 +263,13 @@ def test_a_node_lost_in_the_ray_data_exchange_finishes_or_fails_in_bounded_time(
         took = time.monotonic() - start
         nodes.add()
     assert marker.exists()
-    assert took < BOUND_S
     got = s3.files("out")
     if error is None:
         assert got == want
         assert json.loads(got["manifest.json"])["reads"]["path"] == "exchange"
     else:
         assert "\n" not in error.message and "manifest.json" not in got, error.message
+    assert took < BOUND_S, (took, error)
 
 
 def test_relative_input_paths_with_a_ray_address(
