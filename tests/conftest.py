@@ -45,6 +45,12 @@ from s3_server import S3Server, S3Store, start, weed_binary
 from rolltool.cli import main
 from rolltool.input.synth import SynthConfig, generate
 
+# Ray nodes started by the tests (a local cluster, the two-node cluster) bind the loopback
+# address only: by default Ray takes the machine's outward address. Ray reads this when a node
+# starts (set before any test starts one; a cluster started outside the tests is not used: the
+# fixtures start their own with address="local").
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
 settings.register_profile("ci", derandomize=True)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

@@ -60,6 +60,7 @@ def cluster() -> Iterator[None]:
         mp.setenv("RAY_USAGE_STATS_ENABLED", "0")
         mp.setenv("RAY_AUTH_MODE", "disabled")
         ray.init(
+            address="local",  # a cluster of its own, even where `ray start` left one running
             num_cpus=2,
             include_dashboard=False,
             object_store_memory=96 * 2**20,
