@@ -38,10 +38,6 @@ CHUNKS_PER_WORKER = 4
 """Work is cut into about this many contiguous chunks per worker process or cluster CPU: small
 enough that a slow chunk does not leave the others idle, few enough that each pays for its
 start (`chunks`)."""
-SHARED_FS_HINT = (
-    "on a cluster of several machines the inputs and the output's parent must be on a "
-    "filesystem every node mounts at the same path"
-)
 A = TypeVar("A")
 H = TypeVar("H")
 

@@ -88,7 +88,7 @@ def open_mapper(execution: ExecutionConfig, what: str) -> Iterator[Mapper | None
     if execution.engine == "local":
         from rolltool.engine.local import local_mapper
 
-        yield local_mapper(execution.processes)
+        yield local_mapper(execution.processes, what)
         return
     from rolltool.engine.ray import attach
 
