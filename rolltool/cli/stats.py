@@ -60,11 +60,15 @@ def stats(
     With --engine ray the pieces of the input (runs of row groups) or the steps are computed
     by Ray tasks and merged in order: the same output.
     """
-    from rolltool.engine.ray import engine_mapper
+    from rolltool.engine.config import ExecutionConfig, open_mapper
     from rolltool.stats import compute_stats
     from rolltool.stats.render import render
 
-    with engine_mapper(engine, ray_address, "reading pieces of the input or steps") as mapper:
+    # stats reads in this process with --engine local (one worker), on the cluster with ray
+    execution = ExecutionConfig(
+        engine=engine, ray_address=ray_address, workers=1 if engine == "local" else None
+    )
+    with open_mapper(execution, "reading pieces of the input or steps") as mapper:
         result = compute_stats(
             list(paths), columns=columns, step=step, limit=limit, progress=progress, mapper=mapper
         )

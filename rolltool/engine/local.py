@@ -249,8 +249,8 @@ def _run(span: tuple[int, int]) -> list[Any]:
 MIN_WORKERS = 4
 """A pool is used only with at least this many workers, each with a core of its own: the workers
 decode the input again (the driver's scan cache is not shared) and one process already overlaps
-reading with writing on threads, so on 2 cores the pool is slower (benchmarks/scale.py, a 177 MB
-synth: 4.2 s in one process, 8.8 s with a pool of 4) ..."""
+reading with writing on threads, so on 2 cores the pool is slower (docs/performance.md, "scale";
+`benchmarks/scale.py`) ..."""
 MIN_STEPS_PER_WORKER = 2
 """... at least this many steps per worker ..."""
 MIN_TOKENS = 20_000_000

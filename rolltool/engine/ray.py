@@ -18,8 +18,8 @@ cuts its work with the same chunk policy (`rolltool.engine.base.chunks`, bounded
 window of Ray refs instead of futures; the task mechanics (the object store, retries, `_get`'s
 errors, cancelling) are its own.
 
-Other commands: `engine_mapper` gives ``stats`` and the scan of ``advantages`` a ``mapper(fn,
-items)`` that is `map_in_order` on the cluster (``--engine ray``) or None (this process).
+Other commands: `rolltool.engine.config.open_mapper` gives ``stats`` and the scan of
+``advantages`` a ``mapper(fn, items)`` that is `map_in_order` on the cluster (``--engine ray``).
 
 Files: on a cluster of several machines the inputs and the output are either URIs on object
 storage (``s3://``, ...: tasks read the input and upload their own shards, no filesystem is
@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import os
 import socket
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
@@ -56,7 +55,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from rolltool.engine import base
-from rolltool.engine.base import check_engine
 from rolltool.errors import RolltoolError
 
 if TYPE_CHECKING:  # imported where used: attaching to a cluster needs neither
@@ -75,7 +73,7 @@ WINDOW_PER_CPU = 2
 DATA_EXCHANGE_NODES = 2
 """The exchange path runs on Ray Data (`RayEngine.exchange_steps`) on a cluster of at least this
 many nodes, where it spreads the read over them; on one node the driver's local buckets are
-~4x faster (a 90 MB synth, 2 CPUs: 2.0 s against 8.5 s), the same bytes either way."""
+faster (docs/storage.md, "On Ray"), the same bytes either way."""
 FILES_HINT = (
     "on a cluster of several machines the inputs and the output must be URIs on object storage "
     "(s3://, ...) or on a filesystem every node mounts at the same path"
@@ -228,20 +226,6 @@ def attach(address: str | None) -> Iterator[RayEngine]:
     finally:
         if started:
             ray.shutdown()
-
-
-@contextlib.contextmanager
-def engine_mapper(engine: str, address: str | None, what: str) -> Iterator[Mapper | None]:
-    """What computes a command's per-piece work: None (this process) for ``--engine local``;
-    for ``ray``, `RayEngine.map_in_order` on the cluster at `address` (`attach`), connected
-    for the ``with`` block, naming the work `what` in its errors ("scanning row groups").
-    Any ``mapper(fn, items)`` parameter takes it (stats; the scan of advantages)."""
-    check_engine(engine, address)
-    if engine == "local":
-        yield None
-        return
-    with attach(address) as ray:
-        yield functools.partial(ray.map_in_order, what=what)
 
 
 AUTH_HINT = (
