@@ -115,21 +115,37 @@ def rolltool_output(path: Path) -> str | None:
     if not path.is_file():
         return None
     try:
-        meta = pq.read_metadata(path).metadata or {}
+        meta = pq.read_metadata(path).metadata
     except (pa.ArrowException, OSError):
-        return "a bench calibration file" if _is_calibration(path) else None
-    kind = meta.get(OUTPUT_KEY)
+        try:
+            small = path.stat().st_size <= CALIBRATION_MAX_BYTES
+            return _calibration(path.read_bytes()) if small else None
+        except OSError:
+            return None
+    return _marked(meta)
+
+
+CALIBRATION_MAX_BYTES = 1_000_000
+"""A file larger than this is no bench calibration file (not read to find out)."""
+
+
+def _marked(meta: dict[bytes, bytes] | None) -> str | None:
+    """What rolltool output a Parquet footer's metadata marks (`parquet_marker`), or None."""
+    kind = (meta or {}).get(OUTPUT_KEY)
     return f"an {kind.decode()} file" if kind in PARQUET_KINDS else None
 
 
-def _is_calibration(path: Path) -> bool:
+def _calibration(text: bytes) -> str | None:
+    """ "a bench calibration file" when `text` is one (`rolltool bench --calibrate`), else None."""
     try:
-        if path.stat().st_size > 1_000_000:
-            return False
-        doc = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return False
-    return isinstance(doc, dict) and CALIBRATION_KEYS <= set(doc)
+        doc = json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return (
+        "a bench calibration file"
+        if isinstance(doc, dict) and CALIBRATION_KEYS <= set(doc)
+        else None
+    )
 
 
 def _unremovable(target: Path) -> Path | None:
@@ -276,21 +292,14 @@ def _remote_output(loc: Location) -> str | None:
     """`rolltool_output` of one object (its footer, or its text for a calibration file)."""
     try:
         with loc.fs.open_input_file(loc.path) as f:
-            meta = pq.read_metadata(f).metadata or {}
+            meta = pq.read_metadata(f).metadata
     except (pa.ArrowException, OSError):
         try:
-            if (loc.info().size or 0) > 1_000_000:
-                return None
-            doc = json.loads(loc.read_bytes(""))
-        except (RolltoolError, UnicodeDecodeError, json.JSONDecodeError):
+            small = (loc.info().size or 0) <= CALIBRATION_MAX_BYTES
+            return _calibration(loc.read_bytes("")) if small else None
+        except RolltoolError:
             return None
-        return (
-            "a bench calibration file"
-            if isinstance(doc, dict) and CALIBRATION_KEYS <= set(doc)
-            else None
-        )
-    kind = meta.get(OUTPUT_KEY)
-    return f"an {kind.decode()} file" if kind in PARQUET_KINDS else None
+    return _marked(meta)
 
 
 def _check_remote_existing(loc: Location, force: bool, *, appeared: bool = False) -> None:
