@@ -21,10 +21,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from pack_helpers import pack
 
 import rolltool
 from rolltool.errors import RolltoolError
-from tests.pack_helpers import pack
 
 torch = pytest.importorskip("torch")
 from torch.utils.data import DataLoader  # noqa: E402

@@ -21,15 +21,15 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from pack_helpers import pack
 from safetensors import safe_open
+from verify_helpers import kinds
 
 import rolltool
 import rolltool.packed.core as core
 import rolltool.packed.reader as reader
 from rolltool.errors import RolltoolError
 from rolltool.format import ShardRef
-from tests.pack_helpers import pack
-from tests.verify_helpers import kinds
 
 DP = 3
 

@@ -31,9 +31,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
+from pack_helpers import grpo_reference, input_samples, pack
 
 from rolltool.input.synth import SynthConfig, generate
-from tests.pack_helpers import grpo_reference, input_samples, pack
 
 torch = pytest.importorskip("torch")
 
