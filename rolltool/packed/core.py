@@ -31,15 +31,15 @@ only then (it imports torch; opening and reading NumPy rows never does).
   the group's size, with ``--cp`` every sample followed by its CP padding: a manifest whose
   ``cp``, ``sp`` or ``row_len`` was edited, or a sample boundary moved in a ``--cp`` pack); once
   all of a (step, rank)'s shards were mapped, its rows' samples, tokens and real tokens are its
-  record's (`counts_problem`: a boundary moved between a sample and padding). One vectorized
-  pass over the mapped arrays: on the loading benchmark (102 small shards, 2.7 rows each) a
-  rank's pass of NumPy views goes from ~9.1k to ~7.3-8.0k rows/s; the torch paths, which copy
-  every stored array, are within noise.
-
-A token moved between two samples (one ``seq_lens`` +1, the next -1) that is not trained on
-changes no array but ``seq_lens``, no sum and, under token-mean, no weight: outside a ``--cp``
-pack only the samples' own lengths (samples.parquet, which the reader does not read) and the
-sha256 tell, so ``verify="hash"`` refuses it and the default serves it.
+  record's (`counts_problem`: a boundary moved between a sample and padding); every sample's
+  segment holds that sample's own length (`lengths_problem`, against samples.parquet's
+  ``length``, two columns read once on the first shard mapped: a token moved between two
+  samples, one ``seq_lens`` +1 and the next -1, which changes no other array, no sum and,
+  under token-mean, no weight). One vectorized pass over the mapped arrays: on the loading
+  benchmark (102 small shards, 2.7 rows each) a rank's pass of NumPy views goes from ~9.1k to
+  ~7.3-8.0k rows/s; the torch paths, which copy every stored array, are within noise; the
+  length check adds ~2-6 ms (reading samples.parquet's two columns of 6.6k rows) and is within
+  noise on a pass (the 512-group pack of ``benchmarks/loading.py``, median of 7 passes).
 
 A flipped bit that leaves values in range (a token id, a logprob, a weight) passes these checks;
 ``open_packed(path, verify="hash")`` also hashes each shard on its first read through the
@@ -68,6 +68,7 @@ from rolltool.format import (
     PAD_SAMPLE,
     RANK_DIR_PATTERN,
     ROW_ARRAYS,
+    SAMPLES,
     SEGMENT_ARRAYS,
     TOKEN_ARRAYS,
     Manifest,
@@ -251,6 +252,30 @@ def _cp_padding(arrays: dict[str, np.ndarray], cp: int) -> str | None:
         f"row {row}: sample {arrays['sample_index'][k]} ({lens[k]} tokens) is not followed by "
         f"the {want[k]} padding tokens that bring it to a multiple of 2 x cp = {m} (the "
         f"manifest's --cp {cp})"
+    )
+
+
+def lengths_problem(arrays: dict[str, np.ndarray], lengths: np.ndarray) -> str | None:
+    """Why a shard's samples do not have their own lengths, or None: every segment of a sample
+    holds ``lengths[sample_index]`` tokens (`PackedReader._sample_lengths`, from
+    samples.parquet). What shows a token moved between two samples (one ``seq_lens`` +1, the
+    next -1) when no array, sum or weight changes. Expects arrays that passed `value_problem`
+    (``sample_index`` >= -1); two NumPy passes over the segments."""
+    index, lens = arrays["sample_index"], arrays["seq_lens"]
+    real = index != PAD_SAMPLE
+    if not real.any():
+        return None
+    i = index[real]
+    if int(i.max()) >= len(lengths):
+        return f"sample_index {int(i.max())} is not a sample of the input ({len(lengths)} samples)"
+    off = np.flatnonzero(lens[real] != lengths[i])
+    if not len(off):
+        return None
+    k = int(np.flatnonzero(real)[off[0]])
+    row = int(np.searchsorted(arrays["row_segments"], k, side="right")) - 1
+    return (
+        f"row {row}: sample {int(index[k])} holds {int(lens[k])} tokens, "
+        f"{SAMPLES} says {int(lengths[index[k]])}"
     )
 
 
@@ -564,7 +589,36 @@ class PackedReader:
         if misfit is not None:
             raise _bad(path, f"rows not laid out as the manifest's config says ({misfit})")
         self._check_counts(f, arrays)
+        wrong = lengths_problem(arrays, self._sample_lengths)
+        if wrong is not None:
+            raise _bad(path, f"rows not as {SAMPLES} says ({wrong})")
         return arrays
+
+    @functools.cached_property
+    def _sample_lengths(self) -> np.ndarray:
+        """[n] int64: each input sample's length (tokens), samples.parquet's ``length`` by
+        ``sample_index`` (its first epoch's rows with --epochs): two columns, read on the first
+        shard mapped (through the directory's filesystem: only those column chunks)."""
+        import pyarrow.parquet as pq  # pyarrow itself is imported by rolltool.storage.fs
+
+        where = self._at(SAMPLES)
+        try:
+            source = (
+                self.path / SAMPLES
+                if self._remote is None
+                else self.location.fs.open_input_file(self.location.join(SAMPLES))
+            )  # a ParquetFile, not read_table: that imports pyarrow.dataset (~0.5 s)
+            with pq.ParquetFile(source) as pf:
+                t = pf.read(columns=["sample_index", "length"], use_threads=False)
+            index = t.column("sample_index").to_numpy().astype(np.int64)
+            length = t.column("length").to_numpy().astype(np.int64)
+        except (OSError, ValueError, KeyError) as e:  # pyarrow's errors are OSError/ValueError
+            raise _bad(where, f"missing or unreadable ({e})") from None
+        if len(index) and (index.min() < 0 or index.max() >= len(index)):
+            raise _bad(where, "corrupt (a sample_index out of range)")
+        lengths = np.zeros(int(index.max()) + 1 if len(index) else 0, dtype=np.int64)
+        lengths[index] = length
+        return lengths
 
     def _check_counts(self, f: ShardRef, arrays: dict[str, np.ndarray]) -> None:
         """Once all of a (step, rank)'s shards were mapped, its rows' samples, tokens and real

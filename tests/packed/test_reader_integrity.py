@@ -352,14 +352,6 @@ def test_a_forged_manifest_is_refused_not_an_index_error(out: Path, case: str) -
 LAYOUTS = {"sp": ("--sp", 2), "cp": ("--cp", 2), "epochs": ("--epochs", 2)}
 """The newer pack kinds: --sp 2 and --cp 2 groups, and --epochs 2 (format version 2)."""
 
-UNSEEN = pytest.mark.xfail(
-    strict=True,
-    raises=pytest.fail.Exception,  # "DID NOT RAISE": any other failure still fails the test
-    reason="a prompt token moved between two samples leaves every array but seq_lens, every sum "
-    "and every weight (token-mean) unchanged: only the samples' own lengths (samples.parquet) "
-    "or the sha256 show it, and the default checks read neither",
-)
-
 
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory: pytest.TempPathFactory, synth_table: pa.Table) -> dict[str, Path]:
@@ -419,29 +411,40 @@ def test_untouched_split_and_epoch_packs_read_and_verify(
     assert _read_all(layouts[kind]) == sum(len(ds.rank_rows(r)) for r in range(DP)) > 0
 
 
-@pytest.mark.parametrize(
-    "kind", [pytest.param("sp", marks=UNSEEN), "cp", pytest.param("epochs", marks=UNSEEN)]
-)
+MOVED = {
+    "cp": r"rows not laid out .*--cp 2",  # the sample is no longer CP-padded
+    "sp": r"rows not as samples.parquet says \(row \d+: sample \d+ holds \d+ tokens, "
+    r"samples.parquet says \d+\)",
+    "epochs": r"rows not as samples.parquet says \(row \d+: sample \d+ holds",
+}
+"""What the reader says of a token moved between two samples: in (a) --sp 2 and (b) --epochs 2
+packs every array but seq_lens, every sum and every (token-mean) weight stay the same: only
+the samples' own lengths (samples.parquet) show it."""
+
+
+@pytest.mark.parametrize("kind", sorted(LAYOUTS))
 def test_a_token_moved_across_a_sample_boundary_is_refused(
     layouts: dict[str, Path], tmp_path: Path, kind: str
 ) -> None:
-    # (a) --sp 2, (b) --epochs 2: see UNSEEN; --cp 2: the sample is no longer CP-padded
     out = _copy_of(layouts, kind, tmp_path)
     step, rank, path = _move_a_token(out, "sample")
     assert kinds(out).get("sample.length") == 2  # verify: both samples, by their records
     for verify in ("checks", "hash"):
-        _refused(out, step, rank, f"{path}: rows not laid out .*--cp 2", verify=verify)
+        _refused(out, step, rank, f"{re.escape(path)}: {MOVED[kind]}", verify=verify)
 
 
 def test_a_padding_token_moved_into_its_sample_is_refused(
-    layouts: dict[str, Path], tmp_path: Path
+    layouts: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # --cp 2: the sample stays CP-padded (n + 1 tokens, padding - 1), but it holds one real
-    # token more than the rank's record
+    # token more than samples.parquet and the rank's record say
     out = _copy_of(layouts, "cp", tmp_path)
     step, rank, path = _move_a_token(out, "padding")
     assert kinds(out).get("sample.length") == 1
-    # a (step, rank) split over shards is judged when the last of them is mapped
+    _refused(out, step, rank, f"{re.escape(path)}: rows not as samples.parquet says")
+    # without the length check, the counts: a (step, rank) split over shards is judged when
+    # the last of them is mapped
+    monkeypatch.setattr(core, "lengths_problem", lambda arrays, lengths: None)
     shard = re.escape(path.rsplit("-", 1)[0]) + r"-\d+\.safetensors"
     _refused(out, step, rank, f"{shard}: step {step} rank {rank}: its rows hold .* real tokens")
 
@@ -456,3 +459,17 @@ def test_a_manifest_cp_edited_is_refused(layouts: dict[str, Path], tmp_path: Pat
         with pytest.raises(RolltoolError, match=r"rows not laid out .*--cp 2") as e:
             _read_all(out, verify=verify)
         assert e.value.hint is not None and "rolltool verify" in e.value.hint
+
+
+@pytest.mark.parametrize("damage", ["deleted", "not parquet", "no length column"])
+def test_samples_parquet_that_cannot_give_the_lengths_is_refused(out: Path, damage: str) -> None:
+    # the reader's length check reads samples.parquet: a directory without a usable one is not
+    # served (it is a listed file of every pack), and the error names it
+    target = out / "samples.parquet"
+    if damage == "deleted":
+        target.unlink()
+    elif damage == "not parquet":
+        target.write_bytes(b"not a parquet file")
+    else:
+        pq.write_table(pq.read_table(target).drop_columns(["length"]), target)
+    _refused(out, 0, 0, re.escape(str(target)) + ": (missing or unreadable|corrupt)")
