@@ -64,7 +64,10 @@ def advantages(
     config = AdvantageConfig(estimator=estimator, env_estimators=env_estimators, std_eps=std_eps)
     execution = ExecutionConfig(workers=workers, engine=engine, ray_address=ray_address)
     with open_mapper(execution, "scanning row groups") as mapper:
-        report = run_advantages(inputs, output, config, columns=columns, force=force, mapper=mapper)
+        report = run_advantages(
+            execution.task_paths(inputs), output, config, columns=columns, force=force,
+            mapper=mapper,
+        )  # fmt: skip
     for w in report["warnings"]:  # to stderr, with --json too (the report also lists them)
         warn(w)
     if as_json:

@@ -70,7 +70,12 @@ def stats(
     )
     with open_mapper(execution, "reading pieces of the input or steps") as mapper:
         result = compute_stats(
-            list(paths), columns=columns, step=step, limit=limit, progress=progress, mapper=mapper
+            execution.task_paths(paths),
+            columns=columns,
+            step=step,
+            limit=limit,
+            progress=progress,
+            mapper=mapper,
         )
     if as_json:
         print_json(result.report)

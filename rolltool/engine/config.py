@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+import os
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -56,6 +57,17 @@ class ExecutionConfig:
         check_engine(self.engine, self.ray_address, self.workers)
         if self.workers is not None and self.workers < 1:
             raise RolltoolError(f"--workers must be at least 1, got {self.workers}")
+
+    def task_paths(self, paths: Sequence[str]) -> list[str]:
+        """`paths` as the run's tasks must open them: with ``engine="ray"`` local paths made
+        absolute here, on the driver (a Ray task runs in its raylet's working directory, not
+        the driver's, and opened ``in.parquet`` there); URIs, and every path of the local
+        engine (whose processes share this one's directory), as given. Globs stay globs."""
+        if self.engine == "local":
+            return list(paths)
+        from rolltool.storage.fs import is_remote  # pyarrow: not at this module's import
+
+        return [p if is_remote(p) else os.path.abspath(p) for p in paths]
 
     @property
     def processes(self) -> int:

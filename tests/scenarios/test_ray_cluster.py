@@ -286,3 +286,28 @@ def test_relative_input_paths_with_a_ray_address(
     pack(["in.parquet"], "out", config, nodes.address)
     assert files(tmp_path / "out") == want
     assert json.loads(want["manifest.json"])["inputs"][0]["path"] == str(tmp_path / "in.parquet")
+
+
+def test_relative_inputs_of_advantages_and_stats_with_a_ray_address(
+    nodes: TwoNodes, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, run_cli: Any
+) -> None:
+    """Defect 5 for the other commands whose tasks open the input: ``advantages`` (its scan of
+    row groups) and ``stats`` (pieces of rollout Parquet, steps of a packed directory) given
+    relative paths with ``--ray-address``: the same output as the local engine's."""
+    monkeypatch.chdir(tmp_path)  # not the cluster's processes' directory
+    shutil.copy(EXAMPLE, "in.parquet")
+    ray_ = ("--engine", "ray", "--ray-address", nodes.address)
+    for engine, out in (((), "local.parquet"), (ray_, "ray.parquet")):
+        done = run_cli("advantages", "in.parquet", "-o", out, *engine)
+        assert done.exit_code == 0, done.stderr
+    assert Path("ray.parquet").read_bytes() == Path("local.parquet").read_bytes()
+    pack(["in.parquet"], "packed", PackConfig.from_options(dp=2, batch_size=16), nodes.address)
+    for path in ("in.parquet", "packed"):
+        local_, on_ray = (run_cli("stats", path, "--json", *engine) for engine in ((), ray_))
+        assert local_.exit_code == on_ray.exit_code == 0, on_ray.stderr
+        want, got = json.loads(local_.stdout), json.loads(on_ray.stdout)
+        for report in (want, got):  # paths as given: relative locally, absolute for tasks
+            for f in [report, *report.get("inputs", [])]:
+                if "path" in f:
+                    f["path"] = os.path.abspath(f["path"])
+        assert got == want
