@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rolltool.format import PAD_SAMPLE, ROW_ARRAYS, SEGMENT_ARRAYS, TOKEN_ARRAYS
+from rolltool.format.targets import next_token_targets
 
 
 @dataclass(frozen=True)
@@ -260,9 +261,10 @@ def unpack_row(rows: dict[str, np.ndarray], r: int) -> dict[str, np.ndarray]:
     """Row r of flat `PackedRows` arrays as the reader's dict.
 
     Keys: the READER_FIELDS arrays of the row (``input_ids``, ``loss_mask``, ``logprobs`` are views
-    of the stored arrays; ``position_ids``, ``advantages``, ``loss_weight`` are derived),
-    ``cu_seqlens`` (int32, first 0, last = row length) and ``sample_index`` (int64, one per
-    segment, -1 for padding).
+    of the stored arrays; ``position_ids``, ``advantages``, ``loss_weight`` are derived), the
+    next-token `rolltool.format.targets.TARGET_FIELDS` (derived over the whole row, before any
+    SP/CP split), ``cu_seqlens`` (int32, first 0, last = row length) and ``sample_index``
+    (int64, one per segment, -1 for padding).
     """
     a, b = int(rows["row_offsets"][r]), int(rows["row_offsets"][r + 1])
     s0, s1 = int(rows["row_segments"][r]), int(rows["row_segments"][r + 1])
@@ -270,13 +272,13 @@ def unpack_row(rows: dict[str, np.ndarray], r: int) -> dict[str, np.ndarray]:
     cu = np.zeros(s1 - s0 + 1, dtype=np.int32)
     np.cumsum(lens, out=cu[1:])
     loss_mask = rows["loss_mask"][a:b]
-    return {
+    per_token = {
         "input_ids": rows["input_ids"][a:b],
         "position_ids": segment_positions(lens).astype(np.int32),
         "loss_mask": loss_mask,
         "advantages": np.repeat(rows["seg_advantage"][s0:s1], lens),
         "logprobs": rows["logprobs"][a:b],
         "loss_weight": np.repeat(rows["seg_weight"][s0:s1], lens) * loss_mask,
-        "cu_seqlens": cu,
-        "sample_index": rows["sample_index"][s0:s1],
     }
+    segments = {"cu_seqlens": cu, "sample_index": rows["sample_index"][s0:s1]}
+    return per_token | next_token_targets(per_token | segments) | segments

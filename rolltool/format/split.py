@@ -30,6 +30,14 @@ chunks ``[0 1 2] [3 4 5] [6 7 8] [9 p p]``; CP rank 0 holds chunks 0 and 3, toke
 ``cp_token_map(10, 2)`` gives each token's (rank, local offset) and ``cp_positions(12, 2, r)``
 each local offset's position: the mapping both ways, to gather per-sample results (log-probs,
 entropies) from the CP ranks (``cp_gather``).
+
+Next-token targets (`rolltool.format.targets`) are derived on the group row, before the split,
+so each view holds the targets of its own logits. In the example (``x`` = -100, no target):
+the row's ``target_ids`` are ``1 2 3 4 5 6 7 8 9 x x x``; CP rank 0 gets ``1 2 3 x x x`` (token
+2's target, 3, lives on rank 1), CP rank 1 gets ``4 5 6 7 8 9`` (token 8's target, 9, lives on
+rank 0). ``target_loss_weight`` and the other target arrays follow the same tokens, so a loss
+over a view's logits uses that view's arrays only. An SP slice ends the same way: its last
+token's target is the next slice's first token, already in place.
 """
 
 from __future__ import annotations
@@ -42,9 +50,20 @@ import numpy as np
 from rolltool.errors import RolltoolError
 from rolltool.format import PAD_SAMPLE
 from rolltool.format.records import RecordedConfig
+from rolltool.format.targets import TARGET_FIELDS, next_token_targets
 
-PER_TOKEN = ("input_ids", "position_ids", "loss_mask", "advantages", "logprobs", "loss_weight")
-"""The reader row's per-token arrays: what a view slices."""
+PER_TOKEN = (
+    "input_ids",
+    "position_ids",
+    "loss_mask",
+    "advantages",
+    "logprobs",
+    "loss_weight",
+    *TARGET_FIELDS,
+)
+"""The reader row's per-token arrays: what a view slices. The next-token targets
+(`rolltool.format.targets`) are among them: derived on the whole row, so a view's
+``target_ids`` at a chunk's or a slice's last token is the token held by the next GPU."""
 
 
 @dataclass(frozen=True)
@@ -152,8 +171,9 @@ def cp_gather(parts: Sequence[np.ndarray], length: int) -> np.ndarray:
 
 def sp_view(row: dict[str, np.ndarray], sp: int, rank: int) -> dict[str, np.ndarray]:
     """SP rank `rank`'s view of a group row (a reader dict): the rank-th contiguous 1/sp of
-    every per-token array; ``cu_seqlens`` and ``sample_index`` are the whole row's, and
-    ``sp_offset`` ([1] int64) is where the slice starts in the row."""
+    every per-token array (the next-token targets derived on the whole row first, so a slice's
+    last target is the next slice's first token); ``cu_seqlens`` and ``sample_index`` are the
+    whole row's, and ``sp_offset`` ([1] int64) is where the slice starts in the row."""
     _check_rank("sp_rank", rank, sp)
     n = len(row["input_ids"])
     if n % sp:
@@ -162,6 +182,7 @@ def sp_view(row: dict[str, np.ndarray], sp: int, rank: int) -> dict[str, np.ndar
         )
     part = n // sp
     sl = slice(rank * part, (rank + 1) * part)
+    row = _with_targets(row)
     out = {k: row[k][sl] for k in PER_TOKEN}
     out["cu_seqlens"] = row["cu_seqlens"]
     out["sample_index"] = row["sample_index"]
@@ -216,6 +237,7 @@ def cp_view(row: dict[str, np.ndarray], cp: int, rank: int) -> dict[str, np.ndar
     _check_rank("cp_rank", rank, cp)
     spans = cp_spans(row["cu_seqlens"], row["sample_index"], cp)
     index = _cp_index(spans, cp, rank)
+    row = _with_targets(row)
     out = {k: row[k][index] for k in PER_TOKEN if k != "position_ids"}
     local = spans.padded // cp
     positions = np.concatenate(
@@ -247,6 +269,14 @@ def _cp_index(spans: CpSpans, cp: int, rank: int) -> np.ndarray:
         else:
             parts.append(start + cp_positions(int(padded), cp, rank))
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+def _with_targets(row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The group row with its next-token targets: the reader's rows have them; a row built
+    elsewhere gets them derived here, on the whole row, before it is split."""
+    if all(k in row for k in TARGET_FIELDS):
+        return row
+    return row | next_token_targets(row)
 
 
 def _cumsum(x: np.ndarray) -> np.ndarray:

@@ -5,9 +5,17 @@
 >>> for mb in ds.micro_batches(step=0, rank=3):  # one dict per micro-batch (= packed row)
 ...     mb["input_ids"], mb["position_ids"], mb["loss_mask"], mb["advantages"], mb["logprobs"]
 ...     mb["loss_weight"]     # per token; loss = sum(loss_weight * token_loss), see manifest "loss"
+...     mb["target_ids"]      # per token: the next token of its sample, -100 at its last / padding
+...     mb["target_loss_weight"], mb["target_advantages"], mb["target_logprobs"]  # that target's
 ...     mb["cu_seqlens"]      # int32 segment boundaries, first 0, last = row length
 ...     mb["sample_index"]    # int64 per segment, -1 for padding
 >>> ds.micro_batches(0, 3, cp_rank=1)             # one GPU's view (packed with --cp / --sp)
+
+**Targets.** The stored arrays belong to the token they describe (``loss_weight[t]`` weighs the
+prediction *of* ``input_ids[t]``); the logits at t predict t+1. The ``target_*`` arrays are that
+shift, derived over the whole group row before any SP/CP split (`rolltool.format.targets`):
+train the logits of a view against its ``target_ids`` with ``target_loss_weight`` and never
+shift inside a view, whose last token of a CP chunk or SP slice has its target on another GPU.
 
 Arrays are read-only NumPy views of memory-mapped shard files; ``torch=True`` gives torch
 tensors (each stored array copied once, derived ones wrapped). ``ds.rank_iter(rank)`` walks a

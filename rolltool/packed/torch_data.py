@@ -58,9 +58,14 @@ BATCH_HINT = (
 
 class MicroBatch(dict[str, Any]):
     """One packed row: per-token tensors (``input_ids`` [T] int32, ``position_ids`` [T] int32,
-    ``loss_mask`` [T] uint8, ``advantages``/``logprobs``/``loss_weight`` [T] float32), per-segment
+    ``loss_mask`` [T] uint8, ``advantages``/``logprobs``/``loss_weight`` [T] float32), the
+    next-token targets of each token's logits (``target_ids`` [T] int32, -100 for none:
+    ``.long()`` for cross-entropy or ``gather``; ``target_loss_weight``/``target_advantages``/
+    ``target_logprobs`` [T] float32, 0 for none; `rolltool.format.targets`), per-segment
     ``cu_seqlens`` [n+1] int32 and ``sample_index`` [n] int64, and the ints ``step`` and
-    ``micro_batch`` saying where it is in the run."""
+    ``micro_batch`` saying where it is in the run. A CP view adds ``cu_seqlens_padded`` and
+    ``cu_seqlens_unpadded`` [n+1] int32 (`rolltool.format.split.cp_view`), an SP view
+    ``sp_offset`` [1] int64."""
 
 
 def _refuse_batching(batch: Any, *, collate_fn_map: Any = None) -> Any:

@@ -23,6 +23,7 @@ from pack_helpers import G, input_samples, pack, placements, rollouts, samples, 
 
 import rolltool
 import rolltool.format as _format
+from rolltool.format.targets import IGNORE_INDEX, TARGET_FIELDS
 from rolltool.plan.loss import LOSS_AGGS
 from rolltool.verify import verify
 
@@ -33,10 +34,19 @@ DTYPES = {
     "advantages": np.float32,
     "logprobs": np.float32,
     "loss_weight": np.float32,
+    **TARGET_FIELDS,
     "cu_seqlens": np.int32,
     "sample_index": np.int64,
 }
-PER_TOKEN = ("input_ids", "position_ids", "loss_mask", "advantages", "logprobs", "loss_weight")
+PER_TOKEN = (
+    "input_ids",
+    "position_ids",
+    "loss_mask",
+    "advantages",
+    "logprobs",
+    "loss_weight",
+    *TARGET_FIELDS,
+)
 SHARD_NAME = re.compile(r"rank-\d{4}/step-\d{6}-\d{2}\.safetensors")
 CAP, ROW_LEN = 4096, 4608
 
@@ -59,6 +69,13 @@ def _check_row(row: dict[str, Any], cap: int | None, row_len: int | None) -> int
     assert np.all(row["loss_weight"] >= 0)
     assert int((row["sample_index"] < 0).sum()) <= 1  # at most one padding segment, at the end
     assert np.all(row["sample_index"][:-1] >= 0)
+    last = np.zeros(n, dtype=bool)
+    last[cu[1:] - 1] = True  # each sample's last token: no next-token target, as padding
+    assert np.array_equal(row["target_ids"] == IGNORE_INDEX, last | pad)
+    assert np.array_equal(
+        row["target_ids"][~(last | pad)], row["input_ids"][1:][~(last | pad)[:-1]]
+    )
+    assert np.all(row["target_loss_weight"][last | pad] == 0)
     if row_len is not None:
         assert n == row_len
     real = int((~pad).sum())

@@ -104,17 +104,37 @@ def _reference_rows(out: Path, step: int, rank: int) -> list[dict[str, np.ndarra
                 weight += [a["seg_weight"][s]] * n
                 pos += list(range(n))
             mask = a["loss_mask"][t0:t1]
-            rows.append({
+            row = {
                 "input_ids": a["input_ids"][t0:t1],
                 "position_ids": np.array(pos),
                 "loss_mask": mask,
                 "advantages": np.array(adv, dtype=np.float32),
                 "logprobs": a["logprobs"][t0:t1],
                 "loss_weight": np.array(weight, dtype=np.float32) * mask,
-                "cu_seqlens": np.concatenate([[0], np.cumsum(a["seq_lens"][s0:s1])]),
-                "sample_index": a["sample_index"][s0:s1],
-            })  # fmt: skip
+            }
+            lens, index = a["seq_lens"][s0:s1], a["sample_index"][s0:s1]
+            segments = {"cu_seqlens": np.concatenate([[0], np.cumsum(lens)]), "sample_index": index}
+            rows.append(row | _reference_targets(row, lens, index) | segments)
     return rows
+
+
+def _reference_targets(
+    row: dict[str, np.ndarray], seq_lens: np.ndarray, sample_index: np.ndarray
+) -> dict[str, np.ndarray]:
+    """The next-token targets, a loop per segment: token t of a sample has token t+1's id,
+    weight, advantage and log-prob; a sample's last token and padding have -100 / 0."""
+    shifted = {"target_ids": "input_ids", "target_loss_weight": "loss_weight",
+               "target_advantages": "advantages", "target_logprobs": "logprobs"}  # fmt: skip
+    out: dict[str, list[Any]] = {k: [] for k in shifted}
+    start = 0
+    for n, sample in zip(seq_lens.tolist(), sample_index.tolist(), strict=True):
+        for t in range(start, start + n):
+            has = sample >= 0 and t < start + n - 1
+            for key, source in shifted.items():
+                out[key].append(row[source][t + 1] if has else -100 if key == "target_ids" else 0)
+        start += n
+    dtype = {k: np.int32 if k == "target_ids" else np.float32 for k in shifted}
+    return {k: np.array(v, dtype=dtype[k]) for k, v in out.items()}
 
 
 # -- an untouched pack -----------------------------------------------------------------------
