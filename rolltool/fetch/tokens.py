@@ -286,6 +286,7 @@ def _to_block(table: pa.Table) -> _Block:
         ids, mask = _interleave(p_len, p_ids, r_len, r_ids)
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
+    mask[offsets[:-1][lengths > 0]] = 0  # a sample's first token is never a target (schema)
     if "logprobs" in table.column_names:
         lp_len, lp = _flat(table.column("logprobs"))
         lp = lp.astype(np.float32)

@@ -75,7 +75,7 @@ class AdvantageInput:
     env_names: Sequence[str]
     """Every env of the input; a subset (one step) may have no sample of some."""
     reward: np.ndarray  # [n] float64, equal for a rollout's branches
-    trainable: np.ndarray  # [n] int64 tokens with loss_mask 1
+    trainable: np.ndarray  # [n] int64 targets: loss_mask ones but the first token (schema)
     group_ids: Any = None
     """[G] the user's group_id of each group code (a pyarrow array or a sequence), for
     messages; None names groups by code."""

@@ -32,6 +32,11 @@ Rules and their kinds:
 
 Samples with no trainable token are allowed but counted and warned about.
 
+A sample's first token is never a target: nothing precedes it, so no logit predicts it (HF and
+TRL label it -100). ``Rollouts.trainable`` counts a sample's targets, its ``loss_mask`` ones but
+token 0's, and the packed ``loss_mask`` is cleared there (`rolltool.fetch.tokens`): every T and
+every weight agrees with the label count a trainer sees. The scan warns how many it cleared.
+
 Identity: a group is its ``group_id``; a rollout is the pair (``group_id``, ``rollout_id``), so
 rollout ids may restart in every group; without ``rollout_id`` every row is its own rollout.
 """

@@ -69,7 +69,7 @@ class Piece:
     ids: dict[str, pa.Array]  # sample_id (default: sample_index), group_id, rollout_id, env
     values: dict[
         str, np.ndarray
-    ]  # reward, length, trainable[, finished_at, advantage] (float64/int64)
+    ]  # reward, length, trainable, first_cleared[, finished_at, advantage] (float64/int64)
     found: tuple[Found, ...]
 
 
@@ -127,7 +127,8 @@ def scan_batch(batch: pa.RecordBatch, fc: FileColumns, first_row: int) -> Piece:
     ids = {"sample_id": sid} | {
         c: b.cols[c] for c in ("group_id", "rollout_id", "env") if c in b.cols
     }
-    values = {"reward": b.reward, "length": b.length, "trainable": b.trainable}
+    values = {"reward": b.reward, "length": b.length, "trainable": b.trainable,
+              "first_cleared": b.first_cleared.astype(np.int64)}  # fmt: skip
     for col in ("finished_at", "advantage"):
         if (v := b.floats(col)) is not None:
             values[col] = v

@@ -60,7 +60,7 @@ class Rollouts:
     env_names: list[str]  # env names in order of first appearance
     reward: np.ndarray  # [n] float64
     length: np.ndarray  # [n] int64: tokens in the sample (prompt and all turns)
-    trainable: np.ndarray  # [n] int64: tokens with loss_mask 1
+    trainable: np.ndarray  # [n] int64: targets, tokens with loss_mask 1 but the first token
     finished_at: np.ndarray | None  # [n] float64 seconds since the epoch, or None
     advantage: np.ndarray | None = None
     """[n] float32: the input's own ``advantage`` column (finite, equal over a rollout's
@@ -365,8 +365,13 @@ def _rollouts(
     group, group_uniques = _codes(df, ["group_id"])
     env, env_uniques = _codes(df, ["env"])
     trainable = acc.cat("trainable", np.int64)
+    cleared = int(acc.cat("first_cleared", np.int64).sum())
     no_train = int((trainable == 0).sum())
-    warnings = [f"{no_train} sample(s) have no trainable token (loss_mask all 0)"] * (no_train > 0)
+    warnings = [
+        f"{cleared} sample(s) have loss_mask 1 on their first token: nothing precedes it, so it "
+        f"is never a target; {cleared} token(s) not trained (weight 0, not counted in T)"
+    ] * (cleared > 0)
+    warnings += [f"{no_train} sample(s) have no trainable token (loss_mask all 0)"] * (no_train > 0)
     formats = {fc.token_format for fc in checked if fc.token_format}
     scanned = [fc for fc in checked if fc.token_format]
     return Rollouts(

@@ -40,7 +40,8 @@ class RowBatch:
     """Token format: "input_ids" or "prompt_response"."""
     length: np.ndarray  # [n] int64: tokens per sample (0 where a token list is null)
     tokens_null: np.ndarray  # [n] bool: a token list of the sample is null
-    trainable: np.ndarray  # [n] int64: loss_mask ones (the response for prompt_response)
+    trainable: np.ndarray  # [n] int64: targets, loss_mask ones but the first token's
+    first_cleared: np.ndarray  # [n] bool: loss_mask 1 on the first token (never a target)
     reward: np.ndarray  # [n] float64, nan where null
 
     def floats(self, col: str) -> np.ndarray | None:
@@ -128,15 +129,33 @@ def _clean_mask(values: pa.Array) -> bool:
     return bool(lo_hi["min"].as_py() >= 0 and lo_hi["max"].as_py() <= 1)
 
 
-def _trainable(mask: pa.Array) -> np.ndarray:
-    """Ones per loss_mask list (values other than 0/1 count as 0: `mask_values` reports them)."""
+def _trainable(mask: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """(targets, first_cleared) per loss_mask list: its ones but the first token's, and whether
+    the first token's is one (values other than 0/1 count as 0: `mask_values` reports them).
+
+    The first token of a sample is never a target (`rolltool.schema` docstring): nothing
+    precedes it to predict it, so its loss_mask 1 is cleared.
+
+    >>> t, first = _trainable(pa.array([[1, 1, 0, 1], [0, 1], []]))
+    >>> t.tolist(), first.tolist()
+    ([2, 1, 0], [True, False, False])
+    """
     offsets, values = _list_parts(mask)
     if pa.types.is_boolean(values.type) and not values.null_count:
-        return bit_row_sums(offsets, values)
-    if _clean_mask(values):
-        return row_sums(offsets, values.to_numpy(zero_copy_only=False))
-    mvals = pc.cast(values, pa.int64()).fill_null(-1).to_numpy(zero_copy_only=False)
-    return row_sums(offsets, mvals == 1)
+        ones = bit_row_sums(offsets, values)
+    elif _clean_mask(values):
+        ones = row_sums(offsets, values.to_numpy(zero_copy_only=False))
+    else:
+        mvals = pc.cast(values, pa.int64()).fill_null(-1).to_numpy(zero_copy_only=False)
+        ones = row_sums(offsets, mvals == 1)
+    first = np.zeros(len(ones), dtype=bool)
+    full = np.flatnonzero(offsets[1:] > offsets[:-1])
+    if len(full):
+        head = pc.take(values, pa.array(offsets[:-1][full]))
+        first[full] = pc.equal(pc.cast(head, pa.int64()), 1).fill_null(False).to_numpy(
+            zero_copy_only=False
+        )
+    return ones - first, first
 
 
 def row_batch(batch: pa.RecordBatch, fmt: str, skip: Collection[str] = ()) -> RowBatch:
@@ -149,12 +168,15 @@ def row_batch(batch: pa.RecordBatch, fmt: str, skip: Collection[str] = ()) -> Ro
     if fmt == "input_ids":
         mask = cols["loss_mask"]
         ids = cols.get("input_ids", mask)
-        length, trainable = _lengths(ids), _trainable(mask)
+        length = _lengths(ids)
+        trainable, first = _trainable(mask)
         tokens_null = _null(ids) | _null(mask)
     else:
         p, r = cols["prompt_ids"], cols["response_ids"]
-        trainable = _lengths(r)
-        length = _lengths(p) + trainable
+        response, prompt = _lengths(r), _lengths(p)
+        first = (prompt == 0) & (response > 0)  # no prompt: the response's first token
+        trainable = response - first
+        length = prompt + response
         tokens_null = _null(p) | _null(r)
     return RowBatch(
         cols=cols,
@@ -162,6 +184,7 @@ def row_batch(batch: pa.RecordBatch, fmt: str, skip: Collection[str] = ()) -> Ro
         length=length,
         tokens_null=tokens_null,
         trainable=trainable,
+        first_cleared=first,
         reward=_floats(cols["reward"]),
     )
 

@@ -407,12 +407,15 @@ def file_stats(
     types = {f.name: f.type for f in schema}
     col = _columns(file, rename)
 
+    # trainable: the targets, as pack counts them (the first token is never one: rolltool.schema)
     if fmt == "input_ids":
         length = _length(col("loss_mask"))
-        trainable = _ones(col("loss_mask"), types["loss_mask"])
+        first = col("loss_mask").list.first().cast(pl.Int64).fill_null(0) == 1
+        trainable = _ones(col("loss_mask"), types["loss_mask"]) - first.cast(pl.Int64)
     else:
-        trainable = _length(col("response_ids"))
-        length = _length(col("prompt_ids")) + trainable
+        response, prompt = _length(col("response_ids")), _length(col("prompt_ids"))
+        trainable = response - ((prompt == 0) & (response > 0)).cast(pl.Int64)
+        length = prompt + response
     has = set(types)
     exprs = [
         col("group_id").alias("group_id"),

@@ -130,8 +130,9 @@ def _with_untrainable_sample(write_parquet) -> Path:
         {
             "group_id": ["g", "g", "h"],
             "reward": [1.0, 0.0, 0.5],
-            "input_ids": pa.array([[1, 2], [3, 4], [5]], pa.list_(pa.int32())),
-            "loss_mask": pa.array([[0, 1], [0, 0], [1]], pa.list_(pa.int8())),
+            # (a lone [1] would be untrainable too: the first token is never a target)
+            "input_ids": pa.array([[1, 2], [3, 4], [5, 6]], pa.list_(pa.int32())),
+            "loss_mask": pa.array([[0, 1], [0, 0], [0, 1]], pa.list_(pa.int8())),
         }
     )
 

@@ -64,6 +64,7 @@ def _reference(tables: list[pa.Table]) -> list[tuple[list, list, list]]:
                 ids = row["prompt_ids"] + row["response_ids"]
                 mask = [0] * len(row["prompt_ids"]) + [1] * len(row["response_ids"])
             lp = row.get("logprobs") or [0.0] * len(ids)
+            mask[:1] = [0]  # the first token is never a target (issue 21, defect 3)
             out.append((ids, mask, lp))
     return out
 

@@ -303,7 +303,8 @@ def test_hive_partition_names_the_env(run_cli: Any, write_parquet: Any, tmp_path
     write_parquet({**rows, "group_id": [2, 2]}, "data/env=code/part-0.parquet")
     report = _json(run_cli, tmp_path / "data")
     assert sorted(report["envs"]) == ["code", "math"]
-    assert report["envs"]["math"]["trainable_tokens"]["total"] == 3
+    # [1]'s only 1 is its first token, never a target (issue 21, defect 3): 2 + 0
+    assert report["envs"]["math"]["trainable_tokens"]["total"] == 2
     assert report["overall"]["rollouts"] == 4  # no rollout_id: each row is its own rollout
 
 

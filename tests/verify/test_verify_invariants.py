@@ -366,7 +366,9 @@ def _longer(cols: dict[str, list[Any]], i: int) -> None:
 
 
 def _mask_flip(cols: dict[str, list[Any]], i: int) -> None:
-    cols["loss_mask"][i] = [not cols["loss_mask"][i][0], *cols["loss_mask"][i][1:]]
+    # the last token's: the first's is never a target, so flipping it changes nothing packed
+    # (issue 21, defect 3)
+    cols["loss_mask"][i] = [*cols["loss_mask"][i][:-1], not cols["loss_mask"][i][-1]]
 
 
 @pytest.mark.parametrize(
