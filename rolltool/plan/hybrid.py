@@ -1,12 +1,14 @@
 """Hybrid context parallelism: a CP degree per sample and per slot, planned (issue 22).
 
 The world is ``dp`` data-parallel groups of ``cp`` GPUs, as with ``--cp``. In each micro-batch
-slot j the cp GPUs of group d form *aligned* sub-groups of power-of-two sizes k in {1, 2, 4, ...,
-cp}: GPUs ``[a·k, (a+1)·k)`` of the group, so a trainer creates every sub-group's process group
-once. A sample is whole on one GPU (k = 1) or zigzag-split over one sub-group of size k (chunks r
-and 2k-1-r, as ``--cp``). Every GPU has the same number of micro-batches M; each GPU's micro-batch
-holds at most ``max_tokens`` tokens, CP padding counted (a split sample of L tokens puts
-``ceil(L / 2k) · 2`` tokens on each of its k GPUs).
+slot j the cp GPUs of group d are partitioned into *aligned* sub-groups of power-of-two sizes k in
+{1, 2, 4, ..., cp}: GPUs ``[a·k, (a+1)·k)`` of the group, so a trainer creates every sub-group's
+process group once, and each GPU is in exactly one sub-group per slot (`HybridPlan.groups`). A
+sub-group of size k > 1 holds a ``--cp k`` micro-batch: every sample in it zigzag-split over its k
+GPUs (chunks r and 2k-1-r); a GPU in no wider sub-group (k = 1) holds a plain row of whole
+samples. Every GPU has the same number of micro-batches M; each GPU's micro-batch holds at most
+``max_tokens`` tokens, CP padding counted (a split sample of L tokens puts ``ceil(L / 2k) · 2``
+tokens on each of its k GPUs).
 
 **Price of a split** (`RingModel`, in the workload's units, e.g. FLOPs): each of the k GPUs does
 1/k of the sample's work, ``cost(padded L) / k`` (zigzag evens the causal attention), plus the
@@ -23,8 +25,9 @@ the partition's ``align="lockstep"``. `plan_hybrid_step` gives every sample its 
 ``k_min`` (the smallest power of two whose per-GPU tokens fit ``max_tokens``), and a second
 candidate in which a sample heavier than a GPU's fair share (the step's work over dp · cp · M) is
 split further while that lowers its per-GPU cost; each candidate is placed by the same greedy
-(splits first, widest and heaviest first, each into the aligned position whose GPUs are least
-loaded and have room), M from the token lower bound upward, and the cheaper plan is kept (ties:
+(splits first, widest and heaviest first, each into the least loaded sub-group of its size with
+room, formed already or new on free aligned GPUs; then whole samples, each to the least loaded
+plain GPU with room), M from the token lower bound upward, and the cheaper plan is kept (ties:
 the one that splits less). So a sample that fits a GPU is split only when that lowers the step's
 cost. Deterministic: stable orders, ties broken by position then index.
 
@@ -34,6 +37,7 @@ Pure NumPy: nothing here reads files, prints, or knows the format (which is not 
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -130,6 +134,7 @@ class HybridPlan:
     slot: np.ndarray  # [n] int64: the micro-batch slot j
     start: np.ndarray  # [n] int64: the first GPU of its sub-group in the group (a multiple of k)
     degree: np.ndarray  # [n] int64: k, the sub-group's size (1: whole on GPU `start`)
+    groups: np.ndarray  # [dp, M, cp] int64: each GPU's sub-group size in each slot (1: plain)
     costs: np.ndarray  # [dp, M, cp] float64: each GPU's micro-batch cost
     tokens: np.ndarray  # [dp, M, cp] int64: each GPU's tokens, CP padding counted
     max_tokens: int
@@ -255,8 +260,24 @@ def _place_all(
     need = int((tokens * k).sum())
     m = max(1, -(-need // (dp * cp * max_tokens))) if len(length) else 0
     limit = max_micro_batches or max(len(length), 1)
+
+    widths = 1 << np.arange(cp.bit_length(), dtype=np.int64)  # 1, 2, 4, ..., cp
+    grid = np.broadcast_to(widths, (len(length), len(widths)))
+    spread = np.broadcast_to(length[:, None], grid.shape)
+    table_tokens = gpu_tokens(spread, grid).tolist()  # [n][log2 k]: a sample's share at k
+    table_cost = _gpu_cost(spread, grid, workload, ring).tolist()
+
+    def share(i: int, ki: int) -> tuple[int, float]:
+        w = ki.bit_length() - 1
+        return table_tokens[i][w], table_cost[i][w]
+
     while m <= limit:
-        placed = _place(tokens, cost, k, dp, cp, m, max_tokens)
+        placed = _place(tokens, cost, k, dp, cp, m, max_tokens, share)
+        if placed is not None and not np.array_equal(placed.degree, k) and m < limit:
+            # whole samples joined sub-groups to fit M: keep that only if it beats M + 1
+            wider = _place(tokens, cost, k, dp, cp, m + 1, max_tokens, None)
+            if wider is not None and wider.lockstep_cost < placed.lockstep_cost:
+                return wider
         if placed is not None:
             return placed
         m += 1
@@ -271,57 +292,144 @@ def _place(
     cp: int,
     m: int,
     max_tokens: int,
+    share: Callable[[int, int], tuple[int, float]] | None,
 ) -> HybridPlan | None:
-    """Each sample, widest then heaviest first, into the aligned position (group, slot, GPUs)
-    with room whose most loaded GPU is the least loaded; None when one finds no room. Split
-    samples (few) search the grid with NumPy; whole ones (most) take the least loaded GPU with
-    room from a heap (ties: the lowest position), the same choice."""
-    n = len(tokens)
-    loads = np.zeros((dp, m, cp), dtype=np.float64)
-    held = np.zeros((dp, m, cp), dtype=np.int64)
-    rank, slot, start = (np.zeros(n, dtype=np.int64) for _ in range(3))
-    order = np.lexsort((np.arange(n), -cost, -k))
+    """Each sample, widest then heaviest first, into a sub-group of its size with room (formed
+    already in some (group, slot), or new on aligned GPUs still free there): split samples where
+    the step's lockstep cost rises least, then the least loaded (beside the heavy samples of a
+    slot rather than in a slot of their own), ties the lowest position; then whole samples, each
+    to the least loaded plain GPU with room (a heap). A whole sample that no plain GPU has room
+    for joins the least loaded sub-group with room, split over it (`share(i, k)`: its tokens and
+    cost on each GPU of a k-way split): one more split rather than one more micro-batch for
+    every GPU (never with `share` None). None when a sample finds no room."""
+    grid = _Grid.empty(len(tokens), dp, m, cp, k)
+    order = np.lexsort((np.arange(len(tokens)), -cost, -k))
     split = int(np.count_nonzero(k > 1))
     for i in order[:split].tolist():
-        ki, ti = int(k[i]), int(tokens[i])
-        parts = cp // ki
-        room = (held.reshape(dp, m, parts, ki) + ti <= max_tokens).all(axis=3)
-        score = np.where(room, loads.reshape(dp, m, parts, ki).max(axis=3), np.inf)
-        at = int(np.argmin(score))
-        if not np.isfinite(score.flat[at]):
+        if not grid.split(i, int(k[i]), int(tokens[i]), float(cost[i]), max_tokens):
             return None
-        d, j, a = np.unravel_index(at, (dp, m, parts))
-        g = slice(int(a) * ki, (int(a) + 1) * ki)
-        loads[d, j, g] += cost[i]
-        held[d, j, g] += ti
-        rank[i], slot[i], start[i] = int(d), int(j), int(a) * ki
-    bin_load, bin_held = loads.reshape(-1).tolist(), held.reshape(-1).tolist()
-    ready = [(x, b) for b, x in enumerate(bin_load)]  # (load, bin)
-    heapq.heapify(ready)
-    parked: list[tuple[int, int]] = []  # (-room, bin): too full for the sample at hand
     whole = order[split:]
     whole = whole[np.lexsort((whole, -tokens[whole], -cost[whole]))]  # tokens non-increasing
-    costs, toks = cost.tolist(), tokens.tolist()
-    into = np.zeros(len(whole), dtype=np.int64)
-    for n_i, i in enumerate(whole.tolist()):
-        t = toks[i]
-        while parked and -parked[0][0] >= t:  # later samples are no longer: room again
-            b = heapq.heappop(parked)[1]
-            heapq.heappush(ready, (bin_load[b], b))
-        while ready and bin_held[ready[0][1]] + t > max_tokens:
-            b = heapq.heappop(ready)[1]
-            heapq.heappush(parked, (bin_held[b] - max_tokens, b))
-        if not ready:
-            return None
-        b = heapq.heappop(ready)[1]
-        bin_load[b] += costs[i]
-        bin_held[b] += t
-        heapq.heappush(ready, (bin_load[b], b))
-        into[n_i] = b
-    loads = np.array(bin_load, dtype=np.float64).reshape(dp, m, cp)
-    held = np.array(bin_held, dtype=np.int64).reshape(dp, m, cp)
-    rank[whole], slot[whole], start[whole] = np.unravel_index(into, (dp, m, cp))
+    if not grid.whole(whole, tokens, cost, max_tokens, share):
+        return None
     return HybridPlan(
-        rank=rank, slot=slot, start=start, degree=k.astype(np.int64), costs=loads, tokens=held,
-        max_tokens=max_tokens,
+        rank=grid.rank, slot=grid.slot, start=grid.start, degree=grid.degree, groups=grid.size,
+        costs=grid.loads, tokens=grid.held, max_tokens=max_tokens,
     )  # fmt: skip
+
+
+@dataclass
+class _Grid:
+    """The placement under way: per GPU [dp, m, cp] its load, tokens and sub-group size (0:
+    none yet), per sample where it went."""
+
+    loads: np.ndarray
+    held: np.ndarray
+    size: np.ndarray
+    rank: np.ndarray
+    slot: np.ndarray
+    start: np.ndarray
+    degree: np.ndarray
+
+    @classmethod
+    def empty(cls, n: int, dp: int, m: int, cp: int, k: np.ndarray) -> _Grid:
+        def grid(dtype: type) -> np.ndarray:
+            return np.zeros((dp, m, cp), dtype=dtype)
+
+        def per_sample() -> np.ndarray:
+            return np.zeros(n, dtype=np.int64)
+
+        return cls(
+            loads=grid(np.float64), held=grid(np.int64), size=grid(np.int64), rank=per_sample(),
+            slot=per_sample(), start=per_sample(), degree=k.astype(np.int64),  # a copy: may widen
+        )  # fmt: skip
+
+    def split(self, i: int, k: int, t: int, c: float, max_tokens: int) -> bool:
+        """Sample i over k GPUs where the step's lockstep cost rises least (then the least
+        loaded, then the lowest position); False when no sub-group has room."""
+        dp, m, cp = self.loads.shape
+        shape = (dp, m, cp // k, k)
+        block = self.size.reshape(shape)
+        fits = ((block == k) | (block == 0)).all(axis=3) & (block.min(axis=3) == block.max(axis=3))
+        room = fits & (self.held.reshape(shape) + t <= max_tokens).all(axis=3)
+        after = self.loads.reshape(shape).max(axis=3) + c  # [dp, m, parts]
+        top = self.loads.max(axis=(0, 2))[None, :, None]  # each slot's most loaded GPU
+        rise = np.where(room, np.maximum(after - top, 0.0), np.inf)  # what Σ_j max_g gains
+        if not np.isfinite(rise.min()):
+            return False
+        at = int(np.argmin(np.where(rise == rise.min(), after, np.inf)))
+        d, j, a = (int(x) for x in np.unravel_index(at, shape[:3]))
+        g = slice(a * k, (a + 1) * k)
+        self.loads[d, j, g] += c
+        self.held[d, j, g] += t
+        self.size[d, j, g] = k
+        self.rank[i], self.slot[i], self.start[i] = d, j, a * k
+        return True
+
+    def whole(
+        self,
+        order: np.ndarray,
+        tokens: np.ndarray,
+        cost: np.ndarray,
+        max_tokens: int,
+        share: Callable[[int, int], tuple[int, float]] | None,
+    ) -> bool:
+        """Samples `order` (tokens non-increasing), each to the least loaded plain GPU with
+        room, or split into a sub-group (`_join`); False when one finds no room."""
+        dp, m, cp = self.loads.shape
+        blocks = sorted({(int(self.rank[i]) * m * cp + int(self.slot[i]) * cp + int(self.start[i]),
+                          int(self.degree[i])) for i in np.flatnonzero(self.degree > 1).tolist()})  # fmt: skip
+        self.size[self.size == 0] = 1  # every GPU outside a sub-group holds a plain row
+        load, held = self.loads.reshape(-1).tolist(), self.held.reshape(-1).tolist()
+        ready = [(load[b], b) for b in np.flatnonzero(self.size.reshape(-1) == 1).tolist()]
+        heapq.heapify(ready)
+        parked: list[tuple[int, int]] = []  # (-room, bin): too full for the sample at hand
+        costs, toks = cost.tolist(), tokens.tolist()
+        into = np.zeros(len(order), dtype=np.int64)
+        for n_i, i in enumerate(order.tolist()):
+            t = toks[i]
+            while parked and -parked[0][0] >= t:  # later samples are no longer: room again
+                b = heapq.heappop(parked)[1]
+                heapq.heappush(ready, (load[b], b))
+            while ready and held[ready[0][1]] + t > max_tokens:
+                b = heapq.heappop(ready)[1]
+                heapq.heappush(parked, (held[b] - max_tokens, b))
+            if not ready:
+                joined = None if share is None else _join(i, blocks, load, held, max_tokens, share)
+                if joined is None:
+                    return False
+                into[n_i], self.degree[i] = joined
+                continue
+            b = heapq.heappop(ready)[1]
+            load[b] += costs[i]
+            held[b] += t
+            heapq.heappush(ready, (load[b], b))
+            into[n_i] = b
+        self.loads = np.array(load, dtype=np.float64).reshape(dp, m, cp)
+        self.held = np.array(held, dtype=np.int64).reshape(dp, m, cp)
+        self.rank[order], self.slot[order], self.start[order] = np.unravel_index(into, (dp, m, cp))
+        return True
+
+
+def _join(
+    i: int,
+    blocks: list[tuple[int, int]],
+    load: list[float],
+    held: list[int],
+    max_tokens: int,
+    share: Callable[[int, int], tuple[int, float]],
+) -> tuple[int, int] | None:
+    """Sample i split over the least loaded sub-group (first GPU `b`, size k) with room for
+    it, updating `load` and `held` of its GPUs; (b, k), or None when none has room."""
+    best: tuple[float, int, int, int, float] | None = None
+    for b, k in blocks:
+        t, c = share(i, k)
+        if held[b] + t <= max_tokens and (best is None or load[b] + c < best[0]):
+            best = (load[b] + c, b, k, t, c)
+    if best is None:
+        return None
+    _, b, k, t, c = best
+    for g in range(b, b + k):
+        load[g] += c
+        held[g] += t
+    return b, k
