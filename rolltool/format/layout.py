@@ -4,14 +4,16 @@ Each micro-batch becomes one row: its samples concatenated, ``position_ids`` res
 each sample, explicit segment boundaries, and per-token ``loss_mask``, ``advantages`` (the
 sample's advantage on each of its tokens), behaviour ``logprobs`` and ``loss_weight``. With a fixed
 ``row_len`` the row is padded to that length; the padding is a segment of its own (sample index
--1, loss weight 0). An empty micro-batch becomes an all-padding row (``row_len`` tokens, or one
-token without a fixed length) so that every rank runs the same number of micro-batches.
+-1, loss weight 0). An empty micro-batch becomes an all-padding row (``row_len`` tokens, or
+without a fixed length the group split's ``row_multiple``: one token, S with ``--sp S``, 2C with
+``--cp C``) so that every rank runs the same number of micro-batches.
 
 Worked example: samples of 3 and 2 tokens in a row of length 8 give
 ``cu_seqlens = [0, 3, 5, 8]``, ``position_ids = [0 1 2 0 1 0 1 2]``,
 ``sample_index = [i, j, -1]``. With context or sequence parallelism the row is the group's
 (`rolltool.format.split` derives each GPU's view): each sample padded for the CP split, the row to a
-multiple of the group's size.
+multiple of S with SP, of 2C with CP (every ``cu_seqlens_padded`` boundary a multiple of 2C, the
+THD layout TransformerEngine and ring-flash-attn require).
 
 Rows of one (step, rank) are stored flat and compact (`PackedRows`): the per-token columns that
 carry information (``input_ids``, ``loss_mask``, ``logprobs``) concatenated over rows with
@@ -81,10 +83,15 @@ def pack_rows(
     `sample_index`, `advantage` (float32) and `weight` (per trainable token, float) are indexed
     by k like `tokens`. Raises AssertionError if a row does not fit `row_len`: the plan must have
     guaranteed it. Context parallelism (`rolltool.format.split`): ``sample_multiple`` (2C) pads each
-    sample with a padding segment right after it to a multiple of it, ``row_multiple`` (C, or S
-    with sequence parallelism) pads each row without a ``row_len`` to a multiple of it (an empty
-    row holds ``row_multiple`` padding tokens).
+    sample with a padding segment right after it to a multiple of it, ``row_multiple``
+    (`GroupSplit.row_multiple`: 2C with CP, S with sequence parallelism) pads each row without a
+    ``row_len`` to a multiple of it (an empty row holds ``row_multiple`` padding tokens); a
+    ``row_len`` must be a multiple of it (the plan refuses an odd ``--row-len`` with ``--cp``), so
+    with CP every padding segment, row-end padding included, is a multiple of 2C (valid THD).
     """
+    assert row_len is None or row_len % row_multiple == 0, (
+        f"row_len {row_len} is not a multiple of {row_multiple}"
+    )
     lengths = tokens.lengths()
     seg_len: list[np.ndarray] = []
     seg_src: list[np.ndarray] = []  # position k of each segment, -1 for padding

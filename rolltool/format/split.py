@@ -14,7 +14,12 @@ padding segment right after it in the stored row) and cut into 2C equal chunks; 
 chunks r and 2C-1-r (the "zigzag": the early, cheap chunk with the late, dear one, so causal
 attention work is even). Per-token arrays follow their tokens; ``position_ids`` are the sample's
 own positions (its padding continues them). Padding at the end of the row (``--row-len``, or an
-empty micro-batch) is split into C contiguous parts. The view's boundaries:
+empty micro-batch) is a multiple of 2C too, split into C contiguous parts: so every boundary of
+``cu_seqlens_padded`` is a multiple of 2C, as the THD layout of TransformerEngine
+(``thd_get_partitioned_indices`` refuses any other) and ring-flash-attn's zigzag varlen ring
+attention (wrong outputs on real tokens otherwise) require: a ``--cp C`` row is a multiple of 2C
+tokens (an empty micro-batch's row is 2C padding tokens; ``--row-len`` must be even). The
+view's boundaries:
 
 - ``cu_seqlens``: this rank's local segments (a sample's two chunks, its padding included), so
   they index the view's arrays like any row's;
@@ -104,8 +109,15 @@ class GroupSplit:
 
     @property
     def row_multiple(self) -> int:
-        """Every row's length is a multiple of this (k), so that each GPU gets an equal part."""
-        return self.size
+        """Every row's length is a multiple of this: S with SP (each GPU an equal slice), 2C with
+        CP (every ``cu_seqlens_padded`` boundary a multiple of 2C, row-end padding included:
+        valid THD for TransformerEngine and ring-flash-attn), else 1. An empty micro-batch's row
+        is this many padding tokens.
+
+        >>> GroupSplit(sp=4).row_multiple, GroupSplit(cp=4).row_multiple, GroupSplit().row_multiple
+        (4, 8, 1)
+        """
+        return 2 * self.cp if self.cp > 1 else self.sp
 
     def padded(self, lengths: np.ndarray) -> np.ndarray:
         """[n] int64 tokens each sample occupies in the group's row (its length with CP padding)."""
@@ -204,8 +216,9 @@ class CpSpans:
 def cp_spans(cu_seqlens: np.ndarray, sample_index: np.ndarray, cp: int) -> CpSpans:
     """Group a CP row's segments into spans: a sample with the padding segment after it that
     brings it to a multiple of 2cp (`GroupSplit.padded`), or a segment of row-end padding (a
-    multiple of cp). Raises RolltoolError when the segments are not laid out that way (the row
-    was not packed for this cp)."""
+    multiple of 2cp too: every span, so every ``cu_seqlens_padded`` boundary, is one, as THD
+    needs). Raises RolltoolError when the segments are not laid out that way (the row was not
+    packed for this cp, or was packed before row-end padding was a multiple of 2cp)."""
     lens = np.diff(np.asarray(cu_seqlens, dtype=np.int64))
     sample = np.asarray(sample_index, dtype=np.int64)
     m = 2 * cp
@@ -214,8 +227,11 @@ def cp_spans(cu_seqlens: np.ndarray, sample_index: np.ndarray, cp: int) -> CpSpa
     while k < len(lens):
         n = int(lens[k])
         if sample[k] == PAD_SAMPLE:
-            if n % cp:
-                raise RolltoolError(f"row-end padding of {n} tokens does not split over --cp {cp}")
+            if n % m:
+                raise RolltoolError(
+                    f"row-end padding of {n} tokens is not a multiple of 2 x cp = {m} "
+                    f"(--cp {cp}: not valid THD; packed for another --cp, or by an older rolltool?)"
+                )
             spans.append((pos, n, 0, PAD_SAMPLE))
             k, pos = k + 1, pos + n
             continue

@@ -185,14 +185,18 @@ def layout_problem(
     O(rows + segments): the cheap part of `rolltool verify`'s ``row.length`` and ``row.split``).
 
     Expects arrays that passed `value_problem`. ``row_len``: every (group) row's length when
-    the pack pads rows to one (``--row-len`` x sp or cp). With ``--sp``/``--cp`` every row is a
-    multiple of the group's size (`_rows_split`); with ``--cp`` every sample is followed by its
-    CP padding (`_cp_padding`). A manifest whose ``sp``/``cp``/``row_len`` was edited, or rows
-    whose segment lengths changed, fail here instead of being split into wrong GPU views.
+    the pack pads rows to one (``--row-len`` x sp or cp). With ``--sp`` every row is a multiple
+    of sp, with ``--cp`` of 2 x cp (`_rows_split`, `GroupSplit.row_multiple`), and every sample
+    is followed by its CP padding and every other padding segment is a multiple of 2 x cp
+    (`_cp_padding`): each ``cu_seqlens_padded`` boundary of a CP view a multiple of 2 x cp, valid
+    THD. A manifest whose ``sp``/``cp``/``row_len`` was edited, rows whose segment lengths
+    changed, or a ``--cp`` pack made before row-end padding was a multiple of 2 x cp (an empty
+    micro-batch's row of cp tokens, an odd ``--row-len``) fail here instead of being split into
+    wrong GPU views.
     """
     if row_len is None and split.size == 1:
         return None
-    if split.cp > 1 and row_len is None:  # its padding rule makes every row a multiple of cp
+    if split.cp > 1 and row_len is None:  # its padding rule makes every row a multiple of 2cp
         return _cp_padding(arrays, split.cp)
     rows = np.diff(arrays["row_offsets"])
     return (
@@ -212,7 +216,8 @@ def _rows_of_length(rows: np.ndarray, row_len: int | None) -> str | None:
 
 
 def _rows_split(rows: np.ndarray, split: GroupSplit) -> str | None:
-    """Every row splits evenly over the group's GPUs (`GroupSplit.row_multiple`)."""
+    """Every row splits evenly over the group's GPUs: a multiple of sp, or of 2 x cp with cp
+    (`GroupSplit.row_multiple`: valid THD)."""
     k = split.row_multiple
     if k == 1:
         return None
@@ -220,15 +225,22 @@ def _rows_split(rows: np.ndarray, split: GroupSplit) -> str | None:
     if not len(off):
         return None
     r = int(off[0])
+    if split.cp > 1:
+        return (
+            f"row {r} of {rows[r]} tokens is not a multiple of 2 x cp = {k} (the manifest's "
+            f"--cp {split.cp}: not valid THD; packed with an odd --row-len before rolltool "
+            "refused one? pack it again)"
+        )
     return f"row {r} of {rows[r]} tokens does not split over the manifest's --{split.kind} {k}"
 
 
 def _cp_padding(arrays: dict[str, np.ndarray], cp: int) -> str | None:
     """With ``--cp``: every sample is followed, in its row, by exactly the padding segment that
     brings it to a multiple of 2 x cp (none where it is one), and every other padding segment
-    (row-end padding) is a multiple of cp: the layout `rolltool.format.split.cp_spans` reads
-    (and `rolltool verify`'s ``row.split`` judges). A few NumPy calls over the segments; the
-    first wrong segment is looked for only when there is one."""
+    (row-end padding, an empty micro-batch's row) is a multiple of 2 x cp too: the layout
+    `rolltool.format.split.cp_spans` reads (and `rolltool verify`'s ``row.split`` judges), every
+    ``cu_seqlens_padded`` boundary a multiple of 2 x cp (THD). A few NumPy calls over the
+    segments; the first wrong segment is looked for only when there is one."""
     lens = arrays["seq_lens"]
     if cp == 1 or not len(lens):
         return None
@@ -238,7 +250,7 @@ def _cp_padding(arrays: dict[str, np.ndarray], cp: int) -> str | None:
     after = np.where(pad, lens, -1)  # as the segment after another: its padding, if any
     after[arrays["row_segments"][:-1]] = -1  # a row's first segment follows nothing
     follows = want[:-1] == after[1:]  # followed by exactly its padding (never where want is 0)
-    uneven = pad & (lens % cp != 0)  # padding that may only be a sample's own
+    uneven = pad & (lens % m != 0)  # padding that may only be a sample's own
     own = np.zeros(len(lens), dtype=bool)  # padding that is a sample's own
     own[1:] = follows
     if np.count_nonzero(want) == np.count_nonzero(follows) and not np.any(uneven > own):
@@ -247,7 +259,11 @@ def _cp_padding(arrays: dict[str, np.ndarray], cp: int) -> str | None:
     k = int(bad[0])
     row = int(np.searchsorted(arrays["row_segments"], k, side="right")) - 1
     if pad[k]:
-        return f"row {row}: {lens[k]} padding tokens do not split over the manifest's --cp {cp}"
+        return (
+            f"row {row}: {lens[k]} padding tokens are not a multiple of 2 x cp = {m} (the "
+            f"manifest's --cp {cp}: not valid THD; packed before rolltool padded --cp rows to "
+            "2 x cp? pack it again)"
+        )
     return (
         f"row {row}: sample {arrays['sample_index'][k]} ({lens[k]} tokens) is not followed by "
         f"the {want[k]} padding tokens that bring it to a multiple of 2 x cp = {m} (the "

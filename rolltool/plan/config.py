@@ -85,7 +85,8 @@ class PackConfig:
     """Fixed number of samples per micro-batch instead of a token budget."""
     row_len: int | None = None
     """Pad every row to this many tokens per GPU (static shapes; the group's row holds this x
-    sp, or x cp); must be >= micro_batch_tokens."""
+    sp, or x cp); must be >= micro_batch_tokens, and even with cp (a CP row is a multiple of
+    2 x cp tokens: `_check_thd_rows`)."""
     pad_id: int = 0
     """Token id written into padding: 0 <= pad_id <= 2**31 - 1 (packed as int32)."""
     balance: str = "flops"
@@ -163,6 +164,7 @@ class PackConfig:
         for name, value in (("--dp", self.dp), ("--sp", self.sp), ("--cp", self.cp)):
             if value < 1:
                 raise RolltoolError(f"{name} must be at least 1, got {value}")
+        self._check_thd_rows()
         budget = self.micro_batch_tokens
         if self.row_len is not None and budget is not None and self.row_len < budget:
             raise RolltoolError(
@@ -173,6 +175,30 @@ class PackConfig:
             raise RolltoolError(
                 f"--pad-id must be between 0 and {MAX_TOKEN_ID:,} (2**31 - 1: token ids are int32), "
                 f"got {self.pad_id}"
+            )
+
+    def _check_thd_rows(self) -> None:
+        """With ``--cp C`` every row must be valid THD: a multiple of 2C tokens (each
+        ``cu_seqlens_padded`` boundary, row-end padding included; `GroupSplit.row_multiple`),
+        what TransformerEngine's partitioner and ring-flash-attn's zigzag ring attention need.
+        A ``--row-len R`` row holds R x C tokens, so R must be even; an empty micro-batch's row
+        is 2C padding tokens, so the group's budget (``micro_batch_tokens`` x C) must hold 2C."""
+        if self.cp == 1:
+            return
+        m = 2 * self.cp
+        if self.row_len is not None and self.row_len % 2:
+            raise RolltoolError(
+                f"--row-len {self.row_len} with --cp {self.cp}: every CP row must be a multiple "
+                f"of 2 x cp = {m} tokens (TransformerEngine's and ring-flash-attn's THD layout), "
+                f"and a row holds --row-len x cp = {self.row_len * self.cp:,}",
+                hint=f"use an even --row-len, e.g. {self.row_len + 1}",
+            )
+        budget = self.micro_batch_tokens
+        if budget is not None and budget * self.cp < m:
+            raise RolltoolError(
+                f"--micro-batch-tokens {budget} with --cp {self.cp}: a CP row holds at least "
+                f"2 x cp = {m} tokens (THD), more than the group's {budget * self.cp}-token budget",
+                hint="give --micro-batch-tokens 2 or more",
             )
 
     def _check_choices(self) -> None:

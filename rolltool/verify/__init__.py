@@ -26,7 +26,8 @@ step_plans          step.plan (dp, samples, samples per rank, tokens, empty micr
 rank_counts         rank.counts (samples, real tokens, tokens)
 shards_readable     shard.corrupt
 row_structure       row.budget, row.size, row.length, row.mask
-group_split         row.split (--sp/--cp: rows split evenly, samples padded for the CP split)
+group_split         row.split (--sp/--cp: rows split evenly, samples padded for the CP split,
+                    every --cp row and padding segment a multiple of 2 x cp: valid THD)
 padding             row.padding
 placement           segment.index, sample.placement, sample.repeated, sample.missing
 sample_fields       sample.length, sample.trainable, sample.advantage, sample.weight

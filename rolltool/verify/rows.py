@@ -170,13 +170,25 @@ def row_ids(seg: Segments) -> np.ndarray:
 
 def group_split(ctx: Context) -> Iterator[Problem]:
     """With --sp or --cp, every row splits evenly over the group's GPUs: its length is a
-    multiple of sp (or cp); with cp every sample is followed by exactly the padding that brings
-    it to a multiple of 2 x cp, and every other padding segment is a multiple of cp."""
+    multiple of sp, or of 2 x cp with cp (`GroupSplit.row_multiple`); with cp every sample is
+    followed by exactly the padding that brings it to a multiple of 2 x cp, and every other
+    padding segment (row-end padding, an empty micro-batch's row) is a multiple of 2 x cp too:
+    every ``cu_seqlens_padded`` boundary of a CP view is a multiple of 2 x cp, valid THD for
+    TransformerEngine and ring-flash-attn (a pack made before this rule is refused: pack it
+    again)."""
     split, seg = ctx.split, ctx.segments
     if split.size == 1:
         return
-    for r in np.flatnonzero(seg.row_tokens % split.size):
-        text = f"row of {seg.row_tokens[r]} tokens does not split over --{split.kind} {split.size}"
+    multiple = split.row_multiple
+    uneven_row = seg.row_tokens % multiple != 0
+    for r in np.flatnonzero(uneven_row):
+        text = (
+            f"row of {seg.row_tokens[r]} tokens is not a multiple of 2 x cp = {multiple} (--cp "
+            f"{split.cp}: not valid THD; packed before rolltool padded --cp rows to 2 x cp? "
+            "pack again)"
+            if split.cp > 1
+            else f"row of {seg.row_tokens[r]} tokens does not split over --{split.kind} {multiple}"
+        )
         yield Problem("row.split", seg.row_where(r), text)
     if split.cp == 1:
         return
@@ -198,6 +210,12 @@ def group_split(ctx: Context) -> Iterator[Problem]:
         yield Problem("row.split", seg.where(k), text)
     own = np.zeros(len(row), dtype=bool)  # a sample's CP padding
     own[1:] = (want[:-1] > 0) & follows[:-1]
-    for k in np.flatnonzero((seg.sample == PAD_SAMPLE) & ~own & (seg.length % split.cp != 0)):
-        text = f"{seg.length[k]} padding tokens do not split over --cp {split.cp}"
+    m = split.sample_multiple
+    bad_pad = (seg.sample == PAD_SAMPLE) & ~own & (seg.length % m != 0)
+    bad_pad &= ~uneven_row[row]  # a row already reported: one problem, not two
+    for k in np.flatnonzero(bad_pad):
+        text = (
+            f"{seg.length[k]} padding tokens are not a multiple of 2 x cp = {m} (--cp "
+            f"{split.cp}: not valid THD)"
+        )
         yield Problem("row.split", seg.where(k), text)
