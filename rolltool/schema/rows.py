@@ -152,8 +152,8 @@ def _trainable(mask: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     full = np.flatnonzero(offsets[1:] > offsets[:-1])
     if len(full):
         head = pc.take(values, pa.array(offsets[:-1][full]))
-        first[full] = pc.equal(pc.cast(head, pa.int64()), 1).fill_null(False).to_numpy(
-            zero_copy_only=False
+        first[full] = (
+            pc.equal(pc.cast(head, pa.int64()), 1).fill_null(False).to_numpy(zero_copy_only=False)
         )
     return ones - first, first
 
