@@ -19,7 +19,6 @@ from rich.console import Console
 
 from rolltool.cli.progress import progress as progress_on
 from rolltool.errors import RolltoolError
-from rolltool.util.jsonable import jsonable
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -139,6 +138,8 @@ def handle_errors(fn: F) -> F:
 
 def print_json(doc: Any) -> None:
     """Print exactly one JSON document on stdout (NaN/inf become null)."""
+    from rolltool.util.jsonable import jsonable  # imports numpy: not on a command's --help
+
     sys.stdout.write(json.dumps(jsonable(doc), indent=2, sort_keys=False) + "\n")
     sys.stdout.flush()
 
