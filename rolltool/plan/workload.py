@@ -12,8 +12,13 @@ kind           coefficients                         meaning
 ``verl``       a = 24576, b = 1                     the peer's proxy (12h² L + 2h L² over 2h, h=4096)
 ``tokens``     a = 1                                tokens
 ``count``      c = 1                                samples
-``calibrated`` a, b (and c) from a JSON file        measured seconds, written by ``rolltool bench``
+``calibrated`` a, b (c, m) from a JSON file         measured seconds, written by ``rolltool bench``
 =============  ===================================  =================================================
+
+A calibrated workload may also carry ``m``, seconds per micro-batch whatever it holds (a kernel's
+launch and fixed work): a micro-batch costs ``m + Σ cost(L)`` (`Workload.micro_batch_cost`).
+Every rank runs as many micro-batches in a step, so ``m`` leaves the balance alone; the sample
+cost ``cost(L)`` is what the partition balances. `rolltool.plan.cost_fit` fits m, c, a and b.
 
 N counts the parameters that take part in a matmul per token: the transformer blocks plus the
 output projection (the embedding lookup is not a matmul). The attention term is the causal half
@@ -28,7 +33,9 @@ Example, the ``dense-7b`` preset at L = 4,096 tokens::
     183.9
 
 Calibration file (JSON object; extra keys such as ``"device"`` or ``"r2"`` are kept as notes):
-``{"a": <seconds per token>, "b": <seconds per token²>, "c": <seconds per sample, optional>}``.
+``{"a": <seconds per token>, "b": <seconds per token²>, "c": <seconds per sample, optional>,
+"m": <seconds per micro-batch, optional>}``; a missing ``c`` or ``m`` is 0 (files written before
+bench fitted them give the cost they gave then).
 """
 
 from __future__ import annotations
@@ -184,6 +191,9 @@ class Workload:
     """Cost per token² (the attention term)."""
     c: float = 0.0
     """Cost per sample, whatever its length (1 for ``count``)."""
+    m: float = 0.0
+    """Cost per micro-batch, whatever it holds (calibrated only; 0 elsewhere). Recorded in the
+    manifest as the note ``"m"`` when not 0, so records without it keep their bytes."""
     source: str | None = None
     """Preset name, model config path or calibration file path, for the manifest."""
     model: ModelShape | None = None
@@ -197,7 +207,7 @@ class Workload:
                 f"unknown workload {self.kind!r}",
                 hint=f"choose one of {', '.join(sorted(WORKLOADS))}",
             )
-        for name in ("a", "b", "c"):
+        for name in ("a", "b", "c", "m"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
                 raise RolltoolError(
@@ -210,6 +220,10 @@ class Workload:
         """Cost of each sample: ``[n]`` lengths (any integer or float dtype) -> ``[n]`` float64."""
         length = np.asarray(lengths, dtype=np.float64)
         return self.c + length * (self.a + self.b * length)
+
+    def micro_batch_cost(self, lengths: np.ndarray) -> float:
+        """Cost of one micro-batch holding samples of ``lengths``: ``m + Σ cost(L)``."""
+        return self.m + float(self.cost(lengths).sum())
 
     def unreliable(self) -> str | None:
         """For a calibration that ``rolltool bench`` flagged (``"reliable": false``, or its
@@ -229,18 +243,24 @@ class Workload:
         """One line for people, e.g. ``flops(dense-7b): 4.56e+10·L + 6.02e+05·L²``."""
         terms = [f"{v:.3g}{s}" for v, s in ((self.c, ""), (self.a, "·L"), (self.b, "·L²")) if v]
         src = f"({self.source})" if self.source else ""
-        return f"{self.kind}{src}: {' + '.join(terms)}"
+        per_mb = f", + {self.m:.3g} per micro-batch" if self.m else ""
+        return f"{self.kind}{src}: {' + '.join(terms)}{per_mb}"
 
     def record(self) -> RecordedWorkload:
         """The workload as the manifest records it; `from_record` reverses it."""
         model = None if self.model is None else RecordedModel(**asdict(self.model))
-        return RecordedWorkload(**{**asdict(self), "model": model})
+        fields = asdict(self)
+        m = fields.pop("m")
+        notes = {**self.notes, MICRO_BATCH_NOTE: m} if m else dict(self.notes)
+        return RecordedWorkload(**{**fields, "model": model, "notes": notes})
 
     @classmethod
     def from_record(cls, r: RecordedWorkload) -> Workload:
         """The workload a manifest recorded (coefficients taken as recorded)."""
         model = None if r.model is None else ModelShape(**asdict(r.model))
-        return cls(**{**asdict(r), "model": model, "notes": dict(r.notes)})
+        notes = dict(r.notes)
+        m = notes.pop(MICRO_BATCH_NOTE, 0.0) if _is_number(notes.get(MICRO_BATCH_NOTE)) else 0.0
+        return cls(**{**asdict(r), "model": model, "notes": notes, "m": float(m)})
 
     def to_dict(self) -> dict[str, Any]:
         """`record` as JSON; ``Workload.from_dict`` reverses it."""
@@ -251,6 +271,9 @@ class Workload:
         """The workload of a ``to_dict`` document (`rolltool.format.CodecError` if misshapen)."""
         return cls.from_record(from_json(RecordedWorkload, d, "workload"))
 
+
+MICRO_BATCH_NOTE = "m"
+"""The note a manifest's workload record keeps ``Workload.m`` under (only when it is not 0)."""
 
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
 """Config keys that mark a mixture-of-experts model, whose FLOPs the dense formula gets wrong."""
@@ -394,18 +417,18 @@ def _calibrated(model: str | None = None, calibration: str | Path | None = None)
             f"calibration file {p} must be a JSON object with keys 'a' and 'b'",
             hint='e.g. {"a": 1.2e-7, "b": 3.4e-12} (seconds per token and per token²)',
         )
-    coefficients = {key: raw.get(key, 0.0) for key in ("a", "b", "c")}
+    coefficients = {key: raw.get(key, 0.0) for key in ("a", "b", "c", "m")}
     for key, value in coefficients.items():
         if not (_is_number(value) and math.isfinite(value) and value >= 0):
             raise RolltoolError(
                 f"calibration file {p}: {key!r} must be a finite number >= 0, got {value!r}",
                 hint="write the file again with `rolltool bench`",
             )
-    a, b, c = (float(coefficients[key]) for key in ("a", "b", "c"))
+    a, b, c, m = (float(coefficients[key]) for key in ("a", "b", "c", "m"))
     if a == 0 and b == 0 and c == 0:
         raise RolltoolError(f"calibration file {p}: 'a', 'b' and 'c' are all zero")
-    notes = {key: v for key, v in raw.items() if key not in ("a", "b", "c")}
-    return Workload(kind="calibrated", a=a, b=b, c=c, source=str(p), model=None, notes=notes)
+    notes = {key: v for key, v in raw.items() if key not in ("a", "b", "c", "m")}
+    return Workload(kind="calibrated", a=a, b=b, c=c, m=m, source=str(p), model=None, notes=notes)
 
 
 WORKLOADS: dict[str, Callable[..., Workload]] = {
