@@ -23,7 +23,8 @@ Data flow, one module per stage::
     split_check.py  --check of --cp/--sp packs: each GPU, fed from its view, equals the samples
                     alone (CP: keys gathered from the group; SP: the row regathered, heads split)
     report.py       pure arithmetic: dp / lockstep / ideal step times, group balance, TFLOP/s,
-                    a·L + b·L² fit
+                    the m + Σ (c + a·L + b·L²) fit (``rolltool.plan.cost_fit``)
+    profile.py      --from-profile: the same calibration fitted to a per-document latency CSV
     compare.py      several directories side by side, the best marked
     run.py          the job wiring them (``run_bench(paths, config)``); torch imported here, on call
     render.py       the report as rich tables and lines (the CLI prints them)

@@ -38,7 +38,7 @@ def header(doc: dict[str, Any]) -> list[str]:
 
 def render(doc: dict[str, Any], *, rows: bool = False, width: int | None = None) -> RenderableType:
     """Every directory's step table (and row table with ``rows``) and summary, the comparison
-    of several directories, and the fit of a·L + b·L²; tables fitted to ``width`` columns."""
+    of several directories, and the fit of m + Σ (c + a·L + b·L²); tables fitted to ``width`` columns."""
     runs = doc.get("runs", [doc])
     parts: list[RenderableType] = []
     for run in runs:
@@ -50,11 +50,51 @@ def render(doc: dict[str, Any], *, rows: bool = False, width: int | None = None)
         parts.append(summary(run, doc["config"]["what"]))
     if "comparison" in doc:
         parts.append(comparison_table(doc["comparison"], width))
-    f = doc["fit"]
     pooled = " (all directories)" if len(runs) > 1 else ""
-    parts.append(f"fit{pooled}: t ≈ {f['a']:.3e}·L + {f['b']:.3e}·L² s per segment, "
-                 f"R² {num(f['r2'], '.4f')} over {f['rows']} rows")  # fmt: skip
+    parts.append(f"fit{pooled}: {fit_line(doc['fit'])}")
     return Group(*parts)
+
+
+def fit_line(f: dict[str, Any]) -> str:
+    """The fitted cost in one line: ``t ≈ m + Σ (c + a·L + b·L²)`` with its terms in seconds.
+
+    >>> fit_line({"a": 2e-8, "b": 1.5e-10, "c": 1e-5, "m": 0.0, "r2": 0.999, "rows": 12})
+    't ≈ Σ (1.000e-05 + 2.000e-08·L + 1.500e-10·L²) s per segment, R² 0.9990 over 12 rows'
+    """
+    seg = " + ".join([*([f"{f['c']:.3e}"] if f.get("c") else []),
+                      f"{f['a']:.3e}·L", f"{f['b']:.3e}·L²"])  # fmt: skip
+    row = f"{f['m']:.3e} s per row + " if f.get("m") else ""
+    return f"t ≈ {row}Σ ({seg}) s per segment, R² {num(f['r2'], '.4f')} over {f['rows']} rows"
+
+
+PROFILE_COLS = [
+    Col("L"),
+    Col("measured ms", "meas-\nured ms"),
+    Col("fitted ms", "fitted\nms"),
+    Col("error"),
+    Col("pure L² error", "pure L²\nerror", keep=1),
+]
+
+
+def profile_table(doc: dict[str, Any], width: int | None = None) -> Table:
+    """``--from-profile``: per profiled length the measured and fitted latency and the error,
+    beside pure L² through the longest length (attention FLOPs at its throughput)."""
+    rows: list[Sequence[str] | None] = [
+        [count(r["length"]), f"{r['measured'] * 1e3:.4g}", f"{r['fitted'] * 1e3:.4g}",
+         f"{r['error']:+.1%}", f"{r['l2_error']:+.1%}"]
+        for r in doc["lengths"]
+    ]  # fmt: skip
+    title = f"profile {PurePath(doc['profile']).name} (per document)"
+    return fit_table(title, PROFILE_COLS, rows, width)
+
+
+def profile_render(doc: dict[str, Any], width: int | None = None) -> Group:
+    """The profile table and the fitted model (``c`` per document) in one line."""
+    f = doc["fit"]
+    line = (f"fit: t ≈ {f['c']:.3e} + {f['a']:.3e}·L + {f['b']:.3e}·L² s per document, "
+            f"off by {f['rel_rmse']:.1%} rms, {f['max_rel_error']:.1%} at worst, over "
+            f"{f['rows']} lengths")  # fmt: skip
+    return Group(profile_table(doc, width), line)
 
 
 def warnings(doc: dict[str, Any]) -> list[str]:

@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from rolltool.plan.cost_fit import fit_micro_batches
 from rolltool.plan.partition import metrics
 from rolltool.plan.workload import flops_coefficients
 
@@ -227,29 +228,33 @@ def fit_quadratic(tokens: np.ndarray, sum_sq: np.ndarray, seconds: np.ndarray) -
     """Fit seconds ≈ a·tokens + b·Σ L² over rows, a, b >= 0 (least squares), with R².
 
     A row's time is the sum over its segments of a·L + b·L², so the per-segment model fits on
-    rows without timing segments apart. Non-negativity keeps the result a valid cost model: if
-    the free fit makes a coefficient negative, the better one-term fit is taken (this is exact
-    non-negative least squares for two terms).
+    rows without timing segments apart. Non-negativity keeps the result a valid cost model
+    (`rolltool.plan.cost_fit.nnls`: if the free fit makes a coefficient negative, the better
+    one-term fit is taken). `fit_cost` adds the per-segment and per-row constants.
     """
-    x = np.stack([np.asarray(tokens, np.float64), np.asarray(sum_sq, np.float64)], axis=1)
     y = np.asarray(seconds, np.float64)
-    # Scale columns so the solve is well conditioned (Σ L² is ~1e4x larger than tokens).
-    scale = np.where(np.abs(x).max(0) > 0, np.abs(x).max(0), 1.0)
-    xs = x / scale
-    coef, *_ = np.linalg.lstsq(xs, y, rcond=None)
-    if np.any(coef < 0):
-        best: tuple[float, np.ndarray] | None = None
-        for col in (0, 1):
-            c = np.zeros(2)
-            denom = float(xs[:, col] @ xs[:, col])
-            c[col] = max(float(xs[:, col] @ y) / denom, 0.0) if denom > 0 else 0.0
-            res = float(np.sum((y - xs @ c) ** 2))
-            if best is None or res < best[0]:
-                best = (res, c)
-        assert best is not None
-        coef = best[1]
-    a, b = (coef / scale).tolist()
-    return {"a": a, "b": b, "r2": r_squared(y, x @ np.array([a, b])), "rows": len(y)}
+    fit = fit_micro_batches(np.zeros(len(y)), tokens, sum_sq, y, terms=("a", "b"))
+    return {"a": fit.a, "b": fit.b, "r2": fit.r2, "rows": fit.rows}
+
+
+def fit_cost(
+    segments: np.ndarray, tokens: np.ndarray, sum_sq: np.ndarray, seconds: np.ndarray
+) -> dict[str, Any]:
+    """Fit a row's seconds ≈ m + c·segments + a·tokens + b·Σ L², every term >= 0, with R²: the
+    calibration ``bench --calibrate`` writes (`rolltool.plan.cost_fit.fit_micro_batches`).
+
+    ``m`` is per row (micro-batch: a kernel's launch and fixed work), ``c`` per segment (what
+    a varlen kernel spends on a document whatever its length). Rows packed to the same token
+    count cannot tell ``m`` from ``a``: bench several directories (``--balance tokens`` and
+    ``count`` packs vary the rows) for a well-determined split. A fit that puts all the time
+    in ``m`` (timing noise) prices no sample, so pack could not balance on it: then ``m`` is
+    left out (the fit is poor either way, and says so in R²).
+    """
+    fit = fit_micro_batches(segments, tokens, sum_sq, seconds)
+    if fit.a == fit.b == fit.c == 0:
+        fit = fit_micro_batches(segments, tokens, sum_sq, seconds, terms=("c", "a", "b"))
+    return {**fit.coefficients(), "r2": fit.r2, "rows": fit.rows,
+            "rel_rmse": fit.rel_rmse, "max_rel_error": fit.max_rel_error}  # fmt: skip
 
 
 def proportional_fit(predicted: np.ndarray, seconds: np.ndarray) -> dict[str, Any]:
@@ -275,8 +280,11 @@ def proportional_fit(predicted: np.ndarray, seconds: np.ndarray) -> dict[str, An
 
 
 def calibration(fit: Mapping[str, Any], notes: Mapping[str, Any]) -> dict[str, Any]:
-    """The file ``pack --balance calibrated`` reads: ``{"a": s/token, "b": s/token², ...notes}``."""
-    return {"a": fit["a"], "b": fit["b"], "r2": fit["r2"], "rows": fit["rows"], **notes}
+    """The file ``pack --balance calibrated`` reads: ``{"a": s/token, "b": s/token²,
+    "c": s/segment, "m": s/micro-batch, "r2", "rows", ...notes}`` (``c`` and ``m`` 0 when the
+    fit has none)."""
+    terms = {"a": fit["a"], "b": fit["b"], "c": fit.get("c", 0.0), "m": fit.get("m", 0.0)}
+    return {**terms, "r2": fit["r2"], "rows": fit["rows"], **notes}
 
 
 def repeat_spread(

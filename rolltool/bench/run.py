@@ -84,13 +84,15 @@ def report_one(
     setup: BenchSetup,
     dev_name: str,
 ) -> tuple[dict[str, Any], np.ndarray]:
-    """One directory's report from its rows' ``[repeats, n]`` times; also [n, 3] fit inputs.
+    """One directory's report from its rows' ``[repeats, n]`` times; also [n, 4] fit inputs
+    (segments, tokens, Σ L², seconds).
     A row is one GPU's work: the whole row, or with ``--cp``/``--sp`` one GPU's share (its
     tokens and Σ L² are the share's, `Row.work_tokens` / `Row.work_sum_sq`)."""
     rows = packed.rows
     seconds = np.median(times, axis=0)
     tokens = np.array([r.work_tokens for r in rows], dtype=np.float64)
     sum_sq = np.array([r.work_sum_sq for r in rows])
+    segments = np.array([len(r.lengths) for r in rows], dtype=np.float64)
     predicted = np.array([r.predicted for r in rows])
     flops = np.array([work_flops(r, setup) for r in rows])
     groups = [r for r in rows if r.gpu == 0]  # each group row once
@@ -108,7 +110,7 @@ def report_one(
             float(flops.sum()), float(seconds.sum()), dev_name, setup.dtype
         ),
         "noise": timing["noise"],
-        "fit": rp.fit_quadratic(tokens, sum_sq, seconds),
+        "fit": rp.fit_cost(segments, tokens, sum_sq, seconds),
         "workload_fit": rp.proportional_fit(predicted, seconds),
         "flops_fit": rp.proportional_fit(flops, seconds),
         "tokens_fit": rp.proportional_fit(tokens, seconds),
@@ -119,7 +121,7 @@ def report_one(
         report["check"] = check_split_rows(torch, backend, packed, setup)
     elif setup.check_rows:
         report["check"] = check_rows(torch, backend, rows, setup)
-    return report, np.stack([tokens, sum_sq, seconds], axis=1)
+    return report, np.stack([segments, tokens, sum_sq, seconds], axis=1)
 
 
 def _timing(
@@ -298,7 +300,7 @@ def time_and_report(
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Time every directory's rows together, shuffled across directories in every pass (a drift
     of the machine, clocks or other jobs, hits every directory alike); one report per directory
-    and the a·L + b·L² fit over all their rows."""
+    and the m + Σ (c + a·L + b·L²) fit over all their rows."""
     all_rows = [row for p in packed for row in p.rows]
     label = packed[0].path.name if len(packed) == 1 else f"{len(packed)} directories"
     times = time_rows(torch, be, all_rows, setup, progress=progress, label=label)
@@ -311,13 +313,13 @@ def time_and_report(
         runs.append(rep)
         fit_rows.append(xs)
     pooled = np.concatenate(fit_rows)
-    return runs, rp.fit_quadratic(pooled[:, 0], pooled[:, 1], pooled[:, 2])
+    return runs, rp.fit_cost(pooled[:, 0], pooled[:, 1], pooled[:, 2], pooled[:, 3])
 
 
 MIN_FIT_R2 = 0.9
-"""Below this R², the fit of a·L + b·L² explains too little of the row times to trust."""
+"""Below this R², the fit of m + Σ (c + a·L + b·L²) explains too little of the row times."""
 MIN_FIT_ROWS = 8
-"""Fewer rows than this leave the two coefficients barely determined."""
+"""Fewer rows than this leave the coefficients barely determined."""
 
 
 def fit_warning(fit: dict[str, Any]) -> str | None:
@@ -332,8 +334,8 @@ def fit_warning(fit: dict[str, Any]) -> str | None:
     if not problems:
         return None
     return (
-        f"the fit of a·L + b·L² is unreliable ({'; '.join(problems)}): timing noise or too few "
-        "rows; bench more rows (several directories, all steps) or more --repeats, on a quiet "
+        f"the fit of m + Σ (c + a·L + b·L²) is unreliable ({'; '.join(problems)}): timing noise "
+        "or too few rows; bench more rows (several directories, all steps) or more --repeats, on a quiet "
         "device, before packing with it"
     )
 
@@ -376,7 +378,7 @@ def _notes(
         measures = f"causal attention only ({s.layers} call(s)), {passes}"
         shape = {k: v for k, v in s.to_dict().items() if k not in ("hidden", "intermediate")}
     return {
-        "units": "seconds (a per token, b per token squared)",
+        "units": "seconds (a per token, b per token squared, c per segment, m per row)",
         "what": setup.what,
         "measures": measures,
         "device": dev_name,

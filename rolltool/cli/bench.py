@@ -27,7 +27,7 @@ D = BenchConfig()
 
 
 @click.command(cls=SectionedCommand, short_help="Replay packed rows through transformer layers; measure balance.")  # fmt: skip
-@click.argument("packed", nargs=-1, required=True, type=click.Path())
+@click.argument("packed", nargs=-1, type=click.Path())
 @section(
     "Work",
     opt("--what", WHATS, D.what, "Per row: a whole decoder layer (projections, attention, MLP) or attention only."),
@@ -55,7 +55,8 @@ D = BenchConfig()
     "Check and calibration",
     opt("--check", bool, False, "Compare each segment with its sequence run alone (--cp/--sp packs: each GPU's share, fed from its view); exit 1 if off."),
     opt("--check-rows", POSITIVE, DEFAULT_CHECK_ROWS, "Rows --check samples per directory."),
-    opt("--calibrate", click.Path(dir_okay=False), None, "Write the fitted a, b for pack --balance calibrated.", metavar="OUT.json"),
+    opt("--calibrate", click.Path(dir_okay=False), None, "Write the fitted a, b, c, m for pack --balance calibrated.", metavar="OUT.json"),
+    opt("--from-profile", click.Path(dir_okay=False), None, "Fit c + a·L + b·L² to a per-document latency profile (seq_len, latency(ms)) instead of timing PACKED; no torch.", metavar="CSV"),
     force_option("an existing --calibrate file"),
 )  # fmt: skip
 @section(
@@ -66,7 +67,8 @@ D = BenchConfig()
 )  # fmt: skip
 @handle_errors
 def bench(packed: tuple[str, ...], check: bool, check_rows: int, calibrate: str | None, force: bool,
-          show_rows: bool, as_json: bool, json_out: str | None, **settings: object) -> None:  # fmt: skip
+          from_profile: str | None, show_rows: bool, as_json: bool, json_out: str | None,
+          **settings: object) -> None:  # fmt: skip
     """Replay PACKED directories through transformer layers and measure balance.
 
     Every (step, rank, micro-batch) row runs, timed, a whole decoder layer over its tokens
@@ -75,8 +77,9 @@ def bench(packed: tuple[str, ...], check: bool, check_rows: int, calibrate: str 
     only. The report gives per step the plain data-parallel time (max over ranks of their sums),
     the lockstep time (sum over micro-batches of the slowest rank: FSDP/ZeRO-3/TP) and the ideal,
     with efficiencies; TFLOP/s; how well the packed cost model explains row times; and a fit of
-    a·L + b·L² per segment (--calibrate writes it for pack --balance calibrated). Several
-    directories are compared side by side, the best marked.
+    m + Σ (c + a·L + b·L²) per row of segments L (--calibrate writes it for pack --balance
+    calibrated; --from-profile fits it to a per-document latency CSV instead, without torch or
+    PACKED). Several directories are compared side by side, the best marked.
 
     A directory packed with --cp C or --sp S is replayed per GPU of each group: a CP rank times
     its two zigzag chunks of every sample against the keys they see causally (gathered from
@@ -95,6 +98,11 @@ def bench(packed: tuple[str, ...], check: bool, check_rows: int, calibrate: str 
     from rolltool.bench import render
     from rolltool.bench.run import run_bench, write_json
 
+    if from_profile is not None:
+        _from_profile(packed, from_profile, calibrate, force, as_json, json_out)
+        return
+    if not packed:
+        raise click.UsageError("give PACKED directories to replay, or --from-profile CSV")
     config = BenchConfig(**settings, check_rows=check_rows if check else 0)  # type: ignore[arg-type]
     doc = run_bench(packed, config, calibrate=calibrate, force=force, progress=progress)
     if json_out is not None:
@@ -113,3 +121,26 @@ def bench(packed: tuple[str, ...], check: bool, check_rows: int, calibrate: str 
     failure = render.check_failure(doc)
     if failure is not None:
         raise failure
+
+
+def _from_profile(packed: tuple[str, ...], path: str, calibrate: str | None, force: bool,
+                  as_json: bool, json_out: str | None) -> None:  # fmt: skip
+    """``--from-profile``: the calibration fitted to a latency profile, no timing."""
+    from rolltool.bench import render
+    from rolltool.bench.profile import run_profile
+    from rolltool.bench.run import write_json
+
+    if packed:
+        raise click.UsageError("--from-profile fits a profile: give no PACKED directories")
+    doc = run_profile(path, calibrate=calibrate, force=force)
+    if json_out is not None:
+        write_json(json_out, doc, force=True)
+    if as_json:
+        print_json(doc)
+    else:
+        width = table_width()
+        out.print(render.profile_render(doc, width), width=width)
+    if doc["fit_warning"]:
+        warn(doc["fit_warning"])
+    if doc["calibration_file"]:
+        err.print(f"wrote {doc['calibration_file']} (pack --balance calibrated --calibration ...)")
