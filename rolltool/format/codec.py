@@ -4,7 +4,8 @@
 `from_json(Type, value, key)` builds the record back, checking every field's type, and raises
 `CodecError` naming the key (``steps[3].ranks[0].rows``) when a value has the wrong shape.
 Supported field types: records, int, float, str, bool, ``X | None``, ``tuple[X, ...]``,
-fixed tuples, ``Mapping[str, X]`` and `Any`.
+fixed tuples, ``Mapping[str, X]`` and `Any`. A field whose ``metadata`` is `OMIT_DEFAULT` is
+written only when it differs from its default (a key that only some outputs carry).
 
 **Speed** (issue 25: a manifest of ~3k records is read on every ``open_packed``). Each type's
 decoder is made once per process and kept (`_decoder`): a record's field types are resolved
@@ -31,10 +32,26 @@ Decoder = Callable[[Any], Any]
 """A JSON value -> the value as its type, or `_Wrong` naming what is wrong (not yet where)."""
 
 
+_OMIT_KEY = "rolltool_omit_default"
+OMIT_DEFAULT = {_OMIT_KEY: True}
+"""A record field's ``metadata`` that keeps it out of `to_json` while it holds its default:
+a key added for one kind of output only (``--hybrid-cp``'s settings) leaves every other
+output's JSON, and so its bytes, as older rolltools wrote it; `from_json` gives the default
+back for a missing key, as for any field with a default."""
+
+
 def to_json(value: Any) -> Any:
-    """Records to plain JSON values; numpy scalars to Python; keys in field order."""
+    """Records to plain JSON values; numpy scalars to Python; keys in field order (a field
+    marked `OMIT_DEFAULT` left out while it holds its default)."""
     names = _field_names(type(value))
     if names is not None:
+        omit = _OMITTED[type(value)]
+        if omit:
+            return {
+                name: to_json(getattr(value, name))
+                for name in names
+                if name not in omit or getattr(value, name) != omit[name]
+            }
         return {name: to_json(getattr(value, name)) for name in names}
     if isinstance(value, Mapping):
         return {str(k): to_json(v) for k, v in value.items()}
@@ -46,6 +63,8 @@ def to_json(value: Any) -> Any:
 
 
 _FIELD_NAMES: dict[type, tuple[str, ...] | None] = {}
+_OMITTED: dict[type, dict[str, Any]] = {}
+"""A record type's `OMIT_DEFAULT` fields and their defaults (set with `_FIELD_NAMES`)."""
 
 
 def _field_names(tp: type) -> tuple[str, ...] | None:
@@ -55,7 +74,11 @@ def _field_names(tp: type) -> tuple[str, ...] | None:
         return _FIELD_NAMES[tp]
     except KeyError:
         pass
-    names = tuple(f.name for f in dataclasses.fields(tp)) if dataclasses.is_dataclass(tp) else None
+    names = None
+    if dataclasses.is_dataclass(tp):
+        fields = dataclasses.fields(tp)
+        names = tuple(f.name for f in fields)
+        _OMITTED[tp] = {f.name: f.default for f in fields if f.metadata.get(_OMIT_KEY)}
     _FIELD_NAMES[tp] = names
     return names
 
