@@ -196,21 +196,22 @@ def main() -> None:
     n_shards = sum(len(x) for x in shard_paths(out))
     n_rows = sum(len(ds.rank_rows(r)) for r in range(ds.dp))
     print(f"{out}: {ds.num_steps} steps x {ds.dp} ranks, {n_rows} rows, {n_shards} shards")
-    variants: dict[str, tuple[Pass, Callable[[], float] | None]] = {
-        "raw floor": (raw_floor(out), None),
-        "numpy views": (numpy_views(out), None),
-        "verify=hash": (numpy_views(out, "hash"), None),
+    w = args.workers
+    makers: dict[str, Callable[[], tuple[Pass, Callable[[], float] | None]]] = {
+        "raw floor": lambda: (raw_floor(out), None),
+        "numpy views": lambda: (numpy_views(out), None),
+        "verify=hash": lambda: (numpy_views(out, "hash"), None),
+        "torch W=0": lambda: (torch_loader(out, 0), resume(out, 0)),
+        f"torch W={w}": lambda: (torch_loader(out, w), resume(out, w)),
     }
     try:
         import torch  # noqa: F401
     except ImportError:
         print("(torch is not installed: no torch rows)")
-    else:
-        variants["torch W=0"] = (torch_loader(out, 0), resume(out, 0))
-        w = args.workers
-        variants[f"torch W={w}"] = (torch_loader(out, w), resume(out, w))
+        makers = {k: v for k, v in makers.items() if not k.startswith("torch")}
     if args.only:
-        variants = {k: v for k, v in variants.items() if any(k.startswith(o) for o in args.only)}
+        makers = {k: v for k, v in makers.items() if any(k.startswith(o) for o in args.only)}
+    variants = {k: make() for k, make in makers.items()}
     results: dict[str, list[tuple[float, float, float | None]]] = {k: [] for k in variants}
     for _ in range(args.repeats):  # interleaved: every variant once per pass
         for name, (run, resumed) in variants.items():

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rolltool.format import PAD_SAMPLE, ROW_ARRAYS, SEGMENT_ARRAYS, TOKEN_ARRAYS
-from rolltool.format.targets import next_token_targets
+from rolltool.format.targets import next_token_targets_of
 
 
 @dataclass(frozen=True)
@@ -220,16 +220,42 @@ def _copy(
     logp[dst : dst + n] = tokens.logprobs[src : src + n]
 
 
-def segment_positions(lens: np.ndarray) -> np.ndarray:
-    """Position of every token inside its segment: [0..l0-1, 0..l1-1, ...] (int64).
+def segment_positions(lens: np.ndarray, dtype: type = np.int64) -> np.ndarray:
+    """Position of every token inside its segment: [0..l0-1, 0..l1-1, ...] (int64, or `dtype`).
 
     >>> segment_positions(np.array([3, 2]))
     array([0, 1, 2, 0, 1])
+
+    Rows of long segments (packed samples: hundreds to thousands of tokens each) are copies of
+    one shared ``arange`` (`_counting`), one slice per segment, about 3x faster than
+    ``arange - repeat(starts)``; many short segments use the latter (per-token work, no
+    per-segment Python).
     """
     lens = np.asarray(lens, dtype=np.int64)
+    if len(lens) and len(lens) * _SHORT_SEGMENT <= int(lens.sum()) and int(lens.min()) >= 0:
+        counting = _counting(int(lens.max()), dtype)
+        return np.concatenate([counting[:n] for n in lens.tolist()])
     starts = np.zeros(len(lens), dtype=np.int64)
     np.cumsum(lens[:-1], out=starts[1:])
-    return np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(starts, lens)
+    out: np.ndarray = np.arange(int(lens.sum()), dtype=dtype)
+    out -= np.repeat(starts.astype(dtype, copy=False), lens)
+    return out
+
+
+_SHORT_SEGMENT = 256
+"""Mean segment length (tokens) below which `segment_positions` subtracts repeated starts."""
+
+_COUNTINGS: dict[np.dtype, np.ndarray] = {}
+
+
+def _counting(n: int, dtype: type) -> np.ndarray:
+    """A read-only ``arange`` of at least `n` values of `dtype`, kept and grown per dtype."""
+    have = _COUNTINGS.get(np.dtype(dtype))
+    if have is None or len(have) < n:
+        have = np.arange(max(n, 2 * len(have) if have is not None else 4096), dtype=dtype)
+        have.flags.writeable = False
+        _COUNTINGS[np.dtype(dtype)] = have
+    return have
 
 
 def check_rows(rows: dict[str, np.ndarray]) -> str | None:
@@ -271,21 +297,27 @@ def unpack_row(rows: dict[str, np.ndarray], r: int) -> dict[str, np.ndarray]:
     of the stored arrays; ``position_ids``, ``advantages``, ``loss_weight`` are derived), the
     next-token `rolltool.format.targets.TARGET_FIELDS` (derived over the whole row, before any
     SP/CP split), ``cu_seqlens`` (int32, first 0, last = row length) and ``sample_index``
-    (int64, one per segment, -1 for padding).
+    (int64, one per segment, -1 for padding). Every derived array is fresh memory, made with
+    one NumPy pass each (`segment_positions`, ``repeat``, an in-place multiply).
     """
-    a, b = int(rows["row_offsets"][r]), int(rows["row_offsets"][r + 1])
-    s0, s1 = int(rows["row_segments"][r]), int(rows["row_segments"][r + 1])
+    ro, rs = rows["row_offsets"], rows["row_segments"]
+    a, b = int(ro[r]), int(ro[r + 1])
+    s0, s1 = int(rs[r]), int(rs[r + 1])
     lens = rows["seq_lens"][s0:s1].astype(np.int64)
     cu = np.zeros(s1 - s0 + 1, dtype=np.int32)
     np.cumsum(lens, out=cu[1:])
     loss_mask = rows["loss_mask"][a:b]
-    per_token = {
+    loss_weight = np.repeat(rows["seg_weight"][s0:s1], lens)
+    loss_weight *= loss_mask  # float32 x uint8, in place: seg_weight x loss_mask per token
+    row = {
         "input_ids": rows["input_ids"][a:b],
-        "position_ids": segment_positions(lens).astype(np.int32),
+        "position_ids": segment_positions(lens, np.int32),
         "loss_mask": loss_mask,
         "advantages": np.repeat(rows["seg_advantage"][s0:s1], lens),
         "logprobs": rows["logprobs"][a:b],
-        "loss_weight": np.repeat(rows["seg_weight"][s0:s1], lens) * loss_mask,
+        "loss_weight": loss_weight,
     }
-    segments = {"cu_seqlens": cu, "sample_index": rows["sample_index"][s0:s1]}
-    return per_token | next_token_targets(per_token | segments) | segments
+    sample_index = rows["sample_index"][s0:s1]
+    row.update(next_token_targets_of(row, cu, sample_index))
+    row["cu_seqlens"], row["sample_index"] = cu, sample_index
+    return row

@@ -83,13 +83,36 @@ def next_token_targets(row: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     >>> next_token_targets(row)["target_ids"].tolist()
     [6, 7, -100, -100, -100]
     """
-    none = no_target(row["cu_seqlens"], row["sample_index"])
+    return next_token_targets_of(row, row["cu_seqlens"], row["sample_index"])
+
+
+_FEW_PADS = 8
+"""Up to this many padding segments in a row, each is filled as one slice (a row-end padding,
+an empty micro-batch); more (``--cp``: one after every sample) go through `no_target`."""
+
+
+def next_token_targets_of(
+    row: Mapping[str, np.ndarray], cu_seqlens: np.ndarray, sample_index: np.ndarray
+) -> dict[str, np.ndarray]:
+    """`next_token_targets` of `row`'s `SHIFTED_FROM` arrays, given its segments apart (what
+    `rolltool.format.layout.unpack_row` has at hand): the same arrays, the segment ends
+    scattered and a few padding segments filled as slices instead of a gathered index."""
+    cu = np.asarray(cu_seqlens)
+    pad = np.flatnonzero(np.asarray(sample_index) == PAD_SAMPLE)
+    if len(pad) > _FEW_PADS:
+        ends, spans = no_target(cu, sample_index), []
+    else:
+        ends = cu[1:].astype(np.int64) - 1
+        spans = [(int(cu[p]), int(cu[p + 1])) for p in pad.tolist()]
     out = {}
     for key, source in SHIFTED_FROM.items():
         a = row[source]
         shifted = np.empty(len(a), dtype=TARGET_FIELDS[key])
         shifted[:-1] = a[1:]
-        shifted[none] = NO_TARGET[key]
+        fill = NO_TARGET[key]
+        shifted[ends] = fill
+        for x, y in spans:
+            shifted[x:y] = fill
         out[key] = shifted
     return out
 
