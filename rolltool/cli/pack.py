@@ -26,7 +26,13 @@ from rolltool.engine.base import ENGINES
 from rolltool.engine.config import EXCHANGE_CHOICES, ExecutionConfig
 from rolltool.plan.advantages import ESTIMATORS
 from rolltool.plan.batches import BATCH_UNITS, ORDERS, UNIFORM_POLICIES
-from rolltool.plan.config import DEFAULT_MICRO_BATCH_TOKENS, OVERLONG, PackConfig
+from rolltool.plan.config import (
+    DEFAULT_CP_LINK_BANDWIDTH,
+    DEFAULT_GPU_TFLOPS,
+    DEFAULT_MICRO_BATCH_TOKENS,
+    OVERLONG,
+    PackConfig,
+)
 from rolltool.plan.loss import LOSS_AGGS
 from rolltool.plan.partition import ALIGNS
 from rolltool.plan.workload import DEFAULT_PRESET, MODEL_PRESETS, WORKLOADS
@@ -58,6 +64,9 @@ BUDGET = (f"Hard token budget per micro-batch and GPU [default: --row-len when g
     opt("--dp", POSITIVE, None, "Data-parallel ranks (groups of GPUs with --sp/--cp).", required=True),
     opt("--sp", POSITIVE, D.sp, "Sequence-parallel (Ulysses) GPUs per rank: a micro-batch holds --micro-batch-tokens x sp, each GPU a contiguous 1/sp of the row."),
     opt("--cp", POSITIVE, D.cp, "Context-parallel GPUs per rank: samples up to --micro-batch-tokens x cp long, split zigzag into 2 x cp chunks."),
+    opt("--hybrid-cp", bool, D.hybrid_cp, "With --cp C (a power of two): per micro-batch the C GPUs form aligned sub-groups of 1, 2, 4 ... C; each sample is whole on one GPU or zigzag-split over one sub-group, the degree the plan finds cheapest (format version 3)."),
+    opt("--cp-link-bandwidth", click.FloatRange(min=0, min_open=True), None, f"GB/s of one ring link, what --hybrid-cp prices CP communication with [default: {DEFAULT_CP_LINK_BANDWIDTH:g}]."),
+    opt("--gpu-tflops", click.FloatRange(min=0, min_open=True), None, f"TFLOP/s one GPU sustains, what --hybrid-cp weighs exposed communication against [default: {DEFAULT_GPU_TFLOPS:g}]."),
     opt("--balance", tuple(sorted(WORKLOADS)), D.balance, "Cost model ranks and micro-batches are balanced on."),
     opt("--model", str, None, f"Model preset for --balance flops ({', '.join(MODEL_PRESETS)}) [default: {DEFAULT_PRESET}]."),
     opt("--model-config", click.Path(dir_okay=False), None, "A model config.json for --balance flops."),

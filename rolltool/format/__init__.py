@@ -14,6 +14,7 @@ A packed directory (`rolltool.packed.writer` writes it, `rolltool.packed.reader`
   `Manifest.from_json`;
 - `layout`: samples -> packed rows (cu_seqlens, positions, padding segments);
 - `split`: one row's view per GPU under sequence / context parallelism;
+- `hybrid`: ``--hybrid-cp`` rows: each row's CP GPUs cut into sub-groups, and each GPU's view;
 - `shards`: one (step, rank)'s rows as flat arrays and back.
 
 No I/O policy lives here: where files go and how they are committed is `rolltool.storage`'s.
@@ -25,6 +26,7 @@ from rolltool.format.records import (
     AdvantagesRecord,
     Denominators,
     FileRecord,
+    HybridRecord,
     InputRecord,
     LossRecord,
     Manifest,
@@ -48,6 +50,9 @@ from rolltool.format.records import (
 from rolltool.format.spec import (
     FORMAT,
     FORMAT_VERSION,
+    HYBRID_ROW_ARRAYS,
+    HYBRID_SEGMENT_ARRAYS,
+    HYBRID_VERSION,
     MANIFEST,
     MAX_TOKEN_ID,
     PAD_SAMPLE,
@@ -67,6 +72,9 @@ from rolltool.format.spec import (
 __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
+    "HYBRID_ROW_ARRAYS",
+    "HYBRID_SEGMENT_ARRAYS",
+    "HYBRID_VERSION",
     "MANIFEST",
     "MAX_TOKEN_ID",
     "PAD_SAMPLE",
@@ -84,6 +92,7 @@ __all__ = [
     "CodecError",
     "Denominators",
     "FileRecord",
+    "HybridRecord",
     "InputRecord",
     "LossRecord",
     "Manifest",

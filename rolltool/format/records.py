@@ -28,10 +28,11 @@ from typing import Any
 import numpy as np
 
 from rolltool.errors import RolltoolError
-from rolltool.format.codec import CodecError, from_json, kind, to_json
+from rolltool.format.codec import OMIT_DEFAULT, CodecError, from_json, kind, to_json
 from rolltool.format.spec import (
     FORMAT,
     FORMAT_VERSION,
+    HYBRID_VERSION,
     MANIFEST,
     READER_FIELDS,
     SUPPORTED_VERSIONS,
@@ -153,6 +154,15 @@ class RecordedConfig:
     """Sequence-parallel GPUs per group (``--sp``); 1 in packs written before it."""
     cp: int = 1
     """Context-parallel GPUs per group (``--cp``); 1 in packs written before it."""
+    hybrid_cp: bool = field(default=False, metadata=OMIT_DEFAULT)
+    """Each slot's cp GPUs cut into aligned sub-groups, a CP degree per sample
+    (``--hybrid-cp``, format version 3); written only when true."""
+    cp_link_bandwidth: float | None = field(default=None, metadata=OMIT_DEFAULT)
+    """GB/s of one ring link the hybrid plan priced CP communication with
+    (``--cp-link-bandwidth``); written only with ``hybrid_cp``."""
+    gpu_tflops: float | None = field(default=None, metadata=OMIT_DEFAULT)
+    """TFLOP/s (the workload's units per second, 1e12) of one GPU the hybrid plan weighed
+    exposed communication against (``--gpu-tflops``); written only with ``hybrid_cp``."""
     steps: RecordedSteps
     """How optimizer steps were assembled."""
     advantages: RecordedAdvantages
@@ -226,6 +236,25 @@ class RecordedWorkload:
 
 
 @dataclass(frozen=True, kw_only=True)
+class HybridRecord:
+    """A ``--hybrid-cp`` step's layout over every GPU of the world
+    (`rolltool.plan.hybrid_step`): the `PlanRecord` beside it judges each data-parallel
+    group as one (its slowest GPU per slot), this one each GPU."""
+
+    gpus: int
+    """dp x cp."""
+    lockstep_overhead: float
+    """Σ_j max_g cost(g, j) / (Σ cost / gpus) over all GPUs g of the world, CP padding and
+    exposed ring communication counted (1.0 when perfect)."""
+    imbalance: float
+    """max_g Σ_j cost(g, j) / mean_g (1.0 when even)."""
+    split_samples: Mapping[str, int]
+    """Samples per CP degree k (``"1"``: whole on one GPU)."""
+    split_tokens: Mapping[str, int]
+    """Their tokens per k (real tokens, CP padding not counted)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class PlanRecord:
     """The partition plan's settings and report (`rolltool.plan.partition.StepPlan.report`)."""
 
@@ -250,6 +279,10 @@ class PlanRecord:
     lockstep_overhead_tokens: float
     imbalance_cost: float
     lockstep_overhead_cost: float
+    hybrid: HybridRecord | None = field(default=None, metadata=OMIT_DEFAULT)
+    """``--hybrid-cp``: the layout per GPU (then ``tokens`` count each sample padded for its
+    own degree, and the ``*_cost`` figures take each group's slowest GPU per slot); written
+    only then."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -412,6 +445,13 @@ class Manifest:
         if "num_steps" in doc and doc["num_steps"] != m.num_steps:
             raise RolltoolError(
                 f"{where}: num_steps is {doc['num_steps']!r} but {m.num_steps} steps are listed"
+            )
+        if m.config.hybrid_cp != (m.format_version == HYBRID_VERSION):
+            raise RolltoolError(
+                f"{where}: format version {m.format_version} with config.hybrid_cp "
+                f"{str(m.config.hybrid_cp).lower()} (a --hybrid-cp pack is version "
+                f"{HYBRID_VERSION}, and only it)",
+                hint=_HINT,
             )
         for s, st in enumerate(m.steps):
             if st.step != s or len(st.ranks) != m.dp:

@@ -24,12 +24,22 @@ from typing import Any
 import numpy as np
 
 from rolltool.errors import RolltoolError
-from rolltool.format import ROW_ARRAYS, SEGMENT_ARRAYS, TOKEN_ARRAYS, FileRecord, shard_name
+from rolltool.format import (
+    HYBRID_ROW_ARRAYS,
+    HYBRID_SEGMENT_ARRAYS,
+    ROW_ARRAYS,
+    SEGMENT_ARRAYS,
+    TOKEN_ARRAYS,
+    FileRecord,
+    shard_name,
+)
 from rolltool.format.layout import PackedRows
 
 _TOKEN_BYTES = sum(np.dtype(t).itemsize for t in TOKEN_ARRAYS.values())
 _SEGMENT_BYTES = sum(np.dtype(t).itemsize for t in SEGMENT_ARRAYS.values())
 _ROW_BYTES = sum(np.dtype(t).itemsize for t in ROW_ARRAYS.values())
+_HYBRID_SEGMENT_BYTES = sum(np.dtype(t).itemsize for t in HYBRID_SEGMENT_ARRAYS.values())
+_HYBRID_ROW_BYTES = sum(np.dtype(t).itemsize for t in HYBRID_ROW_ARRAYS.values())
 
 _HINT = "run `rolltool verify` on the directory; pack again if files changed"
 _DTYPES = {"I32": np.int32, "I64": np.int64, "U8": np.uint8, "F32": np.float32, "F64": np.float64}
@@ -37,10 +47,22 @@ _CODES = {np.dtype(v): k for k, v in _DTYPES.items()}
 
 
 def row_bytes(rows: PackedRows) -> np.ndarray:
-    """Bytes each row takes in a shard (9 per token, 20 per segment, 16 per row)."""
+    """Bytes each row takes in a shard (9 per token, 20 per segment, 16 per row; a hybrid
+    pack's rows 4 more per segment and 4 x C more per row)."""
     tokens = np.diff(rows.row_offsets)
     segments = np.diff(rows.row_segments)
-    return tokens * _TOKEN_BYTES + segments * _SEGMENT_BYTES + _ROW_BYTES
+    size = tokens * _TOKEN_BYTES + segments * _SEGMENT_BYTES + _ROW_BYTES
+    extra = _hybrid_arrays(rows)
+    if extra:
+        cp = len(extra["row_cp_groups"]) // max(len(tokens), 1)
+        size = size + segments * _HYBRID_SEGMENT_BYTES + cp * _HYBRID_ROW_BYTES
+    return size
+
+
+def _hybrid_arrays(rows: PackedRows) -> dict[str, np.ndarray]:
+    """A hybrid pack's extra arrays (`rolltool.format.hybrid.HybridRows`), else none."""
+    names = (*HYBRID_SEGMENT_ARRAYS, *HYBRID_ROW_ARRAYS)
+    return {k: getattr(rows, k) for k in names if hasattr(rows, k)}
 
 
 def split_rows(rows: PackedRows, max_bytes: int) -> list[tuple[int, int]]:
@@ -65,6 +87,13 @@ def _slice(rows: PackedRows, a: int, b: int) -> dict[str, np.ndarray]:
         out[k] = np.ascontiguousarray(getattr(rows, k)[s0:s1])
     out["row_offsets"] = rows.row_offsets[a : b + 1] - t0
     out["row_segments"] = rows.row_segments[a : b + 1] - s0
+    extra = _hybrid_arrays(rows)
+    if extra:
+        cp = len(extra["row_cp_groups"]) // (len(rows.row_offsets) - 1)
+        for k in HYBRID_SEGMENT_ARRAYS:
+            out[k] = np.ascontiguousarray(extra[k][s0:s1])
+        for k in HYBRID_ROW_ARRAYS:
+            out[k] = np.ascontiguousarray(extra[k][a * cp : b * cp])
     return out
 
 

@@ -13,9 +13,14 @@ import numpy as np
 
 FORMAT = "rolltool-packed"
 FORMAT_VERSION = 1
-SUPPORTED_VERSIONS = (1, 2)
-"""2: samples.parquet holds one row per (sample, epoch), with an ``epoch`` column (--epochs > 1);
-1: one row per sample."""
+SUPPORTED_VERSIONS = (1, 2, 3)
+"""3: a hybrid-CP pack (``--hybrid-cp``): each row's CP GPUs are cut into sub-groups
+(`HYBRID_ROW_ARRAYS`, `HYBRID_SEGMENT_ARRAYS`), and samples.parquet is as in 2 or 1 (by
+--epochs); a reader of 1 and 2 would take its rows for plain ``--cp`` rows and serve wrong
+views, so it must refuse them. 2: samples.parquet holds one row per (sample, epoch), with an
+``epoch`` column (--epochs > 1); 1: one row per sample."""
+HYBRID_VERSION = 3
+"""The format version of every ``--hybrid-cp`` pack (`SUPPORTED_VERSIONS`)."""
 MANIFEST = "manifest.json"
 SAMPLES = "samples.parquet"
 
@@ -46,6 +51,12 @@ SEGMENT_ARRAYS = {
 """Stored per segment: length, sample (-1: padding), advantage, loss weight per trainable token."""
 ROW_ARRAYS = {"row_offsets": np.int64, "row_segments": np.int64}
 """Stored per row + 1: offsets into the token arrays and into the segment arrays."""
+HYBRID_SEGMENT_ARRAYS = {"seg_cp_start": np.int32}
+"""Stored per segment in ``--hybrid-cp`` packs only: the first GPU (of the row's C) of the
+sub-group the segment belongs to (`rolltool.format.hybrid`)."""
+HYBRID_ROW_ARRAYS = {"row_cp_groups": np.int32}
+"""Stored per row x C in ``--hybrid-cp`` packs only, flat: row r's entries [r·C, (r+1)·C) are
+each GPU's sub-group size (aligned powers of two partitioning the C GPUs)."""
 
 READER_FIELDS = {
     "input_ids": np.int32,

@@ -83,6 +83,10 @@ class GroupSplit:
 
     sp: int = 1
     cp: int = 1
+    hybrid: bool = False
+    """``--hybrid-cp``: each row's cp GPUs are cut into sub-groups, a degree per sample
+    (`rolltool.format.hybrid`); ``sample_multiple``, ``row_multiple`` and ``padded`` are then
+    the widest sub-group's (k = cp), a sample's own degree is in the rows."""
 
     def __post_init__(self) -> None:
         for name in ("sp", "cp"):
@@ -91,6 +95,8 @@ class GroupSplit:
                 raise RolltoolError(f"--{name} must be a positive integer, got {value!r}")
         if self.sp > 1 and self.cp > 1:
             raise RolltoolError("give --sp or --cp, not both")
+        if self.hybrid and (self.cp < 2 or self.cp & (self.cp - 1)):
+            raise RolltoolError(f"--hybrid-cp needs --cp a power of two >= 2, got {self.cp}")
 
     @property
     def size(self) -> int:
@@ -307,7 +313,8 @@ def _check_rank(name: str, rank: int, size: int) -> None:
 
 
 def recorded_split(config: RecordedConfig, where: str = "manifest.json") -> GroupSplit:
-    """The `GroupSplit` a pack config records (``sp``/``cp``; 1 in packs written before them);
+    """The `GroupSplit` a pack config records (``sp``/``cp``; 1 in packs written before them;
+    ``hybrid_cp``);
     a bad value is a RolltoolError naming the key."""
     for key, value in (("sp", config.sp), ("cp", config.cp)):
         if value < 1:
@@ -315,6 +322,6 @@ def recorded_split(config: RecordedConfig, where: str = "manifest.json") -> Grou
                 f"{where}: 'config.{key}' must be a positive integer, got {value!r}"
             )
     try:
-        return GroupSplit(sp=config.sp, cp=config.cp)
+        return GroupSplit(sp=config.sp, cp=config.cp, hybrid=config.hybrid_cp)
     except RolltoolError as e:
         raise RolltoolError(f"{where}: {e.message}") from None

@@ -29,7 +29,8 @@ only then (it imports torch; opening and reading NumPy rows never does).
   padding weighing 0) and they are laid out as the manifest's config says (`layout_problem`:
   with ``--row-len`` every row of that length, with ``--sp``/``--cp`` every row a multiple of
   the group's size, with ``--cp`` every sample followed by its CP padding: a manifest whose
-  ``cp``, ``sp`` or ``row_len`` was edited, or a sample boundary moved in a ``--cp`` pack); once
+  ``cp``, ``sp`` or ``row_len`` was edited, or a sample boundary moved in a ``--cp`` pack; with
+  ``--hybrid-cp`` each row's sub-groups, `rolltool.format.hybrid.hybrid_problem`); once
   all of a (step, rank)'s shards were mapped, its rows' samples, tokens and real tokens are its
   record's (`counts_problem`: a boundary moved between a sample and padding); every sample's
   segment holds that sample's own length (`lengths_problem`, against samples.parquet's
@@ -77,6 +78,7 @@ from rolltool.format import (
     ShardRef,
     StepRecord,
 )
+from rolltool.format.hybrid import hybrid_fields, hybrid_problem, hybrid_view
 from rolltool.format.layout import check_rows, unpack_row
 from rolltool.format.shards import file_record, header_of, map_tensors, read_header, tensors_in
 from rolltool.format.split import GroupSplit, cp_view, recorded_split, sp_view
@@ -222,7 +224,10 @@ def _padding_weighs(arrays: dict[str, np.ndarray]) -> bool:
 
 
 def layout_problem(
-    arrays: dict[str, np.ndarray], split: GroupSplit, row_len: int | None
+    arrays: dict[str, np.ndarray],
+    split: GroupSplit,
+    row_len: int | None,
+    gpu_tokens: int | None = None,
 ) -> str | None:
     """Why a shard's rows are not laid out as the manifest's config says, or None (vectorized,
     O(rows + segments): the cheap part of `rolltool verify`'s ``row.length`` and ``row.split``).
@@ -235,8 +240,12 @@ def layout_problem(
     THD. A manifest whose ``sp``/``cp``/``row_len`` was edited, rows whose segment lengths
     changed, or a ``--cp`` pack made before row-end padding was a multiple of 2 x cp (an empty
     micro-batch's row of cp tokens, an odd ``--row-len``) fail here instead of being split into
-    wrong GPU views.
+    wrong GPU views. A ``--hybrid-cp`` pack's rows are judged by
+    `rolltool.format.hybrid.hybrid_problem` instead (``gpu_tokens``: the per-GPU budget).
     """
+    if split.hybrid:  # each row's own sub-groups (`rolltool.format.hybrid`)
+        per_gpu = None if row_len is None else row_len // split.cp
+        return hybrid_problem(arrays, split.cp, per_gpu, gpu_tokens)
     if row_len is None and split.size == 1:
         return None
     if split.cp > 1 and row_len is None:  # its padding rule makes every row a multiple of 2cp
@@ -581,6 +590,8 @@ class PackedReader:
                 path, arrays = ref.file.path, self._open_shard(ref.file)
             assert arrays is not None
             row = unpack_row(arrays, ref.row)
+            if self.split.hybrid:
+                row |= hybrid_fields(arrays, ref.row, self.split.cp)
             if view is not None:
                 try:
                     row = view(row)
@@ -593,7 +604,8 @@ class PackedReader:
     ) -> Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None:
         """The function from a rank's (group's) row to one GPU's view of it: ``sp_rank`` with a
         pack made with ``--sp``, ``cp_rank`` with ``--cp`` (`rolltool.format.split.sp_view`,
-        `rolltool.format.split.cp_view`); None when neither is given (the whole row). Naming the
+        `rolltool.format.split.cp_view`; with ``--hybrid-cp`` the GPU's sub-group view,
+        `rolltool.format.hybrid.hybrid_view`); None when neither is given (the whole row). Naming the
         other kind, or a rank outside the group, is a RolltoolError."""
         split = self.split
         for name, given, size in (("sp_rank", sp_rank, split.sp), ("cp_rank", cp_rank, split.cp)):
@@ -609,6 +621,8 @@ class PackedReader:
                 raise RolltoolError(f"{name} {given} out of range (the group has {size} GPUs)")
         if sp_rank is not None and split.sp > 1:
             return functools.partial(sp_view, sp=split.sp, rank=int(sp_rank))
+        if cp_rank is not None and split.hybrid:
+            return functools.partial(hybrid_view, cp=split.cp, rank=int(cp_rank))
         if cp_rank is not None and split.cp > 1:
             return functools.partial(cp_view, cp=split.cp, rank=int(cp_rank))
         return None
@@ -656,7 +670,9 @@ class PackedReader:
             broken = value_problem(arrays)
         if broken is not None:
             raise _bad(path, f"corrupt shard ({broken})")
-        misfit = layout_problem(arrays, self.split, self._row_len)
+        misfit = layout_problem(
+            arrays, self.split, self._row_len, self.manifest.config.micro_batch_tokens
+        )
         if misfit is not None:
             raise _bad(path, f"rows not laid out as the manifest's config says ({misfit})")
         self._check_counts(f, arrays)

@@ -16,6 +16,7 @@ import pyarrow as pa
 from rolltool._version import __version__
 from rolltool.errors import RolltoolError
 from rolltool.format import (
+    HYBRID_VERSION,
     STATUSES,
     AdvantagesRecord,
     InputRecord,
@@ -55,7 +56,7 @@ def manifest_record(
     a = config.advantages
     partial = plan.assembly.partial_dropped
     return Manifest(
-        format_version=2 if plan.epochs > 1 else 1,
+        format_version=HYBRID_VERSION if config.hybrid_cp else 2 if plan.epochs > 1 else 1,
         rolltool_version=__version__,
         created_at=created_at(),
         command=tuple(command or ()),

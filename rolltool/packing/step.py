@@ -22,7 +22,8 @@ from pathlib import Path
 from rolltool.fetch.buckets import Buckets
 from rolltool.fetch.tokens import ReaderState, TokenReader
 from rolltool.format import FileRecord, StepRecord
-from rolltool.format.layout import SampleTokens, step_rows
+from rolltool.format.hybrid import hybrid_step_rows
+from rolltool.format.layout import PackedRows, SampleTokens, step_rows
 from rolltool.packed.writer import DirectWriter, PackedWriter
 from rolltool.plan.config import PackConfig
 from rolltool.plan.step_plan import PlannedStep
@@ -110,18 +111,26 @@ def write_step(
     """Lay out the step's rows rank by rank and queue them for writing; the step's record."""
     ranks = []
     order = st.order
-    for r, rows in enumerate(
-        step_rows(
+    per_sample = {
+        "sample_index": st.members[order],
+        "advantage": st.advantage[order],
+        "weight": st.weight[order],
+    }
+    if st.hybrid is not None:  # each row's sub-groups (`rolltool.format.hybrid`)
+        laid_out: Iterator[PackedRows] = hybrid_step_rows(
+            tokens, st.plan.micro_batches, cp_start=st.hybrid.cp_start, groups=st.hybrid.groups,
+            row_len=config.row_len, pad_id=config.pad_id, **per_sample,
+        )  # fmt: skip
+    else:
+        laid_out = step_rows(
             tokens,
             st.plan.micro_batches,
-            sample_index=st.members[order],
-            advantage=st.advantage[order],
-            weight=st.weight[order],
+            **per_sample,
             row_len=config.group_row_len,
             pad_id=config.pad_id,
             sample_multiple=config.split.sample_multiple,
             row_multiple=config.split.row_multiple,
         )
-    ):
+    for r, rows in enumerate(laid_out):
         ranks.append(writer.write_rank(st.index, r, rows))
     return dataclasses.replace(st.record, ranks=tuple(ranks))

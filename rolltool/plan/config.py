@@ -17,6 +17,7 @@ from rolltool.format import (
 from rolltool.format.split import GroupSplit
 from rolltool.plan.advantages import AdvantageConfig
 from rolltool.plan.batches import StepConfig
+from rolltool.plan.hybrid import RingModel
 from rolltool.plan.loss import check_loss_agg
 from rolltool.plan.partition import ALIGNS
 from rolltool.plan.workload import WORKLOADS, Workload, make_workload
@@ -28,6 +29,14 @@ OVERLONG = ("error", "drop")
 
 DEFAULT_BATCH_SIZE = 128
 """Step size in batch units when none is given (``PackConfig.steps``, ``--batch-size``)."""
+
+DEFAULT_CP_LINK_BANDWIDTH = 100.0
+"""GB/s of one ring link with ``--hybrid-cp`` when none is given (NVLink-class; the ring model's
+default, `rolltool.plan.hybrid.RingModel`)."""
+
+DEFAULT_GPU_TFLOPS = 400.0
+"""TFLOP/s one GPU sustains with ``--hybrid-cp`` when none is given (an H100 at ~40% of its
+bf16 peak)."""
 
 DEFAULT_MICRO_BATCH_TOKENS = 32_768
 """The micro-batch token budget when neither a budget, a micro-batch size nor a row length is
@@ -70,6 +79,17 @@ class PackConfig:
     cp: int = 1
     """Context-parallel GPUs per data-parallel group: every sample is split into 2 x ``cp``
     chunks, zigzag (`rolltool.format.split`). Not with ``sp``."""
+    hybrid_cp: bool = False
+    """Hybrid context parallelism (`rolltool.plan.hybrid`): in each micro-batch slot the cp GPUs
+    of a group are cut into aligned power-of-two sub-groups; a sample is whole on one GPU or
+    zigzag-split over one sub-group, its degree chosen by the plan. ``cp`` must be a power of
+    two >= 2; not with ``micro_batch_size``, ``align="total"`` or ``equal_count``."""
+    cp_link_bandwidth: float | None = None
+    """GB/s of one ring link (``hybrid_cp`` only; None resolves to
+    ``DEFAULT_CP_LINK_BANDWIDTH`` with it): what the plan prices CP communication with."""
+    gpu_tflops: float | None = None
+    """TFLOP/s of one GPU (``hybrid_cp`` only; None resolves to ``DEFAULT_GPU_TFLOPS`` with
+    it): what exposed ring communication is weighed against, in the workload's units."""
     steps: StepConfig = field(default_factory=_default_steps)
     """How optimizer steps are assembled (batch semantics); default: ``DEFAULT_BATCH_SIZE``
     rollouts per step."""
@@ -122,6 +142,7 @@ class PackConfig:
             object.__setattr__(self, "equal_count", True)  # trimming is a way to equal counts
         self._check_choices()
         self._check_conflicts()
+        self._check_hybrid()
         if self.micro_batch_tokens is None and self.micro_batch_size is None:
             budget = self.row_len if self.row_len is not None else DEFAULT_MICRO_BATCH_TOKENS
             object.__setattr__(self, "micro_batch_tokens", budget)  # resolved once, recorded
@@ -152,6 +173,46 @@ class PackConfig:
                 f"--loss-scale-factor applies to --loss-agg seq-mean-token-sum-norm only, "
                 f"not to {self.loss_agg}"
             )
+
+    def _check_hybrid(self) -> None:
+        """``hybrid_cp``'s rules (usage errors) and its ring settings resolved."""
+        ring = (("--cp-link-bandwidth", "cp_link_bandwidth", DEFAULT_CP_LINK_BANDWIDTH),
+                ("--gpu-tflops", "gpu_tflops", DEFAULT_GPU_TFLOPS))  # fmt: skip
+        if not self.hybrid_cp:
+            for flag, name, _ in ring:
+                if getattr(self, name) is not None:
+                    raise OptionConflict(f"{flag} applies to --hybrid-cp only")
+            return
+        cp = self.cp
+        if cp < 2 or cp & (cp - 1):
+            raise OptionConflict(
+                f"--hybrid-cp needs --cp a power of two, 2 or more, got --cp {cp}",
+                hint="sub-groups are aligned powers of two (1, 2, 4, ... cp GPUs of a group)",
+            )
+        for given, flag, why in (
+            (self.micro_batch_size is not None, "--micro-batch-size",
+             "it plans with a token budget per GPU (--micro-batch-tokens)"),
+            (self.align != "lockstep", f"--align {self.align}",
+             "it balances every GPU in every slot (lockstep)"),
+            (self.equal_count, "--equal-count",
+             "its plan does not give every rank the same number of samples"),
+        ):  # fmt: skip
+            if given:
+                raise OptionConflict(f"--hybrid-cp is not available with {flag}: {why}")
+        for flag, name, default in ring:
+            value = getattr(self, name)
+            if value is None:
+                object.__setattr__(self, name, default)
+            elif not (value > 0 and value < float("inf")):
+                raise RolltoolError(f"{flag} must be a positive number, got {value}")
+
+    def ring(self, workload: Workload) -> RingModel:
+        """The ring model ``hybrid_cp`` plans with: `workload`'s model shape (K/V bytes per
+        token), ``cp_link_bandwidth`` and ``gpu_tflops``."""
+        assert self.cp_link_bandwidth is not None and self.gpu_tflops is not None
+        return RingModel.for_workload(
+            workload, bandwidth=self.cp_link_bandwidth * 1e9, speed=self.gpu_tflops * 1e12
+        )
 
     def _check_sizes(self) -> None:
         for name, value in (
@@ -249,7 +310,7 @@ class PackConfig:
     @property
     def split(self) -> GroupSplit:
         """How each data-parallel group's micro-batches are shared by its sp or cp GPUs."""
-        return GroupSplit(sp=self.sp, cp=self.cp)
+        return GroupSplit(sp=self.sp, cp=self.cp, hybrid=self.hybrid_cp)
 
     @property
     def group_tokens(self) -> int | None:

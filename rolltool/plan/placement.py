@@ -22,6 +22,7 @@ import numpy as np
 from rolltool.format import STATUSES, StepRecord
 from rolltool.plan.batches import Assembly
 from rolltool.plan.groups import GroupIndex, index_dtype
+from rolltool.plan.hybrid_step import HybridLayout
 from rolltool.plan.partition import StepPlan
 from rolltool.plan.step_plan import PlannedStep
 from rolltool.schema import Rollouts
@@ -43,6 +44,7 @@ class StepOutline:
     overlong_dropped: np.ndarray
     count_trimmed: np.ndarray
     cut: str
+    hybrid: HybridLayout | None = None  # as `PlannedStep`'s (row order)
 
     @staticmethod
     def of(st: PlannedStep) -> StepOutline:
@@ -56,6 +58,7 @@ class StepOutline:
             overlong_dropped=st.overlong_dropped,
             count_trimmed=st.count_trimmed,
             cut=st.cut,
+            hybrid=st.hybrid,
         )
 
 

@@ -142,6 +142,7 @@ class Schedule:
             overlong_dropped=o.overlong_dropped,
             count_trimmed=o.count_trimmed,
             cut=o.cut,
+            hybrid=o.hybrid,
         )
 
     @property

@@ -9,14 +9,15 @@ epochs x mini-batches of them (`rolltool.plan.minibatches`). Each step, as a `Pl
   step's trained tokens where the env's estimator whitens;
 - their loss weights per trainable token (`rolltool.plan.loss`, float64);
 - its partition plan (`rolltool.plan.partition.plan_step`: ranks x micro-batches under the token
-  cap, per GPU of an --sp/--cp group, equal micro-batch counts where the plan is built);
+  cap, per GPU of an --sp/--cp group, equal micro-batch counts where the plan is built; with
+  --hybrid-cp `rolltool.plan.hybrid_step`: a CP degree per sample, every GPU balanced);
 - its record (`rolltool.plan.step_records`).
 
 A batch's plan depends only on the light columns, the config and the batch, so `batch_steps` is
 what the run plan maps over batches, here, in forked processes or as Ray tasks, in any order.
 
 Imports inside plan/ go one way (see `rolltool.plan.groups`): this module imports groups,
-group_advantages, budget and step_records; placement, step_warnings and schedule import it.
+group_advantages, budget, hybrid_step and step_records; placement, step_warnings and schedule import it.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from rolltool.plan.budget import budget_terms
 from rolltool.plan.config import PackConfig
 from rolltool.plan.group_advantages import GroupAdvantages
 from rolltool.plan.groups import GroupIndex
+from rolltool.plan.hybrid_step import HybridLayout, hybrid_record, hybrid_step
 from rolltool.plan.loss import sample_weights, step_denominators
 from rolltool.plan.minibatches import epoch_groups, sample_units, split_epoch
 from rolltool.plan.partition import StepPlan, plan_step
@@ -60,6 +62,9 @@ class PlannedStep:
     cut: str = "groups"
     """Where its mini-batch's cuts lie (`rolltool.plan.minibatches`): groups, rollouts, samples, or
     empty (its batch had fewer samples than mini-batches)."""
+    hybrid: HybridLayout | None = None
+    """``--hybrid-cp``: each slot's sub-groups and each sample's first GPU (row order), what
+    its rows are laid out by (`rolltool.plan.hybrid_step`); None otherwise."""
 
     @property
     def epoch(self) -> int:
@@ -212,17 +217,26 @@ def _planned(
     """One optimizer step from its trained samples (`members`, with their `advantage`): loss
     weights, plan and record; `place` is its (batch, epoch, mini-batch)."""
     weight = sample_weights(config.loss_agg, ro.trainable[members], config.loss_scale_factor)
-    occupied = config.split.padded(ro.length[members])
-    plan = plan_step(
-        occupied,
-        dp=config.dp,
-        max_tokens=config.group_tokens,
-        micro_batch_size=config.micro_batch_size,
-        workload=per_gpu(workload, config.split.size),
-        equal_count=config.equal_count,
-        align=config.align,
-    )
-    _check_rows_fit(plan, occupied, config, step.index)
+    layout, per_gpus = None, None
+    if config.hybrid_cp:  # a CP degree per sample (`rolltool.plan.hybrid_step`)
+        assert config.micro_batch_tokens is not None
+        plan, layout, hp = hybrid_step(
+            ro.length[members], dp=config.dp, cp=config.cp, max_tokens=config.micro_batch_tokens,
+            workload=workload, ring=config.ring(workload),
+        )  # fmt: skip
+        per_gpus = hybrid_record(hp, ro.length[members])
+    else:
+        occupied = config.split.padded(ro.length[members])
+        plan = plan_step(
+            occupied,
+            dp=config.dp,
+            max_tokens=config.group_tokens,
+            micro_batch_size=config.micro_batch_size,
+            workload=per_gpu(workload, config.split.size),
+            equal_count=config.equal_count,
+            align=config.align,
+        )
+        _check_rows_fit(plan, occupied, config, step.index)
     counts = step_counts(
         ro, step, members, overlong, advantage, weight, uniform, group_env,
         gpu_budget=config.micro_batch_tokens if config.split.size > 1 else None,
@@ -241,7 +255,7 @@ def _planned(
         denominators=Denominators(
             **step_denominators(config.loss_agg, ro.trainable[members], config.loss_scale_factor)
         ),
-        plan=plan_record(plan),
+        plan=plan_record(plan, per_gpus),
     )
     return PlannedStep(
         index=step.index,
@@ -254,6 +268,7 @@ def _planned(
         overlong_dropped=overlong,
         count_trimmed=trimmed,
         cut=cut,
+        hybrid=layout,
     )
 
 

@@ -28,6 +28,8 @@ shards_readable     shard.corrupt
 row_structure       row.budget, row.size, row.length, row.mask
 group_split         row.split (--sp/--cp: rows split evenly, samples padded for the CP split,
                     every --cp row and padding segment a multiple of 2 x cp: valid THD)
+hybrid_layout       row.hybrid, row.budget (--hybrid-cp: each row's aligned sub-groups, each
+                    segment in one, split samples padded to 2k, every GPU under its budget)
 padding             row.padding
 placement           segment.index, sample.placement, sample.repeated, sample.missing
 sample_fields       sample.length, sample.trainable, sample.advantage, sample.weight
@@ -75,6 +77,7 @@ from rolltool.verify.context import (
     load_samples,
     open_input,
 )
+from rolltool.verify.hybrid import hybrid_layout
 from rolltool.verify.records import files_and_hashes, rank_files, samples_table
 from rolltool.verify.rows import (
     group_split,
@@ -108,6 +111,7 @@ INVARIANTS: tuple[Invariant, ...] = (
     shards_readable,
     row_structure,
     group_split,
+    hybrid_layout,
     padding,
     placement,
     sample_fields,

@@ -15,7 +15,7 @@ import numpy as np
 from rolltool.format import PAD_SAMPLE
 from rolltool.util.problems import Problem
 from rolltool.verify.context import Context
-from rolltool.verify.segments import Segments
+from rolltool.verify.segments import row_ids, segment_degrees
 
 
 def shards_readable(ctx: Context) -> Iterator[Problem]:
@@ -33,7 +33,12 @@ def row_structure(ctx: Context) -> Iterator[Problem]:
     seg, steps = ctx.segments, ctx.manifest.steps
     budget = np.array([st.plan.max_tokens or -1 for st in steps], dtype=np.int64)[seg.row_step]
     used = seg.row_real_tokens
-    if ctx.split.cp > 1:  # the budget counts each sample padded for the CP split
+    if ctx.split.hybrid:  # each sample padded for its own sub-group (k = 1: not at all)
+        deg = segment_degrees(seg, ctx.split.cp)
+        own = np.where(deg > 1, -(-seg.length // (2 * deg)) * 2 * deg, seg.length)
+        occupied = np.where(seg.sample >= 0, own, 0)
+        used = np.bincount(row_ids(seg), weights=occupied, minlength=len(used)).astype(np.int64)
+    elif ctx.split.cp > 1:  # the budget counts each sample padded for the CP split
         occupied = np.where(seg.sample >= 0, ctx.split.padded(seg.length), 0)
         used = np.bincount(row_ids(seg), weights=occupied, minlength=len(used)).astype(np.int64)
     for r in np.flatnonzero((budget >= 0) & (used > budget)):
@@ -159,15 +164,6 @@ def _num(x: np.generic) -> str:
     return f"{x:.9g}" if isinstance(x, np.floating) else str(x)
 
 
-def row_ids(seg: Segments) -> np.ndarray:
-    """[K] int64: each segment's row (an index into the ``row_*`` arrays)."""
-    if not len(seg.sample):
-        return np.zeros(0, np.int64)
-    change = np.ones(len(seg.sample), dtype=bool)
-    change[1:] = (np.diff(seg.step) != 0) | (np.diff(seg.rank) != 0) | (np.diff(seg.row) != 0)
-    return np.cumsum(change) - 1
-
-
 def group_split(ctx: Context) -> Iterator[Problem]:
     """With --sp or --cp, every row splits evenly over the group's GPUs: its length is a
     multiple of sp, or of 2 x cp with cp (`GroupSplit.row_multiple`); with cp every sample is
@@ -177,7 +173,7 @@ def group_split(ctx: Context) -> Iterator[Problem]:
     TransformerEngine and ring-flash-attn (a pack made before this rule is refused: pack it
     again)."""
     split, seg = ctx.split, ctx.segments
-    if split.size == 1:
+    if split.size == 1 or split.hybrid:  # a hybrid row's blocks: `rolltool.verify.hybrid`
         return
     multiple = split.row_multiple
     uneven_row = seg.row_tokens % multiple != 0

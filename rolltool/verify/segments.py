@@ -13,7 +13,7 @@ advantage; for padding also the tokens that are not ``pad_id`` and the non-zero 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -68,6 +68,11 @@ class Segments:
     row_real_segments: np.ndarray  # [R] int64
     parts: tuple[ShardPart, ...]
     broken: tuple[Broken, ...]
+    cp_start: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    """[K] int64 ``--hybrid-cp``: the first GPU of each segment's sub-group (``seg_cp_start``);
+    empty in other packs."""
+    row_cp_groups: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    """[R·C] int64 ``--hybrid-cp``: each row's C sub-group sizes, flat; empty in other packs."""
 
     def where(self, k: int | np.integer) -> str:
         """Segment k's place (its sample, if any, is named by the caller)."""
@@ -85,9 +90,10 @@ def read_segments(root: Path, manifest: Manifest, pad_id: int) -> Segments:
     tables: list[dict[str, np.ndarray]] = []
     parts: list[ShardPart] = []
     broken: list[Broken] = []
+    cp = manifest.config.cp if manifest.config.hybrid_cp else 0
     for s, step in enumerate(manifest.steps):
         for r, rank in enumerate(step.ranks):
-            got = _read_rank(root, s, r, rank.files, pad_id)
+            got = _read_rank(root, s, r, rank.files, pad_id, cp)
             if isinstance(got, Broken):
                 broken.append(got)
                 continue
@@ -99,12 +105,13 @@ def read_segments(root: Path, manifest: Manifest, pad_id: int) -> Segments:
 
 
 def _read_rank(
-    root: Path, step: int, rank: int, files: tuple[ShardRef, ...], pad_id: int
+    root: Path, step: int, rank: int, files: tuple[ShardRef, ...], pad_id: int, cp: int
 ) -> list[tuple[ShardRef, dict[str, np.ndarray]]] | Broken:
-    """A (step, rank)'s files summarised, or its first unusable file."""
+    """A (step, rank)'s files summarised, or its first unusable file (`cp`: a hybrid pack's
+    C, else 0)."""
     got, rows = [], 0
     for ref in files:
-        table = _summarise(root, step, rank, ref, pad_id, rows)
+        table = _summarise(root, step, rank, ref, pad_id, rows, cp)
         if isinstance(table, str):
             return Broken(step, rank, ref.path, table)
         got.append((ref, table))
@@ -120,16 +127,17 @@ def _concat(
         if f.name in ("parts", "broken"):
             continue
         dtype = np.float32 if f.name in ("weight", "advantage") else np.int64
-        pieces = [t[f.name] for t in tables]
+        pieces = [t[f.name] for t in tables if f.name in t]
         arrays[f.name] = np.concatenate(pieces).astype(dtype) if pieces else np.zeros(0, dtype)
     return Segments(**arrays, parts=parts, broken=broken)
 
 
 def _summarise(
-    root: Path, step: int, rank: int, ref: ShardRef, pad_id: int, first_row: int
+    root: Path, step: int, rank: int, ref: ShardRef, pad_id: int, first_row: int, cp: int
 ) -> dict[str, np.ndarray] | str:
     """One shard's per-segment and per-row summaries, or why it cannot be used. `first_row`:
-    rows of the rank's files before it (its recorded ``first_row`` is judged by `rank_files`)."""
+    rows of the rank's files before it (its recorded ``first_row`` is judged by `rank_files`);
+    `cp`: a hybrid pack's C (its two arrays are read too), else 0."""
     try:
         a = read_shard(root / ref.path)
     except RolltoolError as e:
@@ -137,6 +145,8 @@ def _summarise(
     why = check_rows(a)
     if why is None and len(a["row_offsets"]) - 1 != ref.rows:
         why = f"{len(a['row_offsets']) - 1} rows, the manifest says {ref.rows}"
+    if why is None and cp:
+        why = _hybrid_arrays_problem(a, cp)
     if why is not None:
         return f"{ref.path}: corrupt shard ({why})"
     lens = a["seq_lens"].astype(np.int64)
@@ -166,7 +176,22 @@ def _summarise(
         "row_real_tokens": np.bincount(local, weights=lens * real, minlength=n_rows),
         "row_real_segments": np.bincount(local[real], minlength=n_rows),
     }
+    if cp:
+        table["cp_start"] = a["seg_cp_start"]
+        table["row_cp_groups"] = a["row_cp_groups"]
     return table
+
+
+def _hybrid_arrays_problem(a: dict[str, np.ndarray], cp: int) -> str | None:
+    """Why a hybrid shard's two arrays cannot be read with its rows (missing, not 1-D integers,
+    or of the wrong length), or None; their values are judged by `rolltool.verify.hybrid`."""
+    rows, segments = len(a["row_offsets"]) - 1, len(a["seq_lens"])
+    for name, want in (("seg_cp_start", segments), ("row_cp_groups", rows * cp)):
+        if name not in a:
+            return f"missing array {name} (a --hybrid-cp pack's)"
+        if a[name].ndim != 1 or a[name].dtype.kind not in "iu" or len(a[name]) != want:
+            return f"{name} is not {want} integers"
+    return None
 
 
 def _count(flags: np.ndarray, starts: np.ndarray) -> np.ndarray:
@@ -189,3 +214,30 @@ def _padding(
         out["pad_ids"][k] = _count(a["input_ids"][tok] != pad_id, at)
         out["pad_logprobs"][k] = _count(a["logprobs"][tok] != 0, at)
     return out
+
+
+def row_ids(seg: Segments) -> np.ndarray:
+    """[K] int64: each segment's row (an index into the ``row_*`` arrays), by its (step, rank,
+    micro-batch): both tables are in that order, and a row without segments (which no writer
+    makes) shifts nothing."""
+    if not len(seg.sample):
+        return np.zeros(0, np.int64)
+    ranks = int(max(seg.rank.max(), seg.row_rank.max())) + 1
+    rows = int(max(seg.row.max(), seg.row_index.max())) + 1
+
+    def key(step: np.ndarray, rank: np.ndarray, row: np.ndarray) -> np.ndarray:
+        return (step.astype(np.int64) * ranks + rank) * rows + row
+
+    return np.searchsorted(key(seg.row_step, seg.row_rank, seg.row_index),
+                           key(seg.step, seg.rank, seg.row)).astype(np.int64)  # fmt: skip
+
+
+def segment_degrees(seg: Segments, cp: int) -> np.ndarray:
+    """[K] int64: the size of each segment's sub-group as its row's ``row_cp_groups`` says, in
+    a hybrid pack of `cp` GPUs per group (all 1 in other packs, whose tables have no
+    ``row_cp_groups``; a start outside the row's GPUs reads GPU 0's: `rolltool.verify.hybrid`
+    reports it)."""
+    if not len(seg.row_cp_groups) or not len(seg.sample):
+        return np.ones(len(seg.sample), dtype=np.int64)
+    start = np.where((seg.cp_start >= 0) & (seg.cp_start < cp), seg.cp_start, 0)
+    return seg.row_cp_groups[row_ids(seg) * cp + start].astype(np.int64)

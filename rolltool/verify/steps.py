@@ -15,13 +15,13 @@ from typing import Any
 import numpy as np
 
 from rolltool.format import STATUSES, Denominators, PlanRecord, StepCounts, StepRecord
-from rolltool.format.split import GroupSplit
 from rolltool.plan.advantages import reward_moments
 from rolltool.plan.minibatches import recorded_structure
 from rolltool.plan.partition import metrics
 from rolltool.plan.workload import Workload
 from rolltool.util.problems import Problem
 from rolltool.verify.context import Context, Samples
+from rolltool.verify.hybrid import HybridGrid
 
 WEIGHT_RTOL = 2.0**-23
 """Weights are float32 roundings of exact values: at most half an ulp (2^-24 relative) off."""
@@ -367,18 +367,18 @@ def step_metadata(ctx: Context) -> Iterator[Problem]:
 
 
 def plan_figures(
-    s: Samples, planned: np.ndarray, dp: int, m: int, split: GroupSplit
+    s: Samples, planned: np.ndarray, dp: int, m: int, occupied: np.ndarray
 ) -> dict[str, Any]:
     """The figures of a step's plan record samples.parquet gives (its trained samples
     `planned`, placed inside a run of `dp` ranks; `m` micro-batches per rank; tokens as the
-    group's rows hold them, padded for cp)."""
+    group's rows hold them, ``occupied`` [n] per samples.parquet row: padded for cp)."""
     rank, mb = s.rank[planned], s.micro_batch[planned]
     used = len(np.unique(rank * (int(mb.max()) + 1 if len(mb) else 1) + mb))
     return {
         "dp": dp,
         "samples": len(planned),
         "samples_per_rank": tuple(int(x) for x in np.bincount(rank, minlength=dp)),
-        "tokens": int(split.padded(s.length[planned]).sum()),
+        "tokens": int(occupied[planned].sum()),
         "empty_micro_batches": dp * m - used,
     }
 
@@ -388,20 +388,30 @@ BALANCE_RTOL = 1e-9
 
 
 def balance_figures(
-    s: Samples, planned: np.ndarray, dp: int, plan: PlanRecord, split: GroupSplit
+    s: Samples,
+    planned: np.ndarray,
+    dp: int,
+    plan: PlanRecord,
+    occupied: np.ndarray,
+    hybrid: HybridGrid | None = None,
 ) -> dict[str, Any]:
     """The plan record's balance figures recomputed from samples.parquet: the ``[dp, M]`` grids
-    of tokens (padded for cp) and of the recorded workload's cost per micro-batch (Σ over its
-    samples), their rank imbalance and lockstep overhead, the token fill and the micro-batch
-    lower bound."""
+    of tokens (``occupied`` [n]: padded for cp) and of the recorded workload's cost per
+    micro-batch (Σ over its samples; with ``hybrid`` each group's slowest GPU, `HybridGrid`),
+    their rank imbalance and lockstep overhead, the token fill and the micro-batch lower
+    bound."""
     m = plan.micro_batches_per_rank
     if m == 0 or plan.workload is None:
         return {}
     cell = s.rank[planned] * m + s.micro_batch[planned]
-    lengths = split.padded(s.length[planned])
+    lengths = occupied[planned]
     tokens = np.bincount(cell, weights=lengths, minlength=dp * m).reshape(dp, m)
-    cost = Workload.from_record(plan.workload).cost(lengths)
-    costs = np.bincount(cell, weights=cost, minlength=dp * m).reshape(dp, m)
+    workload = Workload.from_record(plan.workload)
+    if hybrid is not None:
+        costs = hybrid.costs(s, planned, dp, m, workload).max(axis=2)
+    else:
+        cost = workload.cost(lengths)
+        costs = np.bincount(cell, weights=cost, minlength=dp * m).reshape(dp, m)
     found: dict[str, Any] = {}
     for name, x in (("tokens", tokens), ("cost", costs)):
         found[f"imbalance_{name}"] = metrics.imbalance(x)
@@ -425,17 +435,21 @@ def step_plans(ctx: Context) -> Iterator[Problem]:
     micro-batches per rank are the ranks' record, checked by `rank_files`)."""
     m, s = ctx.manifest, ctx.samples
     inside = s.inside_run(m.num_steps, m.dp)
+    grid = HybridGrid.of(ctx) if ctx.split.hybrid else None
+    occupied = ctx.split.padded(s.length) if grid is None else grid.occupied(s.length)
     for step, rec in enumerate(m.steps):
         planned = s.planned(step)
         if not inside[planned].all():
             continue  # samples.place says so
-        found = plan_figures(s, planned, m.dp, rec.plan.micro_batches_per_rank, ctx.split)
-        found |= balance_figures(s, planned, m.dp, rec.plan, ctx.split)
+        found = plan_figures(s, planned, m.dp, rec.plan.micro_batches_per_rank, occupied)
+        found |= balance_figures(s, planned, m.dp, rec.plan, occupied, grid)
         for key, value in found.items():
             recorded = getattr(rec.plan, key)
             if _differs(recorded, value):
                 text = f"plan {key} is {recorded}, samples.parquet gives {value}"
                 yield Problem("step.plan", f"step {step}", text)
+        if grid is not None:
+            yield from grid.record_problems(s, planned, step, rec.plan, m.dp)
 
 
 def rank_counts(ctx: Context) -> Iterator[Problem]:
