@@ -80,7 +80,14 @@ from rolltool.format import (
 )
 from rolltool.format.hybrid import hybrid_fields, hybrid_problem, hybrid_view
 from rolltool.format.layout import check_rows, unpack_row
-from rolltool.format.shards import file_record, header_of, map_tensors, read_header, tensors_in
+from rolltool.format.shards import (
+    ShardHeader,
+    file_record,
+    header_of,
+    map_tensors,
+    read_header,
+    tensors_in,
+)
 from rolltool.format.split import GroupSplit, cp_view, recorded_split, sp_view
 from rolltool.storage.fs import Location, locate, scheme
 
@@ -151,7 +158,7 @@ def _shard_file(name: str) -> bool:
     return name.endswith(".safetensors")
 
 
-def _map_file(path: Path) -> mmap.mmap | None:
+def _map_file(path: str | Path) -> mmap.mmap | None:
     """The whole file memory-mapped read-only (one open; the map outlives the descriptor), or
     None when it cannot be (missing, unreadable, empty): the caller's reader says why. Cheaper
     than ``np.memmap`` (~0.1 ms a shard), whose subclass the reader never used."""
@@ -165,6 +172,48 @@ def _map_file(path: Path) -> mmap.mmap | None:
         return None
     finally:
         os.close(fd)
+
+
+def _odd_path(rel: str) -> bool:
+    """A relative path `Path` would spell otherwise than as written (``//``, ``.`` parts, a
+    leading or trailing slash): a shard listed in a manifest never has one."""
+    return (
+        not rel
+        or rel.startswith(("/", "./"))
+        or rel.endswith(("/", "/."))
+        or "//" in rel
+        or "/./" in rel
+        or rel == "."
+    )
+
+
+_VIEW_DTYPES: dict[str, np.dtype[Any]] = {
+    code: np.dtype(t) for code, t in (("I32", np.int32), ("I64", np.int64), ("U8", np.uint8),
+                                      ("F32", np.float32))
+}  # fmt: skip
+"""The safetensors codes `_views` takes itself (a subset of what `tensors_in` reads)."""
+
+
+def _views(mapped: Any, head: ShardHeader, where: str) -> dict[str, np.ndarray]:
+    """`rolltool.format.shards.tensors_in` of a shard's whole bytes (a read-only mmap, or bytes),
+    one ``np.frombuffer`` per tensor: the same read-only views. A tensor it does not take as it
+    is (an offset outside the file, a size that is no whole number of its dtype, another dtype
+    code, a malformed entry) sends the shard to `tensors_in`, which says why (or reads it)."""
+    base, room = head.base, len(mapped) - head.base
+    out: dict[str, np.ndarray] = {}
+    try:
+        for name, info in head.tensors.items():
+            a, b = info["data_offsets"]
+            dtype = _VIEW_DTYPES[info["dtype"]]
+            if type(a) is not int or type(b) is not int or not 0 <= a <= b <= room:
+                raise ValueError
+            count, odd = divmod(b - a, dtype.itemsize)
+            if odd:
+                raise ValueError
+            out[name] = np.frombuffer(mapped, dtype, count, base + a).reshape(info["shape"])
+    except Exception:  # whatever it is, tensors_in's verdict is the reader's
+        return tensors_in(np.frombuffer(mapped, np.uint8), head, where)
+    return out
 
 
 def value_problem(arrays: dict[str, np.ndarray]) -> str | None:
@@ -200,9 +249,9 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 def _values_in_range(arrays: dict[str, np.ndarray]) -> bool:
     """True only when every check of `value_problem` passes (False: look at each): the same
-    conditions in fewer NumPy calls. A NaN or infinity anywhere makes a float32 sum non-finite
-    (a sum of finite values that overflows only sends the shard to the one-by-one checks);
-    NaN fails every comparison; a min and a max bound the weights."""
+    conditions in fewer NumPy calls: a NaN or infinity among the advantages makes their sum
+    (in float64, which float32 values cannot overflow) non-finite, NaN fails every comparison,
+    a min and a max bound the weights."""
     index, weight, advantage = arrays["sample_index"], arrays["seg_weight"], arrays["seg_advantage"]
     if arrays["input_ids"].min() < 0 or arrays["loss_mask"].max() > 1:
         return False
@@ -210,7 +259,7 @@ def _values_in_range(arrays: dict[str, np.ndarray]) -> bool:
         return False
     if len(index) and not (
         index.min() >= PAD_SAMPLE
-        and np.isfinite(advantage.sum())
+        and np.isfinite(advantage.sum(dtype=np.float64))
         and weight.min() >= 0
         and weight.max() <= _FLOAT32_MAX
     ):
@@ -633,23 +682,21 @@ class PackedReader:
         the first read too.
 
         A local shard is opened once: memory-mapped whole (`_map_file`), its header read from
-        the map, its arrays views of it (a file that cannot be mapped as it is, empty or
-        unreadable, goes through `read_header` and `map_tensors`, which say why). A remote one
-        is read whole."""
-        path = self._at(f.path)
+        the map, its arrays views of it (`_views`; a file that cannot be mapped as it is, empty
+        or unreadable, goes through `read_header` and `map_tensors`, which say why). A remote
+        one is read whole."""
+        where = self._shown(f.path)
         mapped: Any = None  # the shard's bytes: a read-only mmap, or bytes read from a remote
         if self._remote is not None:
             mapped = self.location.read_bytes(f.path)
-            head = header_of(mapped, str(path))
+            head = header_of(mapped, where)
         else:
-            mapped = _map_file(self.path / f.path)
-            head = (
-                read_header(self.path / f.path) if mapped is None else header_of(mapped, str(path))
-            )
+            mapped = _map_file(where)
+            head = read_header(self.path / f.path) if mapped is None else header_of(mapped, where)
         self._check_identity(f, head.meta)
         record = self.manifest.files[f.path]
         if head.size != record.bytes:
-            raise _bad(path, f"{head.size} bytes, the manifest says {record.bytes}")
+            raise _bad(where, f"{head.size} bytes, the manifest says {record.bytes}")
         if self.verify == "hash" and f.path not in self._hashed:
             digest = (
                 file_record(self.path / f.path).sha256
@@ -657,29 +704,41 @@ class PackedReader:
                 else hashlib.sha256(mapped).hexdigest()
             )
             if digest != record.sha256:
-                raise _bad(path, "sha256 differs from the manifest's (the file changed)")
+                raise _bad(where, "sha256 differs from the manifest's (the file changed)")
             self._hashed.add(f.path)
-        if mapped is None:
-            arrays = map_tensors(self.path / f.path, head)
-        else:
-            arrays = tensors_in(np.frombuffer(mapped, np.uint8), head, str(path))
+        arrays = (
+            map_tensors(self.path / f.path, head) if mapped is None else _views(mapped, head, where)
+        )
         broken = check_rows(arrays)
         if broken is None and len(arrays["row_offsets"]) - 1 != f.rows:
             broken = f"{len(arrays['row_offsets']) - 1} rows, the manifest says {f.rows}"
         if broken is None:
             broken = value_problem(arrays)
         if broken is not None:
-            raise _bad(path, f"corrupt shard ({broken})")
+            raise _bad(where, f"corrupt shard ({broken})")
         misfit = layout_problem(
             arrays, self.split, self._row_len, self.manifest.config.micro_batch_tokens
         )
         if misfit is not None:
-            raise _bad(path, f"rows not laid out as the manifest's config says ({misfit})")
+            raise _bad(where, f"rows not laid out as the manifest's config says ({misfit})")
         self._check_counts(f, arrays)
         wrong = lengths_problem(arrays, self._sample_lengths)
         if wrong is not None:
-            raise _bad(path, f"rows not as {SAMPLES} says ({wrong})")
+            raise _bad(where, f"rows not as {SAMPLES} says ({wrong})")
         return arrays
+
+    def _shown(self, rel: str) -> str:
+        """``str(self._at(rel))`` (how messages name `rel`), for a local shard's plain relative
+        path without building a Path: the directory's own spelling (`_prefix`) + `rel`."""
+        if self._remote is None and not _odd_path(rel):
+            return self._prefix + rel
+        return str(self._at(rel))
+
+    @functools.cached_property
+    def _prefix(self) -> str:
+        """What ``str(self.path / rel)`` puts before a plain relative `rel`."""
+        root = str(self.path)
+        return "" if root == "." else root if root.endswith("/") else root + "/"
 
     @functools.cached_property
     def _sample_lengths(self) -> np.ndarray:

@@ -214,8 +214,8 @@ def test_a_rank_reads_only_its_own_files(out: Path, monkeypatch: pytest.MonkeyPa
     opened: list[Path] = []
     real = reader._map_file  # where the reader opens and maps a local shard
 
-    def spy(path: Path) -> Any:
-        opened.append(path)
+    def spy(path: str | Path) -> Any:
+        opened.append(Path(path))
         return real(path)
 
     monkeypatch.setattr(reader, "_map_file", spy)

@@ -1,0 +1,215 @@
+"""The reader's fast paths (issue 25) give exactly what the plain code they stand in for gives.
+
+Each fast path is compared with the straightforward code: the views of a shard's bytes
+(`core._views`) with `tensors_in` (on good and malformed headers alike), the spelling of a
+shard's path (`PackedReader._shown`) with ``str(Path)``, the in-range test of a shard's values
+(`core._values_in_range`) with the one-by-one checks of `value_problem` on random corruptions,
+`segment_positions` with ``arange - repeat(starts)`` and the targets of a row with many padding
+segments with those of a row with few.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from pack_helpers import pack
+
+import rolltool
+import rolltool.packed.core as core
+from rolltool.errors import RolltoolError
+from rolltool.format import PAD_SAMPLE
+from rolltool.format.layout import segment_positions
+from rolltool.format.shards import _DTYPES, header_of, tensors_in
+from rolltool.format.targets import _FEW_PADS, next_token_targets, no_target
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory: pytest.TempPathFactory, synth_table: pa.Table) -> Path:
+    tmp = tmp_path_factory.mktemp("fast")
+    pq.write_table(synth_table, tmp / "in.parquet")
+    pack(tmp / "in.parquet", tmp / "out", "--dp", 2, "--batch-size", 24, "--keep-last",
+         "--row-len", 4096, "--shard-mb", 0.05)  # fmt: skip
+    return tmp / "out"
+
+
+def _shard(out: Path, padded: bool = False) -> tuple[Any, Any]:
+    """The first shard of rank 1 (`padded`: the first with padding and samples)."""
+    ds = rolltool.open_packed(out)
+    for ref in ds.rank_rows(1):
+        mapped = core._map_file(out / ref.file.path)
+        assert mapped is not None
+        head = header_of(mapped, "shard")
+        index = core._views(mapped, head, "shard")["sample_index"]
+        if not padded or ((index == PAD_SAMPLE).any() and (index != PAD_SAMPLE).any()):
+            return mapped, head
+    raise AssertionError("no shard with padding")
+
+
+def _outcome(fn: Any) -> Any:
+    try:
+        arrays = fn()
+    except RolltoolError as e:
+        return ("error", e.message)
+    return {k: (a.dtype, a.shape, a.tobytes(), a.flags.writeable) for k, a in arrays.items()}
+
+
+def test_views_are_tensors_in(out: Path) -> None:
+    mapped, head = _shard(out)
+    views = core._views(mapped, head, "shard")
+    assert _outcome(lambda: views) == _outcome(
+        lambda: tensors_in(np.frombuffer(mapped, np.uint8), head, "shard")
+    )
+    assert not any(a.flags.writeable for a in views.values())  # views of a read-only map
+    assert set(core._VIEW_DTYPES) <= set(_DTYPES)
+    assert all(np.dtype(_DTYPES[k]) == v for k, v in core._VIEW_DTYPES.items())
+
+
+EDITS: list[tuple[str, Any]] = [
+    ("data_offsets", [0, 10**9]),  # outside the file
+    ("data_offsets", [-4, 4]),
+    ("data_offsets", [4, 0]),
+    ("data_offsets", [0, 3]),  # no whole number of int32 (input_ids) or a short uint8
+    ("data_offsets", [0.0, 4.0]),
+    ("data_offsets", [True, 5]),
+    ("data_offsets", [0]),
+    ("data_offsets", None),
+    ("dtype", "F64"),  # a code tensors_in reads and _views leaves to it
+    ("dtype", "BF16"),
+    ("dtype", None),
+    ("shape", [3, 5]),
+    ("shape", [-1]),
+    ("shape", "x"),
+    (None, None),  # the entry itself is not an object
+]
+
+
+@pytest.mark.parametrize(("key", "value"), EDITS)
+def test_views_give_tensors_ins_verdict_on_a_malformed_header(
+    out: Path, key: str | None, value: Any
+) -> None:
+    mapped, head = _shard(out)
+    for name in head.tensors:
+        edited = copy.deepcopy(head)
+        if key is None:
+            edited.tensors[name] = value
+        else:
+            edited.tensors[name][key] = value
+        got = _outcome(lambda e=edited: core._views(mapped, e, "shard"))
+        want = _outcome(lambda e=edited: tensors_in(np.frombuffer(mapped, np.uint8), e, "shard"))
+        assert got == want, (name, key, value)
+
+
+@pytest.mark.parametrize("spelling", ["abs", "rel", "dot", "dotslash", "trailing"])
+def test_a_shards_path_is_spelled_as_path_spells_it(
+    out: Path, spelling: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(out.parent)
+    given = {"abs": str(out), "rel": out.name, "dot": ".", "dotslash": f"./{out.name}",
+             "trailing": f"{out.name}/"}[spelling]  # fmt: skip
+    if spelling == "dot":
+        monkeypatch.chdir(out)
+    ds = rolltool.open_packed(given)
+    rels = [ref.file.path for ref in ds.rank_rows(0)]
+    odd = ["rank-0000//x.safetensors", "./rank-0000/x", "rank-0000/./x", "rank-0000/", "/abs/x",
+           "rank-0000/x/.", ".", ""]  # fmt: skip
+    for rel in [*rels, *odd]:
+        assert ds._shown(rel) == str(ds._at(rel)), rel
+    assert sum(1 for _ in ds.rank_iter(0)) == len(rels)
+    assert os.path.exists(ds._shown(rels[0]))
+
+
+def _one_by_one(arrays: dict[str, np.ndarray]) -> str | None:
+    """`value_problem` with the fast test taken away: every check in its order."""
+    saved = core._values_in_range
+    core._values_in_range = lambda arrays: False  # type: ignore[assignment]
+    try:
+        return core.value_problem(arrays)
+    finally:
+        core._values_in_range = saved
+
+
+def test_the_in_range_test_never_passes_what_a_check_refuses(out: Path) -> None:
+    mapped, head = _shard(out, padded=True)
+    good = {k: np.array(a) for k, a in core._views(mapped, head, "shard").items()}
+    assert core.value_problem(good) is None and core._values_in_range(good)
+    pad = np.flatnonzero(good["sample_index"] == PAD_SAMPLE)
+    real = np.flatnonzero(good["sample_index"] != PAD_SAMPLE)
+    assert len(pad) and len(real)
+    big = float(np.finfo(np.float32).max)
+    edits: list[tuple[str, Any, Any]] = [
+        ("input_ids", 0, -1), ("loss_mask", 0, 2), ("loss_mask", -1, 255),
+        ("logprobs", 0, np.nan), ("logprobs", -1, np.inf), ("logprobs", 1, -np.inf),
+        ("sample_index", 0, -2), ("seg_advantage", 0, np.nan), ("seg_advantage", 0, np.inf),
+        ("seg_weight", 0, -1e-30), ("seg_weight", 0, np.nan), ("seg_weight", 0, np.inf),
+        ("seg_weight", 0, -0.0), ("seg_weight", int(pad[0]), 0.5),
+        ("seg_advantage", int(pad[0]), -0.25), ("seg_advantage", int(pad[0]), -0.0),
+        ("seg_advantage", int(real[0]), big), ("seg_advantage", int(real[-1]), big),
+        ("seg_weight", int(real[0]), big),
+    ]  # fmt: skip
+    rng = np.random.default_rng(0)
+    singles = list(edits)
+    for _ in range(200):  # and random pairs of them
+        a, b = rng.choice(len(singles), 2)
+        edits.append(("pair", singles[a], singles[b]))
+    for edit in edits:
+        arrays = {k: a.copy() for k, a in good.items()}
+        for key, i, v in [edit[1], edit[2]] if edit[0] == "pair" else [edit]:
+            arrays[key][i] = v
+        want = _one_by_one(arrays)
+        assert core.value_problem(arrays) == want, edit
+        if want is not None:
+            assert not core._values_in_range(arrays), edit
+
+
+def _positions(lens: np.ndarray) -> np.ndarray:
+    starts = np.zeros(len(lens), dtype=np.int64)
+    np.cumsum(lens[:-1], out=starts[1:])
+    return np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(starts, lens)
+
+
+def test_segment_positions_is_arange_minus_repeated_starts() -> None:
+    rng = np.random.default_rng(1)
+    for _ in range(500):
+        lens = rng.integers(0, rng.choice([4, 300, 5000]), size=rng.integers(0, 30))
+        for dtype in (np.int64, np.int32):
+            got = segment_positions(lens, dtype)
+            assert got.dtype == dtype and np.array_equal(got, _positions(lens).astype(dtype))
+    assert segment_positions([3, 2]).tolist() == [0, 1, 2, 0, 1]
+    with pytest.raises(ValueError):
+        segment_positions(np.array([300, -1]))
+
+
+def test_targets_of_many_padding_segments_are_those_of_few() -> None:
+    """A row with more than _FEW_PADS padding segments (--cp) takes `no_target`'s gathered
+    index, one with fewer fills slices: the same arrays either way."""
+    rng = np.random.default_rng(2)
+    for _ in range(300):
+        k = int(rng.integers(1, 40))
+        lens = rng.integers(1, 50, size=k)
+        index = np.where(rng.random(k) < rng.choice([0.0, 0.2, 0.6, 1.0]), -1, np.arange(k))
+        cu = np.zeros(k + 1, dtype=np.int32)
+        np.cumsum(lens, out=cu[1:])
+        n = int(cu[-1])
+        row = {"input_ids": rng.integers(0, 9, n).astype(np.int32),
+               "loss_weight": rng.random(n).astype(np.float32),
+               "advantages": rng.random(n).astype(np.float32),
+               "logprobs": rng.random(n).astype(np.float32),
+               "cu_seqlens": cu, "sample_index": index}  # fmt: skip
+        got = next_token_targets(row)
+        none = no_target(cu, index)
+        for key, source, fill in (("target_ids", "input_ids", -100),
+                                  ("target_loss_weight", "loss_weight", 0),
+                                  ("target_advantages", "advantages", 0),
+                                  ("target_logprobs", "logprobs", 0)):  # fmt: skip
+            want = np.empty(n, dtype=row[source].dtype)
+            want[:-1] = row[source][1:]
+            want[none] = fill
+            assert got[key].dtype == want.dtype and np.array_equal(got[key], want), key
+    assert _FEW_PADS >= 1
