@@ -150,7 +150,7 @@ def steps_table(run: dict[str, Any]) -> Table:
     (with a split pack, of each micro-batch's slowest GPU)."""
     kind = run["workload"]["kind"] if run.get("workload") else "?"
     split = run.get("split")
-    layout = f", {split['kind']} {split['size']}" if split else ""
+    layout = f", {_layout(split)}" if split else ""
     table = _table(f"bench {run['path']} ({kind} balance, dp {run['dp']}{layout}; ms)",
                    ("step", "mb/rank", "dp time", "lockstep", "ideal", "dp eff", "lockstep eff"))  # fmt: skip
     for s in [*run["steps"], {**run["total"], "step": "total", "micro_batches_per_rank": ""}]:
@@ -165,7 +165,7 @@ def group_table(run: dict[str, Any]) -> Table:
     times per micro-batch (median and max over the micro-batches), and the share of the
     group's time its GPUs compute (Σ mean / Σ max)."""
     sp = run["split"]
-    table = _table(f"{sp['kind']} {sp['size']} balance",
+    table = _table(f"{_layout(sp)} balance",
                    ("step", "max/mean\nmedian", "max/mean\nmax", "GPUs\nbusy"))  # fmt: skip
     for s in [*run["steps"], {**run["total"], "step": "total"}]:
         table.add_row(str(s["step"]), num(s["group_imbalance_median"], ".3f"),
@@ -233,7 +233,7 @@ def summary(run: dict[str, Any], what: str) -> str:
 def group_line(run: dict[str, Any]) -> str:
     """A split pack's group balance over the run (`rolltool.bench.report`)."""
     sp, t = run["split"], run["total"]
-    return (f"{sp['kind']} {sp['size']} balance: per micro-batch the slowest of the group's "
+    return (f"{_layout(sp)} balance: per micro-batch the slowest of the group's "
             f"{sp['size']} GPUs over their mean is {num(t['group_imbalance_median'], '.3f')} "
             f"(median), {num(t['group_imbalance_max'], '.3f')} (max); the GPUs compute "
             f"{pct(t['group_efficiency'])} of the group's time (communication not timed); "
@@ -267,3 +267,8 @@ def comparison_table(cmp: dict[str, Any], width: int | None = None) -> Table:
                      ms(line["lockstep_time"]) + star["lockstep_time"], ms(line["ideal_time"]),
                      pct(line["dp_efficiency"]), pct(line["lockstep_efficiency"])])  # fmt: skip
     return fit_table("comparison (ms; * best)", COMPARISON_COLS, rows, width)
+
+
+def _layout(split: dict[str, Any]) -> str:
+    """A split pack's layout in words: ``cp 4``, ``sp 2``, ``hybrid cp 4``."""
+    return f"{'hybrid ' if split.get('hybrid') else ''}{split['kind']} {split['size']}"

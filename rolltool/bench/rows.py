@@ -1,6 +1,7 @@
 """Read a packed directory into the rows bench replays: one per (step, rank, micro-batch), and
-with ``--cp C`` / ``--sp S`` packs one per GPU of the group: (step, rank, micro-batch, gpu),
-each with its `GpuShare` derived from that GPU's view (``ds.micro_batches(..., cp_rank=i)``).
+with ``--cp C`` / ``--sp S`` (or ``--hybrid-cp``) packs one per GPU of the group: (step, rank,
+micro-batch, gpu), each with its `GpuShare` derived from that GPU's view
+(``ds.micro_batches(..., cp_rank=i)``; a hybrid GPU's: `rolltool.bench.shares.hybrid_share`).
 
 Only ``cu_seqlens`` and ``sample_index`` (and a view's boundaries) are read; the token values do
 not matter to the timing (the layer input, or q, k, v, are random).
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rolltool.bench.shares import GpuShare, cp_share, sp_share
+from rolltool.bench.shares import GpuShare, cp_share, hybrid_share, sp_share
 from rolltool.errors import RolltoolError
 from rolltool.format.split import GroupSplit
 from rolltool.packed.reader import PackedDataset, open_packed
@@ -126,7 +127,9 @@ def gpu_rows(ds: PackedDataset, rows: Sequence[Row]) -> list[Row]:
                 views[key] = ds.micro_batches(r.step, r.rank, sp_rank=None if cp else gpu,
                                               cp_rank=gpu if cp else None)  # fmt: skip
             view = views[key][r.micro_batch]
-            if split.kind == "cp":
+            if split.hybrid:  # the GPU's own sub-group (`rolltool.format.hybrid`)
+                share = hybrid_share(view)
+            elif split.kind == "cp":
                 share = cp_share(view, split.cp, gpu)
             else:
                 share = sp_share(view, split.sp, gpu)

@@ -147,6 +147,7 @@ def _timing(
         "split": {
             "kind": split.kind,
             "size": split.size,
+            **({"hybrid": True} if split.hybrid else {}),
             "real_tokens": real,
             "flops_imbalance_median": float(np.median(counted)),
             "flops_imbalance_max": float(counted.max()),

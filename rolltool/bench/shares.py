@@ -16,6 +16,8 @@ group's k GPUs gets a view of it (`rolltool.format.split`). Bench times every GP
           contiguous parts) attends within its own part only (no ring exchange for it).
 ``sp``    Ulysses: after the all-to-all every SP rank holds the whole row for 1/S of the heads;
           its blocks are the row's segments (queries = keys), with ``heads / S`` heads.
+hybrid    ``--hybrid-cp``: a GPU in a sub-group of k > 1 GPUs is CP rank r of a ``cp k`` row (as
+          above, over its sub-group); a plain GPU (k = 1) attends within its own segments.
 ========  ====================================================================================
 
 Example, a 10-token sample over cp 2 (padded to 12, chunks of 3): rank 0 has query blocks of 3
@@ -103,6 +105,19 @@ def cp_share(view: Mapping[str, np.ndarray], cp: int, gpu: int) -> GpuShare:
         start += n
     return GpuShare(kind="cp", size=cp, gpu=gpu, tokens=start, q_cu=_cu(q), k_cu=_cu(k),
                     own_key=np.concatenate(own) if own else np.zeros(0, np.int64))  # fmt: skip
+
+
+def hybrid_share(view: Mapping[str, np.ndarray]) -> GpuShare:
+    """A ``--hybrid-cp`` GPU's share from its view (`rolltool.format.hybrid.hybrid_view`): in a
+    sub-group of k > 1 GPUs its `cp_share` for its rank there (size k); on a plain GPU (k = 1)
+    its row's segments, each attending to itself (size 1, every key its own)."""
+    k, rank = int(view["cp_group_size"][0]), int(view["cp_group_rank"][0])
+    if k > 1:
+        return cp_share(view, k, rank)
+    cu = np.asarray(view["cu_seqlens"], dtype=np.int32)
+    n = int(cu[-1])
+    return GpuShare(kind="cp", size=1, gpu=0, tokens=n, q_cu=cu, k_cu=cu,
+                    own_key=np.arange(n, dtype=np.int64))  # fmt: skip
 
 
 def sp_share(view: Mapping[str, np.ndarray], sp: int, gpu: int) -> GpuShare:

@@ -101,7 +101,8 @@ def created_at() -> str:
 
 def samples_table(ro: Rollouts, plan: Schedule) -> pa.Table:
     """One row per input sample: where it went, or why it was not trained; with --epochs E > 1
-    one row per (epoch, sample), epoch by epoch, with an ``epoch`` column (format version 2)."""
+    one row per (epoch, sample), epoch by epoch, with an ``epoch`` column (format version 2);
+    with --hybrid-cp each sample's CP sub-group (`_hybrid_columns`)."""
     n, e = ro.num_samples, plan.epochs
     index = np.arange(n, dtype=np.int64)
 
@@ -126,5 +127,15 @@ def samples_table(ro: Rollouts, plan: Schedule) -> pa.Table:
             "rank": pa.array(plan.rank),
             "micro_batch": pa.array(plan.micro_batch),
             "status": pa.array(plan.status.tolist(), pa.string()),
+            **_hybrid_columns(plan),
         }
     )
+
+
+def _hybrid_columns(plan: Schedule) -> dict[str, pa.Array]:
+    """A --hybrid-cp pack's two extra samples.parquet columns (none in any other pack):
+    ``cp_start`` (the first GPU of the sample's sub-group in its data-parallel group) and
+    ``cp_degree`` (its CP degree k: 1 whole on GPU ``cp_start``, 0 when not trained)."""
+    if plan.cp_start is None or plan.cp_degree is None:
+        return {}
+    return {"cp_start": pa.array(plan.cp_start), "cp_degree": pa.array(plan.cp_degree)}

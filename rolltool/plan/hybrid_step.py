@@ -37,7 +37,7 @@ from rolltool.plan.workload import Workload
 class HybridLayout:
     """What a hybrid step's rows need beside its `StepPlan`'s micro-batches."""
 
-    groups: np.ndarray  # [dp, M, cp] int8: each GPU's sub-group size per slot (1: a plain row)
+    groups: np.ndarray  # [dp, M, cp] int16: each GPU's sub-group size per slot (1: a plain row)
     cp_start: np.ndarray  # [n] int16: each sample's first GPU, in the step's row order
 
     def degree(self, rank: np.ndarray, slot: np.ndarray) -> np.ndarray:
@@ -76,7 +76,7 @@ def hybrid_step(
         workload=workload,
     )
     layout = HybridLayout(
-        groups=hp.groups.astype(np.int8), cp_start=hp.start[order].astype(np.int16)
+        groups=hp.groups.astype(np.int16), cp_start=hp.start[order].astype(np.int16)
     )
     return plan, layout, hp
 
@@ -94,3 +94,41 @@ def hybrid_record(hp: HybridPlan, lengths: np.ndarray) -> HybridRecord:
         split_samples={str(k): int((hp.degree == k).sum()) for k in ks},
         split_tokens={str(k): int(length[hp.degree == k].sum()) for k in ks},
     )
+
+
+def occupied_tokens(lengths: np.ndarray, degree: np.ndarray) -> np.ndarray:
+    """[n] int64 tokens each sample takes in its group row: padded to a multiple of 2k when
+    split k > 1 ways, itself when whole (k = 1).
+
+    >>> occupied_tokens(np.array([10, 10, 7]), np.array([1, 2, 4])).tolist()
+    [10, 12, 8]
+    """
+    length = np.asarray(lengths, dtype=np.int64)
+    k = np.asarray(degree, dtype=np.int64)
+    return np.where(k > 1, gpu_tokens(length, np.maximum(k, 1)) * k, length)
+
+
+def gpu_costs(
+    lengths: np.ndarray,
+    degree: np.ndarray,
+    start: np.ndarray,
+    rank: np.ndarray,
+    slot: np.ndarray,
+    *,
+    shape: tuple[int, int, int],
+    workload: Workload,
+    ring: RingModel,
+) -> np.ndarray:
+    """[dp, M, cp] float64 each GPU's cost per slot of a step laid out as given (per sample its
+    degree, first GPU, group and slot), by the plan's own formula (`rolltool.plan.hybrid`: each
+    of k GPUs pays 1/k of the padded sample's cost plus the ring's exposed communication): what
+    ``stats`` and ``verify`` recompute from samples.parquet."""
+    length = np.asarray(lengths, dtype=np.int64)
+    k = np.maximum(np.asarray(degree, dtype=np.int64), 1)
+    a = np.asarray(start, dtype=np.int64)
+    cost = workload.cost(occupied_tokens(length, k)) / k + ring.exposed(length, k, workload.b)
+    grid = np.zeros(shape)
+    for offset in range(shape[2]):
+        on = (k > offset) & (a + offset < shape[2])
+        np.add.at(grid, (rank[on], slot[on], a[on] + offset), cost[on])
+    return grid

@@ -3,7 +3,8 @@
 Every samples.parquet row (E x n: each sample once per epoch) gets a status (``STATUSES``:
 trained, or why not; stored as one int8 code, `STATUS_CODE`), the step it went to or was dropped
 in (int32, -1 if none), its advantage and loss weight (float32, the bytes the shards store), and
-each kept step's trained samples in row order. `placement` gives every sample's fate outside the
+each kept step's trained samples in row order (with --hybrid-cp also each trained sample's
+CP sub-group: its first GPU and its degree). `placement` gives every sample's fate outside the
 kept steps (leftover, env_unweighted, or why it could never train); `Placement.add` then folds
 each planned step in as it arrives, in step order, keeping only a `StepOutline` of it, so the
 driver never holds every step's arrays.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -74,6 +76,8 @@ class Placement:
     weight: np.ndarray
     rows: np.ndarray  # [E*n] buffer; the first ``row_starts[-1]`` entries are filled
     row_starts: list[int]
+    cp_start: np.ndarray | None = None  # [E*n] int16 --hybrid-cp: first GPU of its sub-group
+    cp_degree: np.ndarray | None = None  # [E*n] int16 --hybrid-cp: its CP degree k (0: untrained)
 
     def add(self, st: PlannedStep) -> StepOutline:
         """Where `st`'s samples went (a later step's fate overrides an earlier one's, as they
@@ -95,9 +99,16 @@ class Placement:
         start = self.row_starts[-1]
         self.rows[start : start + len(members)] = members
         self.row_starts.append(start + len(members))
+        if st.hybrid is not None and self.cp_start is not None and self.cp_degree is not None:
+            sizes = np.array([[len(m) for m in mbs] for mbs in st.plan.micro_batches], np.int64)
+            dp, m = st.plan.dp, st.plan.num_micro_batches
+            rank = np.repeat(np.arange(dp).repeat(m), sizes.ravel())
+            slot = np.repeat(np.tile(np.arange(m), dp), sizes.ravel())
+            self.cp_start[at + members] = st.hybrid.cp_start
+            self.cp_degree[at + members] = st.hybrid.degree(rank, slot)
         return StepOutline.of(st)
 
-    def arrays(self) -> dict[str, np.ndarray]:
+    def arrays(self) -> dict[str, Any]:
         """`Schedule`'s array fields."""
         return {
             "status_code": self.status_code,
@@ -106,6 +117,8 @@ class Placement:
             "weight": self.weight,
             "rows": self.rows[: self.row_starts[-1]],
             "row_starts": np.array(self.row_starts, dtype=np.int64),
+            "cp_start": self.cp_start,
+            "cp_degree": self.cp_degree,
         }
 
 
@@ -116,9 +129,11 @@ def placement(
     too_long: np.ndarray,
     advantage: np.ndarray,
     epochs: int = 1,
+    hybrid: bool = False,
 ) -> Placement:
     """The flat arrays before any step is added: every sample's fate outside the kept steps
-    (leftover, env_unweighted, or why it could never train), arrays of length epochs x n."""
+    (leftover, env_unweighted, or why it could never train), arrays of length epochs x n;
+    with `hybrid` (--hybrid-cp) each trained sample's sub-group too."""
     n = ro.num_samples
     code = np.full(n, STATUS_CODE["leftover"], dtype=np.int8)
     code[in_group.samples(assembly.unweighted)] = STATUS_CODE["env_unweighted"]
@@ -135,4 +150,6 @@ def placement(
         weight=np.zeros(epochs * n, dtype=np.float32),
         rows=np.empty(epochs * n, dtype=index_dtype(n)),
         row_starts=[0],
+        cp_start=np.zeros(epochs * n, dtype=np.int16) if hybrid else None,
+        cp_degree=np.zeros(epochs * n, dtype=np.int16) if hybrid else None,
     )

@@ -56,7 +56,7 @@ class Schedule:
     its rows hold them (rank 0's micro-batches first; ``outlines[s].sizes`` cut them into
     micro-batches). `steps` gives each step as a `PlannedStep`, built on access; ``status``,
     ``step``, ``rank`` and ``micro_batch`` give the samples.parquet columns, also on access.
-    17 bytes per row (see `nbytes`).
+    17 bytes per row (see `nbytes`; 21 with --hybrid-cp: ``cp_start``, ``cp_degree``).
     """
 
     outlines: list[StepOutline]  # the kept steps, in order
@@ -72,6 +72,8 @@ class Schedule:
     advantages: GroupAdvantages
     epochs: int = 1
     warnings: list[str] = field(default_factory=list)  # for people: what the plan had to do
+    cp_start: np.ndarray | None = None  # [E*n] int16 --hybrid-cp: first GPU of its sub-group
+    cp_degree: np.ndarray | None = None  # [E*n] int16 --hybrid-cp: CP degree k, 0 if untrained
 
     @property
     def num_samples(self) -> int:
@@ -148,8 +150,9 @@ class Schedule:
     @property
     def nbytes(self) -> int:
         """Bytes of the per-sample and per-row arrays (what grows with the input)."""
-        flat = (self.status_code, self.step_code, self.advantage, self.weight, self.rows)
-        return sum(a.nbytes for a in flat) + self.advantages.value.nbytes
+        flat = (self.status_code, self.step_code, self.advantage, self.weight, self.rows,
+                self.cp_start, self.cp_degree)  # fmt: skip
+        return sum(a.nbytes for a in flat if a is not None) + self.advantages.value.nbytes
 
 
 class PlannedSteps(Sequence[PlannedStep]):
@@ -203,7 +206,9 @@ def schedule(
     in_group = GroupIndex.of(ro.group, ro.num_groups)
     plan = functools.partial(batch_steps, ro, config, workload, adv, in_group, too_long, groups.env)
     results: Iterable[list[PlannedStep]] = mapper(plan, assembly.steps)
-    flat = placement(ro, assembly, in_group, too_long, adv.value, config.steps.epochs)
+    flat = placement(
+        ro, assembly, in_group, too_long, adv.value, config.steps.epochs, config.hybrid_cp
+    )
     outlines = [flat.add(st) for st in _drain(results)]
     return Schedule(
         outlines=outlines,

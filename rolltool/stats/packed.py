@@ -29,6 +29,13 @@ cost) of rank r's micro-batch j:
 - ``alternatives``: the same step re-planned with the ``tokens`` and ``count`` workloads (same
   dp, budget, alignment), priced with the run's workload; ``step_cost_vs_chosen`` > 1 means the
   alternative would have been that much slower.
+
+A ``--hybrid-cp`` pack (samples.parquet's ``cp_degree`` and ``cp_start``): each sample occupies
+its length padded for its own degree k (whole: unpadded), a group's cost per slot is its slowest
+GPU's (the plan's formula, `rolltool.plan.hybrid_step.gpu_costs`, ring included), and each step
+adds ``hybrid``: samples and tokens at each k (``split_samples``, ``split_tokens``) and the
+balance over every GPU (``gpu_imbalance``, ``gpu_lockstep_overhead`` = Σ_j max_g / Σ_j mean_g,
+``gpu_step_cost``); ``totals.hybrid`` sums them over the run. No alternatives are planned.
 """
 
 from __future__ import annotations
@@ -47,6 +54,8 @@ from rolltool.errors import RolltoolError
 from rolltool.format import Manifest, StepRecord
 from rolltool.format.split import GroupSplit, recorded_split
 from rolltool.packed.reader import open_packed
+from rolltool.plan.hybrid import RingModel
+from rolltool.plan.hybrid_step import gpu_costs, occupied_tokens
 from rolltool.plan.minibatches import recorded_structure
 from rolltool.plan.partition import metrics, plan_step
 from rolltool.plan.workload import Workload, make_workload
@@ -114,6 +123,37 @@ def _grid(
         np.add.at(tokens, (r, j), occupied)
         np.add.at(costs, (r, j), workload.cost(occupied))
     return tokens, costs
+
+
+def _hybrid_grid(
+    frame: pl.DataFrame, dp: int, m: int, workload: Workload, ring: RingModel, cp: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A --hybrid-cp step from its trained samples (their ``cp_degree``, ``cp_start``): the
+    ``[dp, m]`` occupied tokens (each sample padded for its own degree) and group cost (its
+    slowest GPU), and the ``[dp, m, cp]`` cost of every GPU (`gpu_costs`)."""
+    length = frame["length"].to_numpy()
+    k, a = frame["cp_degree"].to_numpy(), frame["cp_start"].to_numpy()
+    r, j = frame["rank"].to_numpy(), frame["micro_batch"].to_numpy()
+    tokens = np.zeros((dp, m), dtype=np.int64)
+    np.add.at(tokens, (r, j), occupied_tokens(length, k))
+    per_gpu = gpu_costs(length, k, a, r, j, shape=(dp, m, cp), workload=workload, ring=ring)
+    return tokens, per_gpu.max(axis=2) if cp else per_gpu.sum(axis=2), per_gpu
+
+
+def _hybrid_figures(frame: pl.DataFrame, per_gpu: np.ndarray) -> dict[str, Any]:
+    """A --hybrid-cp step's samples and tokens at each CP degree and its balance over every
+    GPU (``per_gpu`` [dp, m, cp]: slowest GPU over the mean per slot, Σ_j max_g / Σ_j mean_g)."""
+    k, length = frame["cp_degree"].to_numpy(), frame["length"].to_numpy()
+    dp, m, cp = per_gpu.shape
+    grid = per_gpu.transpose(0, 2, 1).reshape(dp * cp, m)
+    ks = sorted(set(k.tolist()))
+    return {
+        "split_samples": {str(x): int((k == x).sum()) for x in ks},
+        "split_tokens": {str(x): int(length[k == x].sum()) for x in ks},
+        "gpu_imbalance": metrics.imbalance(grid),
+        "gpu_lockstep_overhead": metrics.lockstep_overhead(grid),
+        "gpu_step_cost": metrics.lockstep_cost(grid),
+    }
 
 
 def _alternative(
@@ -199,22 +239,35 @@ def step_stats(
     workload: Workload,
     alternatives: bool = True,
     split: GroupSplit | None = None,
+    ring: RingModel | None = None,
 ) -> dict[str, Any]:
     """One step's figures from its manifest record and its trained samples (``frame``).
 
     ``row_len``: the group's row length (``--row-len`` x sp or cp; None without); a row's
     capacity is that, else the group's micro-batch budget, else the step's longest micro-batch.
-    ``workload``: the per-GPU cost the plan balanced; ``split``: the pack's sp or cp.
+    ``workload``: the per-GPU cost the plan balanced; ``split``: the pack's sp or cp; ``ring``:
+    a --hybrid-cp pack's ring model (then ``frame`` has ``cp_degree`` and ``cp_start``, the
+    grids count each sample for its own degree, costs are each group's slowest GPU, ``hybrid``
+    adds the per-degree counts and the per-GPU balance, and no alternative is planned).
     """
     split = split or GroupSplit()
     dp, m = len(step.ranks), step.plan.micro_batches_per_rank
-    tokens, costs = _grid(frame, dp, m, workload, split)
-    per_row = row_len or step.plan.max_tokens or int(tokens.max(initial=0))
     lengths = frame["length"].to_numpy()
-    occupied = split.padded(lengths)
+    hybrid: dict[str, Any] | None = None
+    if ring is not None:  # --hybrid-cp: a degree per sample
+        tokens, costs, per_gpu = _hybrid_grid(frame, dp, m, workload, ring, split.cp)
+        occupied = occupied_tokens(lengths, frame["cp_degree"].to_numpy())
+        hybrid = _hybrid_figures(frame, per_gpu)
+        alternatives = False  # the partition's plans are not the hybrid plan's alternatives
+    else:
+        tokens, costs = _grid(frame, dp, m, workload, split)
+        occupied = split.padded(lengths)
+    per_row = row_len or step.plan.max_tokens or int(tokens.max(initial=0))
     cp_padding = int((occupied - lengths).sum())
     fig = balance_figures(tokens, costs, step.plan.align)
     out = {**_counts(step), **_rows(step, tokens, per_row, cp_padding), **fig}
+    if hybrid is not None:
+        out["hybrid"] = hybrid
     if alternatives:
         out["alternatives"] = {
             kind: _alternative(occupied, kind, step, workload, fig["step_cost"])
@@ -282,7 +335,29 @@ def _totals(steps: list[dict[str, Any]], records: Sequence[StepRecord]) -> dict[
         if got and all(g is not None for g in got):
             t["balance"][kind] = _balance_totals(got, t["step_cost"])  # type: ignore[arg-type]
     t["envs"] = env_totals(records)
+    hybrid = [s["hybrid"] for s in steps if "hybrid" in s]
+    if hybrid:
+        t["hybrid"] = _hybrid_totals(hybrid)
     return t
+
+
+def _hybrid_totals(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """A --hybrid-cp run's samples and tokens per CP degree, and its per-GPU balance (the
+    slowest GPU's time over the mean GPU's, Σ over steps)."""
+    out: dict[str, Any] = {}
+    for key in ("split_samples", "split_tokens"):
+        acc: dict[str, int] = {}
+        for s in steps:
+            for k, v in s[key].items():
+                acc[k] = acc.get(k, 0) + v
+        out[key] = dict(sorted(acc.items(), key=lambda kv: int(kv[0])))
+    cost = sum(s["gpu_step_cost"] for s in steps)
+    mean = sum(
+        s["gpu_step_cost"] / s["gpu_lockstep_overhead"] for s in steps if s["gpu_lockstep_overhead"]
+    )
+    out["gpu_step_cost"] = cost
+    out["gpu_lockstep_overhead"] = cost / mean if mean else 1.0
+    return out
 
 
 def _balance_totals(steps: list[dict[str, Any]], chosen_cost: float) -> dict[str, Any]:
@@ -312,10 +387,11 @@ def read_samples(path: Path, remote: Location | None = None) -> pl.DataFrame:
     else:
         source = path / "samples.parquet"
     try:
+        scan = pl.scan_parquet(source)
+        extra = [c for c in ("cp_start", "cp_degree") if c in scan.collect_schema().names()]
         return (
-            pl.scan_parquet(source)
-            .filter(pl.col("status") == "trained")
-            .select("step", "rank", "micro_batch", "env", "length")
+            scan.filter(pl.col("status") == "trained")
+            .select("step", "rank", "micro_batch", "env", "length", *extra)
             .collect()
         )
     except (OSError, pl.exceptions.PolarsError) as e:
@@ -349,9 +425,10 @@ def packed_stats(
     empty = samples.clear()
     records = manifest.steps[:n_steps]
     world = world_layout(manifest)
-    split = GroupSplit(sp=world["sp"], cp=world["cp"])
+    split = recorded_split(manifest.config)
+    ring = _ring(manifest, workload) if split.hybrid else None
     fn = functools.partial(_step_figures, row_len=world["group_row_len"], run=workload,
-                           alternatives=alternatives, split=split)  # fmt: skip
+                           alternatives=alternatives, split=split, ring=ring)  # fmt: skip
     items = [(r, by_step.get((r.step,), empty)) for r in records]
     steps = [fn(x) for x in items] if mapper is None else list(mapper(fn, items))
     across = {k: percentiles(np.array([_get(s, k) for s in steps], dtype=object)) for k in ACROSS}
@@ -379,6 +456,18 @@ def packed_stats(
     return Stats(report=report, lengths=lengths)
 
 
+def _ring(manifest: Manifest, workload: Workload) -> RingModel:
+    """The ring model a --hybrid-cp pack was planned with (its recorded settings)."""
+    c = manifest.config
+    link, tflops = c.cp_link_bandwidth or 0.0, c.gpu_tflops or 0.0
+    if link <= 0 or tflops <= 0:
+        raise RolltoolError(
+            "manifest.json: a --hybrid-cp pack without its cp_link_bandwidth and gpu_tflops",
+            hint="check the directory with `rolltool verify`",
+        )
+    return RingModel.for_workload(workload, bandwidth=link * 1e9, speed=tflops * 1e12)
+
+
 def world_layout(manifest: Manifest) -> dict[str, Any]:
     """Who shares the work (see the module docstring): dp groups of k = sp or cp GPUs, the
     per-GPU budget and the group's (x k, CP padding counted), the row length per GPU and the
@@ -390,6 +479,7 @@ def world_layout(manifest: Manifest) -> dict[str, Any]:
         "dp": manifest.dp,
         "sp": split.sp,
         "cp": split.cp,
+        **({"hybrid_cp": True} if split.hybrid else {}),
         "group_size": k,
         "gpus": manifest.dp * k,
         "gpu_budget": budget,
@@ -406,11 +496,12 @@ def _step_figures(
     run: Workload,
     alternatives: bool,
     split: GroupSplit,
+    ring: RingModel | None = None,
 ) -> dict[str, Any]:
     """`step_stats` of one (record, trained samples) pair, with the step's per-GPU workload."""
     record, frame = item
     return step_stats(record, frame, row_len=row_len, workload=_gpu_workload(record, run),
-                      alternatives=alternatives, split=split)  # fmt: skip
+                      alternatives=alternatives, split=split, ring=ring)  # fmt: skip
 
 
 def _gpu_workload(record: StepRecord, run: Workload) -> Workload:

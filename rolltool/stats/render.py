@@ -131,7 +131,8 @@ def world_line(world: dict[str, Any]) -> str:
     'dp 2 x sp 2 = 4 GPUs; 32,768 tokens per GPU, 65,536 per group micro-batch'
     """
     kind, k = _split(world) or ("", 1)
-    text = f"dp {world['dp']} x {kind} {k} = {world['gpus']:,} GPUs"
+    shown = f"hybrid {kind}" if world.get("hybrid_cp") else kind  # --hybrid-cp: a degree per sample
+    text = f"dp {world['dp']} x {shown} {k} = {world['gpus']:,} GPUs"
     if world.get("gpu_budget"):
         text += (f"; {world['gpu_budget']:,} tokens per GPU, {world['group_budget']:,} per group "
                  f"micro-batch{' (CP padding counted)' if kind == 'cp' else ''}")  # fmt: skip
@@ -320,6 +321,21 @@ def _balance_table(title: str, chosen: str, splits: dict[str, Any], width: int |
     return fit(title, BALANCE_COLS, rows, width)
 
 
+def _hybrid_table(h: dict[str, Any], width: int | None) -> Table:
+    """A --hybrid-cp run: samples and tokens at each CP degree k (1: whole on one GPU), and the
+    balance over every GPU (`rolltool.stats.packed`'s ``totals.hybrid``)."""
+    title = (f"hybrid CP: samples per degree; every GPU's lockstep overhead "
+             f"{over(h['gpu_lockstep_overhead'])}")  # fmt: skip
+    t = Table(title=title, title_justify="left", width=width)
+    for name in ("k", "samples", "tokens", "token share"):
+        t.add_column(name, justify="right")
+    total = sum(h["split_tokens"].values()) or 1
+    for k, n in h["split_samples"].items():
+        tokens = h["split_tokens"][k]
+        t.add_row(k, f"{n:,}", f"{tokens:,}", pct(tokens / total))
+    return t
+
+
 def _fill_table(hist: list[int]) -> Table:
     t = new_table("micro-batch token fill", ["fill", "micro-batches", ""])
     top = max(hist) or 1
@@ -428,6 +444,8 @@ def render_packed(
         _balance_table(title, chosen, rows, width),
         _fill_table(report["totals"]["fill_histogram"]),
     ]
+    if "hybrid" in report["totals"]:
+        out.append(_hybrid_table(report["totals"]["hybrid"], width))
     structured = bool(structure(report["config"]["epochs"], report["config"]["mini_batches"]))
     if per_step:
         out.append(_steps_table(report["steps"], width, split, structured))

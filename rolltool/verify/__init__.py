@@ -33,6 +33,7 @@ hybrid_layout       row.hybrid, row.budget (--hybrid-cp: each row's aligned sub-
 padding             row.padding
 placement           segment.index, sample.placement, sample.repeated, sample.missing
 sample_fields       sample.length, sample.trainable, sample.advantage, sample.weight
+hybrid_samples      sample.cp (--hybrid-cp: samples.parquet's cp_start/cp_degree, as the rows)
 content             input.length, input.input_ids, input.loss_mask, input.logprobs,
                     input.unreadable
 ==================  ===========================================================================
@@ -77,7 +78,7 @@ from rolltool.verify.context import (
     load_samples,
     open_input,
 )
-from rolltool.verify.hybrid import hybrid_layout
+from rolltool.verify.hybrid import hybrid_layout, hybrid_samples
 from rolltool.verify.records import files_and_hashes, rank_files, samples_table
 from rolltool.verify.rows import (
     group_split,
@@ -115,6 +116,7 @@ INVARIANTS: tuple[Invariant, ...] = (
     padding,
     placement,
     sample_fields,
+    hybrid_samples,
     content,
 )
 """In the order they run, the cheap record checks first (files_and_hashes runs before all)."""

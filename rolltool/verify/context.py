@@ -30,6 +30,8 @@ from rolltool.verify.segments import Segments
 
 _INT_COLUMNS = ("sample_index", "step", "rank", "micro_batch", "length", "trainable_tokens")
 _FLOAT_COLUMNS = ("advantage", "token_loss_weight")
+HYBRID_COLUMNS = ("cp_start", "cp_degree")
+"""samples.parquet's columns of a --hybrid-cp pack only."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,9 @@ class Samples:
     reward: np.ndarray | None  # [n] float64; None for packs written before the column existed
     by_step: np.ndarray  # trained samples of steps 0..num_steps-1, sorted by step (stable)
     step_bounds: np.ndarray  # [num_steps + 1]: by_step[bounds[s]:bounds[s + 1]] train at step s
+    cp_start: np.ndarray | None = None  # [n] int64 --hybrid-cp: its sub-group's first GPU
+    cp_degree: np.ndarray | None = None  # [n] int64 --hybrid-cp: its CP degree (0: untrained)
+    """(None when samples.parquet has no such column: every pack but --hybrid-cp's)"""
 
     @property
     def n(self) -> int:
@@ -87,7 +92,7 @@ def _read(path: Path) -> pa.Table:
     """samples.parquet's columns that verify judges (``reward`` and ``epoch`` when written)."""
     names = set(pq.read_schema(path).names)
     wanted = [*_INT_COLUMNS, *_FLOAT_COLUMNS, "status", "env", "group_id", "rollout_id"]
-    optional = [c for c in ("reward", "epoch") if c in names]
+    optional = [c for c in ("reward", "epoch", *HYBRID_COLUMNS) if c in names]
     t = pq.read_table(path, columns=wanted + optional)
     nulls = [c for c in t.column_names if t.column(c).null_count]
     if nulls:
@@ -114,6 +119,8 @@ def load_samples(path: Path, num_steps: int, input_rows: int | None = None) -> S
         reward = (
             t.column("reward").to_numpy().astype(np.float64) if "reward" in t.column_names else None
         )
+        cp = {c: t.column(c).to_numpy().astype(np.int64) for c in HYBRID_COLUMNS
+              if c in t.column_names}  # fmt: skip
     except (pa.ArrowException, KeyError, OSError, ValueError, TypeError) as e:
         raise RolltoolError(f"{SAMPLES}: unreadable or missing columns ({e})") from None
     trained = pc.equal(status, "trained").to_numpy(zero_copy_only=False)
@@ -141,6 +148,7 @@ def load_samples(path: Path, num_steps: int, input_rows: int | None = None) -> S
         reward=reward,
         by_step=order,
         step_bounds=np.searchsorted(step[order], np.arange(num_steps + 1), side="left"),
+        **cp,
     )
 
 

@@ -9,13 +9,15 @@ A hybrid pack's rows cut their C GPUs into aligned power-of-two sub-groups
   segment is a multiple of 2k (valid THD for the block's ring); with ``--row-len R`` every
   block holds k x R tokens;
 - ``row.budget``: every GPU's tokens, CP padding counted (row-end padding not), within the
-  per-GPU budget (``--micro-batch-tokens``).
+  per-GPU budget (``--micro-batch-tokens``);
+- ``sample.cp``: samples.parquet's ``cp_start`` and ``cp_degree`` are where the rows hold each
+  sample (`hybrid_samples`).
 
 Each sample appearing exactly once, at its planned place, is `rolltool.verify.rows.placement`'s
 (a sample sits in one segment, so in one block of one degree); equal micro-batch counts are
 `rank_files`' (every rank's record), and every GPU of a row has a view (a block per GPU);
 the step records' per-GPU figures (`HybridRecord`) are `rolltool.verify.steps.step_plans`',
-recomputed with each sample's degree as the rows give it (`sample_places`).
+recomputed from samples.parquet with each sample's degree (`sample_places`).
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rolltool.format import PAD_SAMPLE, PlanRecord
+from rolltool.format import PAD_SAMPLE, SAMPLES, PlanRecord
 from rolltool.format.hybrid import block_problem, blocks, partition_problem
 from rolltool.plan.hybrid import RingModel, gpu_tokens
+from rolltool.plan.hybrid_step import gpu_costs, occupied_tokens
 from rolltool.plan.partition import metrics
 from rolltool.plan.workload import Workload
 from rolltool.util.problems import Problem
@@ -36,13 +39,11 @@ from rolltool.verify.rows import at_plan
 from rolltool.verify.segments import row_ids, segment_degrees
 
 
-def sample_places(ctx: Context) -> tuple[np.ndarray, np.ndarray]:
-    """([n] degree, [n] first GPU) of every samples.parquet row as the shards hold it (degree 1,
-    GPU 0 for a sample not found at its planned place: `placement` reports that)."""
+def shard_places(ctx: Context) -> tuple[np.ndarray, np.ndarray]:
+    """([n] degree, [n] first GPU) of every samples.parquet row as the shards hold it (degree
+    0, GPU 0 for a sample not found at its planned place: `placement` reports that)."""
     n = ctx.samples.n
-    degree, start = np.ones(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
-    if not ctx.split.hybrid:
-        return degree, start
+    degree, start = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
     seg = ctx.segments
     ok = at_plan(ctx)
     degree[seg.sample[ok]] = segment_degrees(seg, ctx.split.cp)[ok]
@@ -50,10 +51,36 @@ def sample_places(ctx: Context) -> tuple[np.ndarray, np.ndarray]:
     return degree, start
 
 
-def occupied(length: np.ndarray, degree: np.ndarray) -> np.ndarray:
-    """[n] int64 tokens each sample takes in its group row: padded to a multiple of 2k when
-    split k > 1 ways, itself when whole."""
-    return np.where(degree > 1, gpu_tokens(length, degree) * degree, length)
+def sample_places(ctx: Context) -> tuple[np.ndarray, np.ndarray]:
+    """([n] degree, [n] first GPU) of every samples.parquet row: its ``cp_degree`` and
+    ``cp_start`` columns (`hybrid_samples` compares them with the shards), else the shards'
+    (`shard_places`) when they are missing (reported there)."""
+    s = ctx.samples
+    if s.cp_degree is not None and s.cp_start is not None:
+        return s.cp_degree, s.cp_start
+    return shard_places(ctx)
+
+
+def hybrid_samples(ctx: Context) -> Iterator[Problem]:
+    """``sample.cp``: a hybrid pack's samples.parquet has ``cp_start`` and ``cp_degree``, and
+    every trained sample's are the sub-group the shards hold it in (an untrained one's degree
+    is 0)."""
+    s = ctx.samples
+    if not ctx.split.hybrid:
+        return
+    if s.cp_degree is None or s.cp_start is None:
+        text = "no cp_start and cp_degree columns (a --hybrid-cp pack's samples.parquet has them)"
+        yield Problem("sample.cp", SAMPLES, text)
+        return
+    degree, start = shard_places(ctx)
+    seen = np.zeros(s.n, dtype=bool)
+    seen[ctx.segments.sample[at_plan(ctx)]] = True
+    for i in np.flatnonzero(seen & ((degree != s.cp_degree) | (start != s.cp_start))):
+        text = (f"cp_start {s.cp_start[i]} cp_degree {s.cp_degree[i]}, its rows hold it on "
+                f"GPUs {start[i]}..{start[i] + degree[i] - 1}")  # fmt: skip
+        yield Problem("sample.cp", s.where(i), text)
+    for i in np.flatnonzero(~s.trained & (s.cp_degree != 0)):
+        yield Problem("sample.cp", s.where(i), f"not trained, but cp_degree {s.cp_degree[i]}")
 
 
 def hybrid_layout(ctx: Context) -> Iterator[Problem]:
@@ -122,23 +149,19 @@ class HybridGrid:
         return cls(degree, start, ctx.split.cp, link * 1e9, tflops * 1e12)
 
     def occupied(self, length: np.ndarray) -> np.ndarray:
-        return occupied(length, self.degree)
+        return occupied_tokens(length, self.degree)
 
     def costs(
         self, s: Samples, planned: np.ndarray, dp: int, m: int, workload: Workload
     ) -> np.ndarray:
-        """[dp, m, cp] float64: each GPU's cost in each slot of a step."""
-        length, k, a = s.length[planned], self.degree[planned], self.start[planned]
+        """[dp, m, cp] float64: each GPU's cost in each slot of a step (`gpu_costs`)."""
         ring = RingModel.for_workload(
             workload, bandwidth=self.bandwidth or 1.0, speed=self.speed or 1.0
         )
-        cost = workload.cost(occupied(length, k)) / k + ring.exposed(length, k, workload.b)
-        grid = np.zeros((dp, m, self.cp))
-        for offset in range(self.cp):
-            on = (k > offset) & (a + offset < self.cp)
-            index = (s.rank[planned][on], s.micro_batch[planned][on], a[on] + offset)
-            np.add.at(grid, index, cost[on])
-        return grid
+        return gpu_costs(
+            s.length[planned], self.degree[planned], self.start[planned], s.rank[planned],
+            s.micro_batch[planned], shape=(dp, m, self.cp), workload=workload, ring=ring,
+        )  # fmt: skip
 
     def record_problems(
         self, s: Samples, planned: np.ndarray, step: int, plan: PlanRecord, dp: int

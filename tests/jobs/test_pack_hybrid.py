@@ -11,9 +11,11 @@ a manifest without them loads with the defaults.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from pack_helpers import cli, pack
@@ -21,7 +23,7 @@ from pack_helpers import cli, pack
 import rolltool
 from rolltool.errors import OptionConflict, RolltoolError
 from rolltool.format import Manifest, to_json
-from rolltool.format.shards import read_shard
+from rolltool.format.shards import file_record, read_shard
 from rolltool.input.synth import SynthConfig, generate
 from rolltool.plan.config import DEFAULT_CP_LINK_BANDWIDTH, DEFAULT_GPU_TFLOPS, PackConfig
 from rolltool.plan.hybrid import RingModel, gpu_tokens
@@ -156,6 +158,7 @@ def test_packs_without_the_option_carry_no_new_key(synth_path_module: Path, tmp_
     assert all(st.plan.hybrid is None for st in m.steps)
     assert m.dumps() == json.dumps(json.loads(text), separators=(",", ":"))  # round trip
     assert not any(k.startswith(("seg_cp", "row_cp")) for k in _shard_keys(out))
+    assert not {"cp_start", "cp_degree"} & set(pq.read_schema(out / "samples.parquet").names)
 
 
 def _shard_keys(out: Path) -> set[str]:
@@ -177,3 +180,37 @@ def test_version_and_option_must_agree(hybrid: Path, tmp_path: Path) -> None:
         Manifest.from_json(plain)
     with pytest.raises(RolltoolError, match="format version 4 is not supported"):
         Manifest.from_json({**doc, "format_version": 4})
+
+
+def test_samples_parquet_says_each_sample_s_sub_group(hybrid: Path, tmp_path: Path) -> None:
+    """samples.parquet's cp_start / cp_degree are where every GPU's view holds each sample
+    (0 for a sample not trained); a forged degree is verify's sample.cp."""
+    ds = rolltool.open_packed(hybrid)
+    t = pq.read_table(hybrid / "samples.parquet").to_pydict()
+    where: dict[int, tuple[int, int]] = {}
+    for step in range(ds.num_steps):
+        for rank in range(ds.dp):
+            for g in range(4):
+                for v in ds.micro_batches(step, rank, cp_rank=g):
+                    place = (int(v["cp_group_start"][0]), int(v["cp_group_size"][0]))
+                    for i in v["sample_index"][v["sample_index"] >= 0].tolist():
+                        assert where.setdefault(i, place) == place
+    for i, status in enumerate(t["status"]):
+        got = (t["cp_start"][i], t["cp_degree"][i])
+        assert got == (where[i] if status == "trained" else (0, 0)), i
+    out = tmp_path / "p"
+    shutil.copytree(hybrid, out)
+    table = pq.read_table(out / "samples.parquet")
+    k = table.column("cp_degree").to_numpy().copy()
+    i = int(np.flatnonzero(k == 1)[0])
+    k[i] = 2
+    table = table.set_column(table.schema.get_field_index("cp_degree"), "cp_degree", pa.array(k))
+    pq.write_table(table, out / "samples.parquet")
+    doc = json.loads((out / "manifest.json").read_text())
+    doc["files"]["samples.parquet"] = vars(file_record(out / "samples.parquet"))
+    (out / "manifest.json").write_text(json.dumps(doc))
+    r = cli("verify", out, "--json")
+    problems = json.loads(r.stdout)["problems"]
+    assert r.exit_code == 1 and any(
+        p["kind"] == "sample.cp" and f"sample {i}" in p["where"] for p in problems
+    ), problems
