@@ -320,9 +320,9 @@ def _best_lockstep(
     never using more than one micro-batch more than the fewest any candidate needs.
 
     Candidates: the slot-balanced plan (``_lockstep_grid``; not with equal counts) and the
-    rank-first plans (ranks balanced by ``auto`` or by LPT, then balanced packing or first-fit
+    rank-first plans (ranks balanced by ``refined`` or by LPT, then balanced packing or first-fit
     decreasing per rank, bins sorted by cost): all four up to ``CANDIDATES_UP_TO`` samples per
-    rank; beyond that only the default rank-first plan, and only with equal counts (the
+    rank; beyond that only the ``refined`` rank-first plan, and only with equal counts (the
     slot-balanced plan cannot keep counts equal). So up to that size a lockstep plan is never
     worse than the naive "LPT ranks, FFD per rank, bins aligned by cost"; beyond it the
     slot-balanced plan has won in every benchmark step (1,024 per rank: 1.0021 vs 1.0024).
@@ -333,13 +333,13 @@ def _best_lockstep(
     if not equal_count:
         candidates.append(_lockstep_grid(cost, length, dp, cap))
     if n <= CANDIDATES_UP_TO * dp:
-        for method in ("auto", "lpt"):
+        for method in ("refined", "lpt"):
             for ffd_only in (False, True):
                 candidates.append(
                     _rank_first_grid(cost, length, dp, cap, equal_count, ffd_only, method)
                 )
     elif equal_count:
-        candidates.append(_rank_first_grid(cost, length, dp, cap, equal_count))
+        candidates.append(_rank_first_grid(cost, length, dp, cap, equal_count, method="refined"))
     return _pick(candidates, cost, length)
 
 

@@ -165,12 +165,14 @@ def refine(
     max_steps: int,
     max_work: int,
     others: bool = True,
+    floor: float = 0.0,
 ) -> np.ndarray:
     """Improve ``labels`` (``[n]`` int64 part of each item); returns new labels.
 
     Stops after ``max_steps`` steps or once the steps have looked at ``max_work`` items in all
-    (a deterministic time budget). ``others``: when the heaviest part is stuck, balance the next
-    heaviest ones (else stop there).
+    (a deterministic time budget), and once the heaviest part weighs ``floor`` (a lower bound)
+    or less. ``others``: when the heaviest part is stuck, balance the next heaviest ones (else
+    stop there).
     """
     n = len(w)
     if n == 0 or k < 2:
@@ -182,6 +184,8 @@ def refine(
     partners = PARTNERS
     for _ in range(max_steps):
         h = int(np.argmax(loads))
+        if loads[h] <= floor:
+            break
         light = np.argsort(loads, kind="stable")[: partners + 1]
         light = light[(light != h) & (loads[light] < loads[h])][:partners]
         if len(light) == 0 or len(members[h]) == 0 or max_work <= 0:
