@@ -31,7 +31,8 @@ plain GPU with room), M from the token lower bound upward, and the cheaper plan 
 the one that splits less). So a sample that fits a GPU is split only when that lowers the step's
 cost. Deterministic: stable orders, ties broken by position then index.
 
-Pure NumPy: nothing here reads files, prints, or knows the format (which is not written yet).
+Pure NumPy: nothing here reads files, prints, or knows the format (`rolltool.plan.hybrid_step`
+maps a plan to the pipeline's, `rolltool.format.hybrid` lays it out).
 """
 
 from __future__ import annotations
