@@ -461,3 +461,19 @@ def test_a_plain_cp_rank_is_refused_out_of_range(packed: Path) -> None:
         ds.micro_batches(0, 0, cp_rank=4)
     with pytest.raises(RolltoolError, match="packed with --cp 4"):
         ds.micro_batches(0, 0, sp_rank=0)
+
+
+def test_torch_dataset_serves_a_hybrid_gpu_view(packed: Path) -> None:
+    """ds.torch_dataset(rank, cp_rank=i) yields GPU i's views as tensors, the sub-group fields
+    included, and resumes mid-stream."""
+    ds = rolltool.open_packed(packed)
+    want = [row for _s, _j, row in ds.rank_iter(1, cp_rank=2)]
+    got = list(ds.torch_dataset(1, cp_rank=2))
+    assert len(got) == len(want) > 1
+    for item, row in zip(got, want, strict=True):
+        assert set(row) <= set(item)
+        for key, value in row.items():
+            assert item[key].tolist() == value.tolist(), key
+    step, j = int(got[1]["step"]), int(got[1]["micro_batch"])
+    resumed = ds.torch_dataset(1, cp_rank=2, start_step=step, start_micro_batch=j)
+    assert [x["input_ids"].tolist() for x in resumed] == [r["input_ids"].tolist() for r in want[1:]]
