@@ -67,6 +67,11 @@ class MicroBatch(dict[str, Any]):
     ``cu_seqlens_unpadded`` [n+1] int32 (`rolltool.format.split.cp_view`), an SP view
     ``sp_offset`` [1] int64."""
 
+    def __copy__(self) -> MicroBatch:
+        """A shallow copy as a dict copies (the DataLoader's ``default_convert`` copies every
+        item: ``copy.copy`` of a dict subclass otherwise goes through ``__reduce_ex__``)."""
+        return type(self)(self)
+
 
 def _refuse_batching(batch: Any, *, collate_fn_map: Any = None) -> Any:
     raise ValueError(
@@ -108,6 +113,12 @@ class RankRows(IterableDataset[MicroBatch]):
         self.ds, self.rank, self.pin_memory = ds, rank, pin_memory
         self.gpu: dict[str, int | None] = {"sp_rank": sp_rank, "cp_rank": cp_rank}
         self.start = ds.stream_position(rank, start_step, start_micro_batch)
+        # What every iterator needs, made here once: DataLoader workers inherit it (forked) or
+        # receive it (pickled) instead of each listing the shards and reading samples.parquet's
+        # lengths again; a directory that does not match its manifest is refused here, in the
+        # process that made the dataset, not in a worker.
+        ds.rank_rows(rank)
+        ds._sample_lengths  # noqa: B018  (PackedReader's cached samples.parquet lengths)
         if pin_memory and not torch.accelerator.is_available():
             raise RolltoolError(
                 "pin_memory=True needs an accelerator (torch finds none)",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -213,3 +214,32 @@ def test_targets_of_many_padding_segments_are_those_of_few() -> None:
             want[none] = fill
             assert got[key].dtype == want.dtype and np.array_equal(got[key], want), key
     assert _FEW_PADS >= 1
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+def test_a_dataloaders_workers_inherit_the_listing_and_the_lengths(
+    out: Path, tmp_path: Path
+) -> None:
+    """torch_dataset(rank) lists the rank's shards and reads samples.parquet's lengths in the
+    process that makes it: its workers read no samples.parquet (gone here after it was made)."""
+    torch = pytest.importorskip("torch")
+    from torch.utils.data import DataLoader
+
+    shutil.copytree(out, tmp_path / "out")
+    ds = rolltool.open_packed(tmp_path / "out")
+    data = ds.torch_dataset(1)
+    (tmp_path / "out" / "samples.parquet").rename(tmp_path / "samples.parquet")
+    items = list(DataLoader(data, batch_size=None, num_workers=2))
+    assert len(items) == len(ds.rank_rows(1)) and isinstance(items[0]["input_ids"], torch.Tensor)
+    with pytest.raises(RolltoolError, match=r"samples\.parquet"):  # a fresh one still needs it
+        list(rolltool.open_packed(tmp_path / "out").torch_dataset(1))
+
+
+def test_a_micro_batch_copies_as_a_dict(out: Path) -> None:
+    pytest.importorskip("torch")
+    import rolltool.packed.torch_data as torch_data
+
+    item = next(iter(rolltool.open_packed(out).torch_dataset(0)))
+    clone = copy.copy(item)
+    assert type(clone) is torch_data.MicroBatch and clone == item and clone is not item
+    assert all(clone[k] is item[k] for k in item)
