@@ -179,8 +179,8 @@ def _scalar(tp: Any) -> Decoder:
 
 
 class _Lazy:
-    """The decoder of type `tp`, made on the first call (a record's field, a container's
-    items): a type is resolved only once something of it is decoded."""
+    """The decoder of type `tp`, made on the first call (a container's items, a union's
+    member): a type is resolved only once something of it is decoded."""
 
     __slots__ = ("dec", "tp")
 
@@ -188,11 +188,19 @@ class _Lazy:
         self.tp = tp
         self.dec: Decoder | None = None
 
-    def __call__(self, value: Any) -> Any:
+    def get(self) -> Decoder:
         dec = self.dec
         if dec is None:
             dec = self.dec = _decoder(self.tp)
-        return dec(value)
+        return dec
+
+    def __call__(self, value: Any) -> Any:
+        return self.get()(value)
+
+
+def _exact(tp: Any) -> type | None:
+    """`tp` when it is a scalar type a value of exactly that type needs no conversion for."""
+    return tp if tp in _SCALARS else None
 
 
 def _union(tp: Any) -> Decoder:
@@ -204,7 +212,7 @@ def _union(tp: Any) -> Decoder:
         if value is None and optional:
             return None
         (inner,) = inners
-        return inner(value)
+        return inner.get()(value)
 
     return union
 
@@ -215,11 +223,12 @@ def _mapping(tp: Any) -> Decoder:
     def mapping(value: Any) -> Any:
         if not isinstance(value, dict):
             raise _Wrong("an object", value)
+        dec = inner.get() if value else inner
         out = {}
         k = None
         try:
             for k, v in value.items():
-                out[k] = inner(v)
+                out[k] = dec(v)
         except _Wrong as e:
             e.parts.append(("key", k))
             raise
@@ -229,23 +238,26 @@ def _mapping(tp: Any) -> Decoder:
 
 
 class _Record:
-    """A record's decoder: its fields' names, decoders and whether each is required, in field
-    order, resolved on the first decode of its class."""
+    """A record's decoder: per field, in field order, its name, type, decoder (made on the
+    field's first use), whether it is required and its exact scalar type (a value of that very
+    type is taken as it is, without a call); resolved on the first decode of its class."""
 
     __slots__ = ("fields", "tp")
 
     def __init__(self, tp: Any) -> None:
         self.tp = tp
-        self.fields: list[tuple[str, _Lazy, bool]] | None = None
+        self.fields: list[list[Any]] | None = None
 
-    def _fields(self) -> list[tuple[str, _Lazy, bool]]:
+    def _fields(self) -> list[list[Any]]:
         hints = typing.get_type_hints(self.tp)
         return [
-            (
+            [
                 f.name,
-                _Lazy(hints[f.name]),
+                hints[f.name],
+                None,
                 f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
-            )
+                _exact(hints[f.name]),
+            ]
             for f in dataclasses.fields(self.tp)
         ]
 
@@ -258,10 +270,18 @@ class _Record:
         kw = {}
         name = ""
         try:
-            for name, dec, required in fields:
+            for field in fields:
+                name = field[0]
                 if name in value:
-                    kw[name] = dec(value[name])
-                elif required:
+                    v = value[name]
+                    if type(v) is field[4]:
+                        kw[name] = v
+                        continue
+                    dec = field[2]
+                    if dec is None:
+                        dec = field[2] = _decoder(field[1])
+                    kw[name] = dec(v)
+                elif field[3]:
                     raise _Wrong(None, None)
         except _Wrong as e:
             e.parts.append(("field", name))
@@ -272,15 +292,22 @@ class _Record:
 def _array(tp: Any) -> Decoder:
     args = typing.get_args(tp)
     if len(args) == 2 and args[1] is Ellipsis:
-        item = _Lazy(args[0])
+        item, exact = _Lazy(args[0]), _exact(args[0])
 
         def variadic(value: Any) -> tuple[Any, ...]:
             if not isinstance(value, list):
                 raise _Wrong("an array", value)
+            if exact is not None:
+                for v in value:
+                    if type(v) is not exact:
+                        break
+                else:  # every item exactly of the scalar type: nothing to convert or check
+                    return tuple(value)
+            dec = item.get() if value else item
             out: list[Any] = []
             try:
                 for v in value:
-                    out.append(item(v))
+                    out.append(dec(v))
             except _Wrong as e:
                 e.parts.append(("index", len(out)))
                 raise
