@@ -22,14 +22,20 @@ units at ``speed``: a long sample hides it behind compute, a short one pays it.
 
 **Objective**: the step's lockstep cost over all dp x cp GPUs, Σ_j max_(d, g) cost(d, g, j), as
 the partition's ``align="lockstep"``. `plan_hybrid_step` gives every sample its least degree
-``k_min`` (the smallest power of two whose per-GPU tokens fit ``max_tokens``), and a second
-candidate in which a sample heavier than a GPU's fair share (the step's work over dp · cp · M) is
-split further while that lowers its per-GPU cost; each candidate is placed by the same greedy
-(splits first, widest and heaviest first, each into the least loaded sub-group of its size with
-room, formed already or new on free aligned GPUs; then whole samples, each to the least loaded
-plain GPU with room), M from the token lower bound upward, and the cheaper plan is kept (ties:
-the one that splits less). So a sample that fits a GPU is split only when that lowers the step's
-cost. Deterministic: stable orders, ties broken by position then index.
+``k_min`` (the smallest power of two whose per-GPU tokens fit ``max_tokens``), then widens the
+heaviest sample on the GPU furthest above its slot's mean while that lowers the step's cost
+(`SPLIT_TRIES`, `FAILS`), and finally compares with every sample split over all cp GPUs (today's
+``--cp`` layout, placed by the same greedy), keeping the cheaper. Every candidate is placed by one
+greedy: split samples first, widest and heaviest first, each into a sub-group of its size with
+room (formed already, or new on free aligned GPUs) where Σ_j max rises least; then whole samples,
+likewise onto plain GPUs; a whole sample no plain GPU has room for joins a sub-group when that
+beats one more micro-batch. M rises from the token lower bound until the greedy places all. So a
+sample that fits a GPU is split only when that lowers the step's cost, and the plan is never
+costlier than the ``--cp`` layout under the same greedy. Measured: on 8 x 4 GPUs, 1,024 agent
+samples (log-normal, median 6,000, sigma 0.9, up to 131,072 tokens), 1.027-1.091 against
+`plan_step`'s ``--cp 4`` 1.047-1.117 (`/tmp` script of session 6; ``benchmarks/longctx.py
+--hybrid`` packs it), but 0.6-2 s a step on the loaded 2-core machine, far over the 100 ms aim.
+Deterministic: stable orders, ties broken by position then index.
 
 Pure NumPy: nothing here reads files, prints, or knows the format (`rolltool.plan.hybrid_step`
 maps a plan to the pipeline's, `rolltool.format.hybrid` lays it out).
@@ -37,7 +43,6 @@ maps a plan to the pipeline's, `rolltool.format.hybrid` lays it out).
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -200,10 +205,15 @@ def plan_hybrid_step(
             tried[i] = False  # it may pay to widen it again
         else:
             failed += 1
+    if cp > 1 and not (best.degree == cp).all():  # today's --cp layout: every sample split
+        every = np.full(len(length), cp, dtype=np.int64)
+        plain_cp = _place_all(length, every, dp, cp, max_tokens, workload, ring, max_micro_batches)
+        if plain_cp.lockstep_cost < best.lockstep_cost:
+            return plain_cp
     return best
 
 
-SPLIT_TRIES = 24
+SPLIT_TRIES = 12
 """Widenings tried per step (each one re-places the step): about 3 ms each at 60 samples."""
 
 WORTH = 0.5
@@ -375,39 +385,43 @@ class _Grid:
         max_tokens: int,
         share: Callable[[int, int], tuple[int, float]] | None,
     ) -> bool:
-        """Samples `order` (tokens non-increasing), each to the least loaded plain GPU with
-        room, or split into a sub-group (`_join`); False when one finds no room."""
+        """Samples `order` (tokens non-increasing), each to the plain GPU with room where the
+        step's lockstep cost rises least (under its slot's most loaded GPU when one has room
+        there: beside a slot's heavy samples), then the least loaded; or split into a sub-group
+        (`_join`). False when one finds no room."""
         dp, m, cp = self.loads.shape
         blocks = sorted({(int(self.rank[i]) * m * cp + int(self.slot[i]) * cp + int(self.start[i]),
                           int(self.degree[i])) for i in np.flatnonzero(self.degree > 1).tolist()})  # fmt: skip
         self.size[self.size == 0] = 1  # every GPU outside a sub-group holds a plain row
-        load, held = self.loads.reshape(-1).tolist(), self.held.reshape(-1).tolist()
-        ready = [(load[b], b) for b in np.flatnonzero(self.size.reshape(-1) == 1).tolist()]
-        heapq.heapify(ready)
-        parked: list[tuple[int, int]] = []  # (-room, bin): too full for the sample at hand
-        costs, toks = cost.tolist(), tokens.tolist()
+        load, held = self.loads.reshape(-1).copy(), self.held.reshape(-1).copy()
+        plain = self.size.reshape(-1) == 1
+        slot_of = np.broadcast_to(np.arange(m)[None, :, None], (dp, m, cp)).reshape(-1)
+        top = self.loads.max(axis=(0, 2)) if self.loads.size else np.zeros(m)
         into = np.zeros(len(order), dtype=np.int64)
         for n_i, i in enumerate(order.tolist()):
-            t = toks[i]
-            while parked and -parked[0][0] >= t:  # later samples are no longer: room again
-                b = heapq.heappop(parked)[1]
-                heapq.heappush(ready, (load[b], b))
-            while ready and held[ready[0][1]] + t > max_tokens:
-                b = heapq.heappop(ready)[1]
-                heapq.heappush(parked, (held[b] - max_tokens, b))
-            if not ready:
-                joined = None if share is None else _join(i, blocks, load, held, max_tokens, share)
+            t, c = int(tokens[i]), float(cost[i])
+            room = plain & (held + t <= max_tokens)
+            if not room.any():
+                if share is None:
+                    return False
+                lists = load.tolist(), held.tolist()
+                joined = _join(i, blocks, *lists, max_tokens, share)
                 if joined is None:
                     return False
-                into[n_i], self.degree[i] = joined
+                load, held = np.array(lists[0]), np.array(lists[1], dtype=np.int64)
+                b, self.degree[i] = joined
+                into[n_i] = b
+                top[slot_of[b]] = max(top[slot_of[b]], load[b])
                 continue
-            b = heapq.heappop(ready)[1]
-            load[b] += costs[i]
+            after = load + c
+            rise = np.where(room, np.maximum(after - top[slot_of], 0.0), np.inf)
+            b = int(np.argmin(np.where(rise == rise.min(), after, np.inf)))
+            load[b] += c
             held[b] += t
-            heapq.heappush(ready, (load[b], b))
+            top[slot_of[b]] = max(top[slot_of[b]], load[b])
             into[n_i] = b
-        self.loads = np.array(load, dtype=np.float64).reshape(dp, m, cp)
-        self.held = np.array(held, dtype=np.int64).reshape(dp, m, cp)
+        self.loads = load.reshape(dp, m, cp)
+        self.held = held.reshape(dp, m, cp)
         self.rank[order], self.slot[order], self.start[order] = np.unravel_index(into, (dp, m, cp))
         return True
 
