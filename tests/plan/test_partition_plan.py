@@ -247,3 +247,35 @@ def test_lockstep_is_never_worse_than_lpt_then_ffd(per_rank: int) -> None:
         1 + 1e-9
     )
     assert checked == 6
+
+
+def test_align_total_never_more_micro_batches_than_before_nor_heavier_at_as_many() -> None:
+    """Issue 23: ``align="total"`` picks by (micro-batches, heaviest rank) among ranks by
+    ``auto``, ranks by ``refined`` and bins first; the plan before it was ranks by ``refined``
+    then packed (``_rank_first_grid(method="refined")``), so it is never beaten on that order."""
+    from rolltool.plan.partition.metrics import grid_costs
+    from rolltool.plan.partition.plan import _rank_first_grid
+
+    runs = []
+
+    @settings(max_examples=100, deadline=None)
+    @given(step=steps(), kind=st.sampled_from(["flops", "tokens", "verl"]), eq=st.booleans())
+    def prop(step: tuple[np.ndarray, int, int], kind: str, eq: bool) -> None:
+        lengths, dp, cap = step
+        if eq and len(lengths) % dp:
+            lengths = lengths[: len(lengths) - len(lengths) % dp]
+        if not len(lengths):
+            return
+        wl = make_workload(kind)
+        plan = plan_step(lengths, dp=dp, max_tokens=cap, workload=wl, align="total",
+                         equal_count=eq)  # fmt: skip
+        check_plan(plan, lengths, dp)
+        cost = wl.cost(lengths)
+        before = _rank_first_grid(cost, lengths, dp, cap, eq, method="refined")[0]
+        was = (len(before[0]), float(grid_costs(before, cost).sum(axis=1).max()))
+        now = (plan.num_micro_batches, float(plan.costs.sum(axis=1).max()))
+        assert now[0] < was[0] or (now[0] == was[0] and now[1] <= was[1] * (1 + 1e-12))
+        runs.append(now < was)
+
+    prop()
+    assert len(runs) >= 60 and sum(runs) >= 5

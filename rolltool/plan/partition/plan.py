@@ -172,7 +172,7 @@ def plan_step(
     if align == "lockstep":
         grid, ffd_m, min_m = _best_lockstep(cost, length, dp, cap, equal_count)
     else:
-        grid, ffd_m, min_m = _rank_first_grid(cost, length, dp, cap, equal_count)
+        grid, ffd_m, min_m = _total_grid(cost, length, dp, cap, equal_count)
     return _build(grid, length, cost, max_tokens=cap, micro_batch_size=None, ffd_m=ffd_m,
                   min_m=min_m, short=[], **settings)  # fmt: skip
 
@@ -367,6 +367,81 @@ def _pick(
 def _lockstep_cost(grid: Grid, cost: np.ndarray) -> float:
     """Σ_j max_r cost(r, j) of a grid (`metrics.lockstep_cost`)."""
     return metrics.lockstep_cost(metrics.grid_costs(grid, cost))
+
+
+def _total_grid(
+    cost: np.ndarray, length: np.ndarray, dp: int, cap: int, equal_count: bool
+) -> tuple[Grid, int, int]:
+    """``align="total"``: the lightest heaviest rank among the candidates with no more
+    micro-batches per rank than ranks by ``refined`` get (fewer micro-batches, then the earlier
+    candidate, on ties), with that candidate's FFD and lower-bound counts.
+
+    Candidates: ranks by ``auto`` then packed (``_rank_first_grid``); up to ``CANDIDATES_UP_TO``
+    samples per rank also ranks by ``refined`` (``auto`` before issue 23) and, without equal
+    counts, bins first (``_split_bins_grid``, prime-rl's way); beyond that the ``refined`` ranks
+    only when ``auto``'s need more micro-batches than the token bound (else nothing has fewer).
+    So no plan has more micro-batches than before issue 23, nor a heavier rank; on prime-rl's
+    own randomized test none is heavier than prime-rl's plan (2 of 80 have one micro-batch more
+    than prime-rl's, 4 did before). A lighter split that needs one more micro-batch is not
+    taken: each costs a pass of its own.
+    """
+    n = len(cost)
+    first = _rank_first_grid(cost, length, dp, cap, equal_count)
+    if n == 0:
+        return first
+    plans = [first]
+    few = n <= CANDIDATES_UP_TO * dp
+    if few or len(first[0][0]) > max(1, -(-int(length.sum()) // (dp * cap))):
+        plans.append(_rank_first_grid(cost, length, dp, cap, equal_count, method="refined"))
+        if few and not equal_count:
+            plans.append(_split_bins_grid(cost, length, dp, cap))
+    most = len(plans[min(1, len(plans) - 1)][0][0])  # the refined ranks' micro-batches
+    keys = [
+        (float(metrics.grid_costs(g, cost).sum(axis=1).max()), len(g[0]), i)
+        for i, (g, _, _) in enumerate(plans)
+        if len(g[0]) <= most
+    ]
+    return plans[min(keys)[2]]
+
+
+def _split_bins_grid(
+    cost: np.ndarray, length: np.ndarray, dp: int, cap: int
+) -> tuple[Grid, int, int]:
+    """Bins first: FFD's bins, the costliest bin of two or more samples split in two (its samples
+    costliest first, each to the cheaper half) until their count is a multiple of dp (or nothing
+    splits), then the bins over the ranks by ``auto`` with equal counts (empty bins pad the
+    count), each rank's bins sorted by cost. prime-rl packs this way; its ranks then get KK and
+    single swaps of bins, which ``auto`` never does worse than in its randomized test. Also
+    returns FFD's micro-batches per rank and the token bound ceil(tokens / (dp · cap))."""
+    order = descending_order(length)
+    labels, count = ffd(length[order], cap)
+    counts = (max(1, -(-count // dp)), max(1, -(-int(length.sum()) // (dp * cap))))
+    bins = [b.tolist() for b in members(labels, order, count)]
+    loads = [float(cost[b].sum()) for b in bins]
+    while len(bins) < max(-(-len(bins) // dp), 1) * dp:
+        split = [(loads[j], j) for j, b in enumerate(bins) if len(b) > 1]
+        if not split:
+            break
+        j = max(split)[1]
+        halves: tuple[list[int], list[int]] = ([], [])
+        sums = [0.0, 0.0]
+        for i in sorted(bins[j], key=lambda i: -cost[i]):
+            side = 0 if sums[0] <= sums[1] else 1
+            halves[side].append(i)
+            sums[side] += float(cost[i])
+        bins[j], loads[j] = halves[0], sums[0]
+        bins.append(halves[1])
+        loads.append(sums[1])
+    bins += [[] for _ in range(-len(bins) % dp)]
+    loads += [0.0] * (len(bins) - len(loads))
+    w = np.array(loads)
+    rank = balance_labels(w, dp, equal_count=True)
+    grid: Grid = []
+    for r in range(dp):
+        mine = np.flatnonzero(rank == r)
+        mine = mine[np.argsort(-w[mine], kind="stable")]
+        grid.append([np.array(sorted(bins[int(b)]), dtype=np.int64) for b in mine])
+    return grid, *counts
 
 
 def _rank_first_grid(
