@@ -232,9 +232,11 @@ def segment_positions(lens: np.ndarray, dtype: type = np.int64) -> np.ndarray:
     per-segment Python).
     """
     lens = np.asarray(lens, dtype=np.int64)
-    if len(lens) and len(lens) * _SHORT_SEGMENT <= int(lens.sum()) and int(lens.min()) >= 0:
-        counting = _counting(int(lens.max()), dtype)
-        return np.concatenate([counting[:n] for n in lens.tolist()])
+    if 0 < len(lens) <= _SLICED_SEGMENTS:
+        sizes = lens.tolist()  # a row's few segments: Python's sum/min/max beat NumPy calls
+        if len(sizes) * _SHORT_SEGMENT <= sum(sizes) and min(sizes) >= 0:
+            counting = _counting(max(sizes), dtype)
+            return np.concatenate([counting[:n] for n in sizes])
     starts = np.zeros(len(lens), dtype=np.int64)
     np.cumsum(lens[:-1], out=starts[1:])
     out: np.ndarray = np.arange(int(lens.sum()), dtype=dtype)
@@ -244,6 +246,8 @@ def segment_positions(lens: np.ndarray, dtype: type = np.int64) -> np.ndarray:
 
 _SHORT_SEGMENT = 256
 """Mean segment length (tokens) below which `segment_positions` subtracts repeated starts."""
+_SLICED_SEGMENTS = 4096
+"""Segments above which `segment_positions` subtracts repeated starts whatever their length."""
 
 _COUNTINGS: dict[np.dtype, np.ndarray] = {}
 
