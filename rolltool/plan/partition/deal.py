@@ -79,7 +79,8 @@ def transfer_rounds(
     while rounds < max_rounds and loads.max() > target:
         rounds += 1
         plan = _transfers(loads, target)
-        swaps = _best_swaps(ws, labels, sizes, *plan)
+        moves = not equal_count or bool(sizes.max() > sizes.min())
+        swaps = _best_swaps(ws, labels, sizes, *plan, moves=moves)
         if not _apply(ws, labels, loads, sizes, plan[0], plan[1], swaps, equal_count, target):
             break
     return rounds
@@ -129,9 +130,12 @@ def _best_swaps(
     src: np.ndarray,
     dst: np.ndarray,
     amount: np.ndarray,
+    *,
+    moves: bool,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """For each transfer t, the swap (x, y) nearest its amount (y = -1: a move of x alone), as
-    two ``[T]`` int64 arrays; x = -1 where no swap or move comes nearer than doing nothing."""
+    """For each transfer t, the swap (x, y) nearest its amount (y = -1: a move of x alone, looked
+    for only with ``moves``), as two ``[T]`` int64 arrays; x = -1 where no swap or move comes
+    nearer than doing nothing."""
     nt = len(src)
     xs = np.full(nt, -1, dtype=np.int64)
     ys = np.full(nt, -1, dtype=np.int64)
@@ -166,6 +170,8 @@ def _best_swaps(
     q = hit[np.minimum(first, max(len(hit) - 1, 0))]
     xs[found] = xi[at[q[found]]]
     ys[found] = yi[q[found]]
+    if not moves:
+        return xs, ys
     # moves: the x nearest d; kept where nearer than the best swap
     tid = np.arange(nt, dtype=np.int64)
     mgap = np.full(nt, np.inf)
