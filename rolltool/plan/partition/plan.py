@@ -43,6 +43,7 @@ from rolltool.plan.partition import metrics
 from rolltool.plan.partition.balance import balance_labels, descending_order
 from rolltool.plan.partition.binpack import ffd, pack_balanced, split_tokens
 from rolltool.plan.partition.metrics import ALIGNS
+from rolltool.plan.partition.polish import ROBUST_SCALES, polish
 from rolltool.plan.partition.slots import (
     FEW_FILLS,
     FEW_PER_BIN,
@@ -50,8 +51,10 @@ from rolltool.plan.partition.slots import (
     Grid,
     bins_to_slots,
     choose,
+    grid_labels,
     members,
     refill,
+    slots_to_grid,
 )
 from rolltool.plan.workload import Workload, make_workload
 
@@ -170,7 +173,10 @@ def plan_step(
     cap = _whole("max_tokens", max_tokens)
     _check_cap(length, cap)
     if align == "lockstep":
-        grid, ffd_m, min_m = _best_lockstep(cost, length, dp, cap, equal_count)
+        seen: list[Grid] = []
+        grid, ffd_m, min_m = _best_lockstep(cost, length, dp, cap, equal_count, seen)
+        if not equal_count:
+            grid = _polished(grid, seen, length, cost, wl.b * length.astype(np.float64) ** 2, cap)
     else:
         grid, ffd_m, min_m = _total_grid(cost, length, dp, cap, equal_count)
     return _build(grid, length, cost, max_tokens=cap, micro_batch_size=None, ffd_m=ffd_m,
@@ -257,10 +263,11 @@ def _fewest_bins(
 
 
 def _lockstep_grid(
-    cost: np.ndarray, length: np.ndarray, dp: int, cap: int
+    cost: np.ndarray, length: np.ndarray, dp: int, cap: int, seen: list[Grid] | None = None
 ) -> tuple[Grid, int, int]:
     """The slot-balanced plan: the fewest micro-batches any construction fits (never more than
-    FFD's or the KK-by-tokens pipeline's), bins dealt into slots by cost, then ``_robust``."""
+    FFD's or the KK-by-tokens pipeline's), bins dealt into slots by cost, then ``_robust``
+    (every grid it looks at is added to ``seen``)."""
     n = len(cost)
     if n == 0:
         return [[] for _ in range(dp)], 0, 0
@@ -275,24 +282,78 @@ def _lockstep_grid(
         balanced_ffd = pack_balanced(cs, ts, cap, dp * ffd_m)
         if balanced_ffd is not None:
             labels, balanced = balanced_ffd, True
-    grid = _robust(bins_to_slots(labels, order, cost, dp, m), length, cost, cap)
+    grid = _robust(bins_to_slots(labels, order, cost, dp, m), length, cost, cap, seen)
     if not balanced:
         # no cost-balanced packing at m: one more micro-batch if that steps faster by WIDER_GAIN
         wider_labels = pack_balanced(cs, ts, cap, dp * (m + 1))
         if wider_labels is not None:
-            wider = _robust(bins_to_slots(wider_labels, order, cost, dp, m + 1), length, cost, cap)
+            wider = _robust(
+                bins_to_slots(wider_labels, order, cost, dp, m + 1), length, cost, cap, seen
+            )
             gain = _lockstep_cost(grid, cost) - _lockstep_cost(wider, cost)
             if gain > WIDER_GAIN * float(cost.sum()) / dp:
                 grid = wider
     return grid, ffd_m, min_m
 
 
-def _robust(grid: Grid, length: np.ndarray, cost: np.ndarray, cap: int) -> Grid:
+POLISH_PER_BIN = 8
+"""Lockstep steps with up to this many samples per micro-batch (on average) are polished
+(``polish.py``); with more, the slots' many short samples already even them out (synth steps:
+1.001) and the polish would look at too many candidates."""
+
+POLISH_ROUNDS, POLISH_WORK = 24, 1 << 23
+"""The polish's budget: rounds, and candidate (sample, sample or bin) pairs looked at."""
+
+
+def _polished(
+    chosen: Grid, seen: list[Grid], length: np.ndarray, cost: np.ndarray, quad: np.ndarray, cap: int
+) -> Grid:
+    """A lockstep step with few samples per bin, polished (``polish.py``): of the grids the
+    planner looked at with as many micro-batches as ``chosen``, the most robust one (the lowest
+    sum of lockstep overheads under the planning model and the ``ROBUST_SCALES`` models), or
+    ``chosen`` itself where that one polishes to a higher lockstep cost than ``chosen`` does.
+    So the polished plan is never costlier than ``chosen`` under the planning model, and never
+    less robust. ``quad``: ``[n]`` the L² part of each sample's cost."""
+    dp, m = len(chosen), len(chosen[0]) if chosen else 0
+    n = len(length)
+    if dp < 2 or not m or n > POLISH_PER_BIN * dp * m:
+        return chosen
+    models = [cost, *(cost + (f - 1.0) * quad for f in ROBUST_SCALES)]
+
+    def robustness(g: Grid) -> float:
+        return sum(metrics.lockstep_overhead(metrics.grid_costs(g, c)) for c in models)
+
+    same = [chosen, *(g for g in seen if len(g[0]) == m)]
+    scores = [robustness(g) for g in same]
+    start = same[scores.index(min(scores))]
+    out = _polish_grid(start, length, cost, quad, cap)
+    if start is not chosen and _lockstep_cost(out, cost) > _lockstep_cost(chosen, cost):
+        out = _polish_grid(chosen, length, cost, quad, cap)
+    return out
+
+
+def _polish_grid(
+    grid: Grid, length: np.ndarray, cost: np.ndarray, quad: np.ndarray, cap: int
+) -> Grid:
+    """``polish`` a grid, then spread each slot's bins over the ranks again
+    (``slots_to_grid``: even rank totals, the same lockstep cost)."""
+    dp, m, n = len(grid), len(grid[0]), len(length)
+    labels = polish(grid_labels(grid, n), length, cost, quad, dp=dp, m=m, cap=cap,
+                    max_rounds=POLISH_ROUNDS, max_work=POLISH_WORK)  # fmt: skip
+    bins = members(labels, np.arange(n), dp * m)
+    bin_cost = np.bincount(labels, weights=cost, minlength=dp * m)
+    return slots_to_grid(bins, bin_cost, np.arange(dp * m).reshape(m, dp))
+
+
+def _robust(
+    grid: Grid, length: np.ndarray, cost: np.ndarray, cap: int, seen: list[Grid] | None = None
+) -> Grid:
     """The grid or one of its ``slots.refill`` variants (``FILL_PER_BIN`` short samples per bin
     taken out and put back), chosen by ``slots.choose``: lowest lockstep cost, ties within
     ``ROBUST_TOLERANCE`` to the most even tokens per slot. A step with few samples per bin (up to
     ``FEW_PER_BIN``) also tries the ``FEW_FILLS`` refills, and then refills the chosen grid once
-    more (its slots regrouped: in the benchmark's agent steps 1.0031 -> 1.0029 at worst)."""
+    more (its slots regrouped: in the benchmark's agent steps 1.0031 -> 1.0029 at worst).
+    Every grid looked at is added to ``seen``."""
     dp, m = len(grid), len(grid[0])
     if dp < 2:
         return grid
@@ -304,7 +365,10 @@ def _robust(grid: Grid, length: np.ndarray, cost: np.ndarray, cap: int) -> Grid:
     if few:
         again = refill(best, length, cost, cap, int(FEW_FILLS[0] * dp * m))
         if again is not None:
+            grids.append(again)
             best = [best, again][choose([best, again], cost, length)]
+    if seen is not None:
+        seen += grids
     return best
 
 
@@ -314,7 +378,12 @@ and where the slot-balanced plan can lose to them: few large bins, an unsplittab
 
 
 def _best_lockstep(
-    cost: np.ndarray, length: np.ndarray, dp: int, cap: int, equal_count: bool
+    cost: np.ndarray,
+    length: np.ndarray,
+    dp: int,
+    cap: int,
+    equal_count: bool,
+    seen: list[Grid] | None = None,
 ) -> tuple[Grid, int, int]:
     """The lockstep plan with the lowest Σ_j max_r cost(r, j) among the candidates (``_pick``),
     never using more than one micro-batch more than the fewest any candidate needs.
@@ -326,12 +395,12 @@ def _best_lockstep(
     slot-balanced plan cannot keep counts equal). So up to that size a lockstep plan is never
     worse than the naive "LPT ranks, FFD per rank, bins aligned by cost"; beyond it the
     slot-balanced plan has won in every benchmark step (1,024 per rank: 1.0021 vs 1.0024).
-    The choice is ``_pick``'s (deterministic).
+    The choice is ``_pick``'s (deterministic). Every grid looked at is added to ``seen``.
     """
     n = len(cost)
     candidates: list[tuple[Grid, int, int]] = []
     if not equal_count:
-        candidates.append(_lockstep_grid(cost, length, dp, cap))
+        candidates.append(_lockstep_grid(cost, length, dp, cap, seen))
     if n <= CANDIDATES_UP_TO * dp:
         for method in ("refined", "lpt"):
             for ffd_only in (False, True):
@@ -340,6 +409,8 @@ def _best_lockstep(
                 )
     elif equal_count:
         candidates.append(_rank_first_grid(cost, length, dp, cap, equal_count, method="refined"))
+    if seen is not None:
+        seen += [c[0] for c in candidates[1 - equal_count :]]  # the slot plan's are in already
     return _pick(candidates, cost, length)
 
 

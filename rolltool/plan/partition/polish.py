@@ -1,0 +1,177 @@
+"""Lockstep polish: lower slots' costliest micro-batches by moving or swapping one sample.
+
+A lockstep step costs Σ_j max_r cost(r, j): slot j waits for its costliest bin. ``polish`` takes
+a slot's costliest bin b under one of three models (the planning model, and the same with its L²
+term halved or doubled: real GPU time is never exactly the model) and looks at every move of
+one of its samples x to another bin b2, and every swap of x with a sample y of another bin that
+is cheaper under b's model, that keeps both bins under the token cap and, when b2 is in another
+slot, raises that slot's maximum under none of the models. Scored by the three models' lockstep
+costs, each relative to its ideal: a step must not raise the planning model's and must lower
+their sum; the best such step is applied (lowest sum).
+The slots' steps are found together and applied in rounds (see ``polish``). The micro-batch
+count, the cap and every sample's presence are unchanged; the planning model's lockstep cost
+never rises.
+
+Example (dp 2, cost = L, cap 10): slots {6, 3 | 2} (9 | 2) and {5 | 4} (5 | 4) step in
+9 + 5 = 14; moving 3 to its slot's other bin gives {6 | 2, 3} (6 | 5): 6 + 5 = 11. Then 6 can
+go nowhere (it would raise the other slot's 5, or pass the cap), nor can 5: the polish stops.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["ROBUST_SCALES", "polish"]
+
+ROBUST_SCALES = (0.5, 2.0)
+"""The L² coefficient's factors the polish also scores a step under (besides 1.0)."""
+
+
+def polish(
+    labels: np.ndarray,
+    length: np.ndarray,
+    cost: np.ndarray,
+    quad: np.ndarray,
+    *,
+    dp: int,
+    m: int,
+    cap: int,
+    max_rounds: int,
+    max_work: int,
+) -> np.ndarray:
+    """Improve ``labels`` (``[n]`` bin of each sample, bin ``j·dp + r`` is rank r's micro-batch
+    j); returns new labels. ``cost``: ``[n]`` planning cost, ``quad``: ``[n]`` its L² part (the
+    robustness models add ``(f - 1)·quad``).
+
+    Works in rounds: every slot not known to be stuck offers its best step (all found at once,
+    against the round's starting point), and the steps are applied best first, each only if no
+    step before it in the round touched its slots (so each one's score stays exact). Stops after
+    ``max_rounds``, once the candidates looked at number ``max_work``, or when every slot is
+    stuck (it offered no step since one of its bins last changed)."""
+    lab = labels.copy()
+    nb = dp * m
+    if len(lab) == 0 or dp < 2 or m == 0:
+        return lab
+    w: np.ndarray = np.stack([cost, *(cost + (f - 1.0) * quad for f in ROBUST_SCALES)])  # [K, n]
+    c: np.ndarray = np.stack([np.bincount(lab, weights=wk, minlength=nb) for wk in w])  # [K, nb]
+    t = np.bincount(lab, weights=length, minlength=nb)
+    stuck = np.zeros(m, dtype=bool)
+    for _ in range(max_rounds):
+        if max_work <= 0 or stuck.all():
+            break
+        slots = np.flatnonzero(~stuck)
+        steps, work = _best_steps(w, c, t, lab, length, slots, dp, m, cap)
+        max_work -= work
+        stuck[slots] = True
+        touched: set[int] = set()
+        for _, j, x, y, b2 in steps:
+            b = int(lab[x])
+            j2 = b2 // dp
+            if j in touched or j2 in touched:
+                continue
+            touched.update((j, j2))
+            dx = w[:, x] - (w[:, y] if y >= 0 else 0.0)
+            c[:, b] -= dx
+            c[:, b2] += dx
+            tx = float(length[x]) - (float(length[y]) if y >= 0 else 0.0)
+            t[b] -= tx
+            t[b2] += tx
+            lab[x] = b2
+            if y >= 0:
+                lab[y] = b
+        if not touched:
+            break
+        stuck[list(touched)] = False
+    return lab
+
+
+def _best_steps(
+    w: np.ndarray,
+    c: np.ndarray,
+    t: np.ndarray,
+    lab: np.ndarray,
+    length: np.ndarray,
+    slots: np.ndarray,
+    dp: int,
+    m: int,
+    cap: int,
+) -> tuple[list[tuple[float, int, int, int, int]], int]:
+    """For each of ``slots``, its best step out of one of its costliest bins (one per model)
+    as (score, slot, x, y or -1, x's new bin), best score first; and the candidates looked at.
+
+    The head's own model filters first (token cap, x costlier than y, no rise in another
+    slot); the three models score the candidates left, each relative to its ideal."""
+    k, nb = c.shape
+    s = c.reshape(k, m, dp)
+    heads, model = _heads(s, slots, dp)
+    is_head = np.zeros(nb, dtype=bool)
+    is_head[heads] = True
+    hx = np.flatnonzero(is_head[lab])  # samples in a head bin
+    hi = np.searchsorted(heads, lab[hx])  # which head (heads are sorted and distinct)
+    # candidates: each head sample x with every bin (a move) and every sample y shorter than x
+    # by at most the most room any bin has (costs grow with length, so only a shorter y makes
+    # x's bin cheaper, and x's new bin must take x - y more tokens)
+    by_len = np.argsort(length, kind="stable")
+    lo = np.searchsorted(length[by_len], length[hx] - (cap - t.min()), side="left")
+    hi_end = np.searchsorted(length[by_len], length[hx], side="left")
+    span = hi_end - lo
+    ys = by_len[np.repeat(lo - (np.cumsum(span) - span), span) + np.arange(int(span.sum()))]
+    x = np.concatenate([np.repeat(hx, span), np.repeat(hx, nb)])
+    y = np.concatenate([ys, np.full(len(hx) * nb, -1)])
+    b2 = np.concatenate([lab[ys], np.tile(np.arange(nb), len(hx))])
+    hi = np.concatenate([np.repeat(hi, span), np.repeat(hi, nb)])
+    hb, q = heads[hi], model[hi]
+    work = len(x)
+    ty = np.where(y >= 0, length[np.maximum(y, 0)], 0)
+    tx = length[x]
+    dq = w[q, x] - np.where(y >= 0, w[q, np.maximum(y, 0)], 0.0)
+    j = hb // dp
+    j2 = b2 // dp
+    top = s.max(axis=2)  # [K, m]
+    ok = (b2 != hb) & (dq > 0) & (t[hb] - tx + ty <= cap) & (t[b2] - ty + tx <= cap)
+    ok &= (j2 == j) | (c[q, b2] + dq <= top[q, j2])
+    x, y, hb, b2, j, j2 = x[ok], y[ok], hb[ok], b2[ok], j[ok], j2[ok]
+    if len(x) == 0:
+        return [], work
+    dx = w[:, x] - np.where(y >= 0, w[:, np.maximum(y, 0)], 0.0)  # [K, cand]
+    cb = c[:, hb] - dx
+    cb2 = c[:, b2] + dx
+    same = j2 == j
+    rest = _rest_max(s, j, hb - j * dp, np.where(same, b2 - j * dp, -1))
+    new_j = np.maximum(rest, np.where(same, np.maximum(cb, cb2), cb))
+    fits = same | (cb2 <= top[:, j2]).all(axis=0)  # another slot's maximum rises in no model
+    delta = new_j - top[:, j]  # [K, cand]
+    ideal = c.sum(axis=1, keepdims=True) / dp
+    total = (delta / ideal).sum(axis=0)
+    good = np.flatnonzero(fits & (delta[0] <= 0) & (total < -1e-12))
+    if len(good) == 0:
+        return [], work
+    pick = good[np.lexsort((total[good], j[good]))]  # by slot, best first
+    firsts = pick[np.r_[True, j[pick][1:] != j[pick][:-1]]]
+    firsts = firsts[np.argsort(total[firsts], kind="stable")]
+    return [
+        (float(total[i]), int(j[i]), int(x[i]), int(y[i]), int(b2[i])) for i in firsts.tolist()
+    ], work
+
+
+def _heads(s: np.ndarray, slots: np.ndarray, dp: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each slot's costliest bin under each model, without repeats (sorted), and the first
+    model under which it is the costliest."""
+    k = s.shape[0]
+    bins = (slots[None, :] * dp + np.argmax(s[:, slots, :], axis=2)).ravel()  # model-major
+    models = np.repeat(np.arange(k), len(slots))
+    heads, first = np.unique(bins, return_index=True)
+    return heads, models[first]
+
+
+def _rest_max(s: np.ndarray, j: np.ndarray, p1: np.ndarray, p2: np.ndarray) -> np.ndarray:
+    """``[K, cand]``: per model, the costliest bin of slot ``j`` other than positions ``p1``
+    and ``p2`` (-1: none), from the slot's three costliest bins (-inf where none is left)."""
+    k, m, dp = s.shape
+    padded = np.concatenate([s, np.full((k, m, max(0, 3 - dp)), -np.inf)], axis=2)
+    order = np.argsort(-padded, axis=2, kind="stable")[:, :, :3]  # [K, m, 3]
+    vals = np.take_along_axis(padded, order, axis=2)
+    o, v = order[:, j, :], vals[:, j, :]  # [K, cand, 3]
+    free = (o != p1[None, :, None]) & (o != p2[None, :, None])
+    first = np.argmax(free, axis=2)  # the first of the three left free (one always is)
+    return np.take_along_axis(v, first[:, :, None], axis=2)[:, :, 0]
