@@ -158,16 +158,27 @@ def _shard_file(name: str) -> bool:
     return name.endswith(".safetensors")
 
 
+class PrivateMap(mmap.mmap):
+    """A shard mapped private (copy-on-write, ``mmap.ACCESS_COPY``): the reader's NumPy views
+    of it are read-only, and a tensor may wrap it without a copy (`rolltool.packed.tensors`):
+    a write to such a tensor copies the page written into this process's memory, never into
+    the file or another process's view of it (what torch's own ``from_file(shared=False)``
+    and safetensors' torch loader do)."""
+
+    copy_on_write = True
+
+
 def _map_file(path: str | Path) -> mmap.mmap | None:
-    """The whole file memory-mapped read-only (one open; the map outlives the descriptor), or
-    None when it cannot be (missing, unreadable, empty): the caller's reader says why. Cheaper
-    than ``np.memmap`` (~0.1 ms a shard), whose subclass the reader never used."""
+    """The whole file memory-mapped (one open; the map outlives the descriptor) as a
+    `PrivateMap`, or None when it cannot be (missing, unreadable, empty): the caller's reader
+    says why. Cheaper than ``np.memmap`` (~0.1 ms a shard), whose subclass the reader never
+    used."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
         return None
     try:
-        return mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        return PrivateMap(fd, 0, access=mmap.ACCESS_COPY)
     except (OSError, ValueError):
         return None
     finally:
@@ -195,8 +206,8 @@ _VIEW_DTYPES: dict[str, np.dtype[Any]] = {
 
 
 def _views(mapped: Any, head: ShardHeader, where: str) -> dict[str, np.ndarray]:
-    """`rolltool.format.shards.tensors_in` of a shard's whole bytes (a read-only mmap, or bytes),
-    one ``np.frombuffer`` per tensor: the same read-only views. A tensor it does not take as it
+    """`rolltool.format.shards.tensors_in` of a shard's whole bytes (a `PrivateMap`, or bytes),
+    one ``np.frombuffer`` per tensor: the same views, read-only. A tensor it does not take as it
     is (an offset outside the file, a size that is no whole number of its dtype, another dtype
     code, a malformed entry) sends the shard to `tensors_in`, which says why (or reads it)."""
     base, room = head.base, len(mapped) - head.base
@@ -210,9 +221,13 @@ def _views(mapped: Any, head: ShardHeader, where: str) -> dict[str, np.ndarray]:
             count, odd = divmod(b - a, dtype.itemsize)
             if odd:
                 raise ValueError
-            out[name] = np.frombuffer(mapped, dtype, count, base + a).reshape(info["shape"])
+            view = np.frombuffer(mapped, dtype, count, base + a).reshape(info["shape"])
+            view.flags.writeable = False  # a private map is writable; the reader's rows are not
+            out[name] = view
     except Exception:  # whatever it is, tensors_in's verdict is the reader's
-        return tensors_in(np.frombuffer(mapped, np.uint8), head, where)
+        whole = np.frombuffer(mapped, np.uint8)
+        whole.flags.writeable = False
+        return tensors_in(whole, head, where)
     return out
 
 
@@ -686,7 +701,7 @@ class PackedReader:
         or unreadable, goes through `read_header` and `map_tensors`, which say why). A remote
         one is read whole."""
         where = self._shown(f.path)
-        mapped: Any = None  # the shard's bytes: a read-only mmap, or bytes read from a remote
+        mapped: Any = None  # the shard's bytes: a PrivateMap, or bytes read from a remote
         if self._remote is not None:
             mapped = self.location.read_bytes(f.path)
             head = header_of(mapped, where)

@@ -5,11 +5,14 @@ and the torch adapter (`rolltool.packed.torch_data`, for every item it yields); 
 other module of `rolltool.packed`. It imports torch, so the reader imports it only when asked
 for tensors: ``import rolltool`` and reading NumPy rows never load torch.
 
-**Copies.** Shard files are memory-mapped. Stored arrays (``input_ids``, ``loss_mask``,
-``logprobs``, ``sample_index``) are copied once from the page cache into their tensor, never
-wrapped (a tensor over a read-only map is undefined behaviour); derived arrays are computed into
-fresh memory and wrapped. Pinned or shared, every array of a row is copied once into one buffer
-(see `to_tensors`).
+**Copies.** Plain tensors copy nothing. Local shard files are mapped private (copy-on-write,
+`rolltool.packed.core.PrivateMap`): a stored array (``input_ids``, ``loss_mask``, ``logprobs``,
+``sample_index``) is wrapped as it lies in the map, and a write to its tensor copies the page
+written into this process's memory, never into the file or another read of it (the reader's
+NumPy views of the map stay read-only; a tensor and the NumPy row it was made from share that
+memory). Derived arrays are computed into fresh memory and wrapped. An array of a read-only
+map or of bytes read whole (a remote shard) is copied once. Pinned or shared, every array of a
+row is copied once into one buffer (see `to_tensors`).
 """
 
 from __future__ import annotations
@@ -29,15 +32,34 @@ def _block(nbytes: int, *, pin: bool, shared: bool) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
 
 
+def _wrappable(a: np.ndarray) -> np.ndarray:
+    """`a` itself when writable (a derived array), a writable view of it when it lies in a
+    private copy-on-write map of a shard (`rolltool.packed.core.PrivateMap`: a write copies
+    the page, never reaches the file), else a copy (a read-only map, bytes read whole)."""
+    if a.flags.writeable:
+        return a
+    owner: object = a
+    while isinstance(owner, np.ndarray):
+        owner = owner.base
+    if isinstance(owner, memoryview):  # np.frombuffer's hold on the map
+        owner = owner.obj
+    if getattr(owner, "copy_on_write", False):
+        view = a.view()
+        view.flags.writeable = True
+        return view
+    return a.copy()
+
+
 def to_tensors(
     row: dict[str, np.ndarray], *, pin_memory: bool = False, shared: bool = False
 ) -> dict[str, torch.Tensor]:
-    """A reader row as tensors. Plain: read-only (memory-mapped) arrays copied once into new
-    tensors, fresh (derived) arrays wrapped without a copy. Pinned or shared: every array copied
+    """A reader row as tensors. Plain: every array wrapped without a copy (`_wrappable`: a
+    stored one over the shard's private map; one that cannot be wrapped safely, a read-only map
+    or bytes, copied once). Pinned or shared: every array copied
     once into one buffer for the whole row (one allocation, one shared-memory segment), each
     tensor a view of its 8-byte-aligned slice."""
     if not (pin_memory or shared):
-        return {k: torch.from_numpy(a if a.flags.writeable else a.copy()) for k, a in row.items()}
+        return {k: torch.from_numpy(_wrappable(a)) for k, a in row.items()}
     starts, end = {}, 0
     for key, a in row.items():
         starts[key] = end

@@ -24,10 +24,10 @@ that says so, instead of torch's stack error.
 micro_batch + 1). ``state_dict()`` / ``load_state_dict()`` make the dataset ``Stateful`` for
 torchdata's ``StatefulDataLoader``, which saves and restores each worker's position.
 
-**Copies.** Shard files are memory-mapped. Stored arrays (``input_ids``, ``loss_mask``,
-``logprobs``, ``sample_index``) are copied once from the page cache into their tensor, never
-wrapped (a tensor over a read-only map is undefined behaviour); derived arrays are computed into
-fresh memory and wrapped (`rolltool.packed.tensors.to_tensors`). With ``pin_memory=True`` (no
+**Copies.** Shard files are memory-mapped private (copy-on-write): a plain item's tensors copy
+nothing, stored arrays (``input_ids``, ``loss_mask``, ``logprobs``, ``sample_index``) wrapped in
+the map (a write to one copies the page written, never reaching the file) and derived arrays
+computed into fresh memory (`rolltool.packed.tensors.to_tensors`). With ``pin_memory=True`` (no
 workers) every array is copied once into one pinned buffer per row, ready for ``.to(device,
 non_blocking=True)``; `prefetch` issues the next row's transfer while the current one is used. In a worker the row's buffer is allocated in
 shared memory, so handing it to the main process copies nothing more (a DataLoader's

@@ -226,19 +226,33 @@ def test_a_rank_reads_only_its_own_files(out: Path, monkeypatch: pytest.MonkeyPa
     assert len(opened) == len({ref.file.path for ref in ds.rank_rows(2)})
 
 
-def test_stored_arrays_copied_once_derived_arrays_wrapped(out: Path) -> None:
+def test_tensors_wrap_every_array_and_a_write_never_reaches_the_file(out: Path) -> None:
+    """Plain tensors copy nothing: stored arrays are wrapped in the shard's private
+    (copy-on-write) map, derived ones in their fresh memory. A write to a stored tensor changes
+    neither the file nor another read of it; an array that cannot be wrapped safely (a
+    read-only map, bytes) is copied."""
     ds = rolltool.open_packed(out)
     row = ds.micro_batches(1, 0)[0]
     assert not row["input_ids"].flags.writeable  # the reader's arrays map the file
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # torch warns when it wraps a read-only array
         tensors = torch_data.to_tensors(row)
+    kept = {k: np.array(a) for k, a in row.items()}
     for key, a in row.items():
         t = tensors[key]
         assert np.array_equal(t.numpy(), a)
-        assert np.shares_memory(t.numpy(), a) == (key not in STORED), key
-    shared = torch_data.to_tensors(row, shared=True)  # what a DataLoader worker makes
-    assert all(t.is_shared() and np.array_equal(t.numpy(), row[k]) for k, t in shared.items())
+        assert np.shares_memory(t.numpy(), a), key  # no copy, stored arrays included
+    shard = out / ds.step_rows(1, 0)[0].file.path
+    before = shard.read_bytes()
+    for key in STORED:
+        tensors[key].fill_(7)
+    assert shard.read_bytes() == before  # the file never sees a write
+    again = rolltool.open_packed(out).micro_batches(1, 0)[0]
+    assert all(np.array_equal(again[k], kept[k]) for k in kept)  # nor does another read
+    frozen = np.frombuffer(row["logprobs"].tobytes(), np.float32)  # read-only, over bytes
+    assert not np.shares_memory(torch_data.to_tensors({"x": frozen})["x"].numpy(), frozen)
+    shared = torch_data.to_tensors(again, shared=True)  # what a DataLoader worker makes
+    assert all(t.is_shared() and np.array_equal(t.numpy(), again[k]) for k, t in shared.items())
 
 
 @pytest.mark.skipif(torch.accelerator.is_available(), reason="checks the CPU-only error")

@@ -53,6 +53,13 @@ def _shard(out: Path, padded: bool = False) -> tuple[Any, Any]:
     raise AssertionError("no shard with padding")
 
 
+def _read_only(mapped: Any) -> np.ndarray:
+    """The shard's bytes as the reader's read-only uint8 array (its map is private, writable)."""
+    whole = np.frombuffer(mapped, np.uint8)
+    whole.flags.writeable = False
+    return whole
+
+
 def _outcome(fn: Any) -> Any:
     try:
         arrays = fn()
@@ -65,9 +72,10 @@ def test_views_are_tensors_in(out: Path) -> None:
     mapped, head = _shard(out)
     views = core._views(mapped, head, "shard")
     assert _outcome(lambda: views) == _outcome(
-        lambda: tensors_in(np.frombuffer(mapped, np.uint8), head, "shard")
+        lambda: tensors_in(_read_only(mapped), head, "shard")
     )
-    assert not any(a.flags.writeable for a in views.values())  # views of a read-only map
+    assert not any(a.flags.writeable for a in views.values())  # read-only views of the map
+    assert isinstance(mapped, core.PrivateMap) and mapped.copy_on_write
     assert set(core._VIEW_DTYPES) <= set(_DTYPES)
     assert all(np.dtype(_DTYPES[k]) == v for k, v in core._VIEW_DTYPES.items())
 
@@ -103,7 +111,7 @@ def test_views_give_tensors_ins_verdict_on_a_malformed_header(
         else:
             edited.tensors[name][key] = value
         got = _outcome(lambda e=edited: core._views(mapped, e, "shard"))
-        want = _outcome(lambda e=edited: tensors_in(np.frombuffer(mapped, np.uint8), e, "shard"))
+        want = _outcome(lambda e=edited: tensors_in(_read_only(mapped), e, "shard"))
         assert got == want, (name, key, value)
 
 
