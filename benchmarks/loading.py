@@ -8,7 +8,8 @@ the page cache, then times one full pass over rank 0's rows per variant:
                      derived ones (position_ids, advantages, loss_weight, cu_seqlens) computed
   copy every array   the reader's torch=True before rolltool.packed.torch_data: np.array(v) of every
                      field, then torch.from_numpy (derived arrays copied a second time)
-  torch_dataset      iterating ds.torch_dataset(0): stored arrays copied once, derived wrapped
+  torch_dataset      iterating ds.torch_dataset(0): every array wrapped (stored ones in the
+                     shard's private copy-on-write map), none copied
   DataLoader W=0     the same through DataLoader(batch_size=None)
   DataLoader W=k     k workers; tensors allocated in shared memory, so the hand-over to the main
                      process copies nothing
