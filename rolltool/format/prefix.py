@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rolltool.format.layout import PackedRows, SampleTokens
 from rolltool.format.spec import PAD_SAMPLE
 from rolltool.format.targets import NO_TARGET, SHIFTED_FROM, TARGET_FIELDS
 
@@ -172,3 +173,201 @@ def shared_next_token_targets(
         weight = out["target_loss_weight"]
         weight[cu[parents + 1] - 1] = total[parents].astype(weight.dtype)
     return out
+
+
+# -- a shared-prefix pack's rows (format version 4) -------------------------------------------
+
+SHARED_FIELDS = ("parent", "cu_seqlens_q", "cu_seqlens_k", "kv_index", "max_seqlen_q",
+                 "max_seqlen_k")  # fmt: skip
+"""What a shared-prefix row adds to a reader row: ``parent`` [s] int32, the `KernelIndex`
+arrays (``cu_seqlens_q``/``cu_seqlens_k`` [s+1] int32, ``kv_index`` [K] int64) and
+``max_seqlen_q``/``max_seqlen_k`` ([1] int64 each, arrays so that a row converts to tensors
+whole); its ``position_ids`` continue from each segment's chain and its targets are
+`shared_next_token_targets`'."""
+
+
+@dataclass(frozen=True)
+class SharedRows(PackedRows):
+    """`PackedRows` of a shared-prefix pack: which segment each segment continues."""
+
+    seg_parent: np.ndarray  # [S] int32, the row's segment before it in every sample, or -1
+
+
+def shared_rows(
+    tokens: SampleTokens,
+    *,
+    source: np.ndarray,
+    start: np.ndarray,
+    end: np.ndarray,
+    parent: np.ndarray,
+    row_segments: np.ndarray,
+    sample_index: np.ndarray,
+    advantage: np.ndarray,
+    weight: np.ndarray,
+    row_len: int | None = None,
+    pad_id: int = 0,
+) -> SharedRows:
+    """One rank's shared rows from a segment table: segment j stores positions
+    ``[start[j], end[j])`` of sample ``source[j]`` (a position into `tokens`), continues segment
+    ``parent[j]`` of its row (-1: none), and has ``sample_index``, ``advantage`` and ``weight``
+    (per trainable token, summed over the samples through it); row r holds segments
+    ``[row_segments[r], row_segments[r+1])``. Each row is padded to ``row_len`` (one padding
+    token when a row is empty and there is none); AssertionError if a row does not fit it."""
+    lens = (end - start).astype(np.int64)
+    assert np.all(lens > 0), "a shared segment has no tokens"
+    seg_len, seg_src, seg_par = [], [], []
+    for r in range(len(row_segments) - 1):
+        a, b = int(row_segments[r]), int(row_segments[r + 1])
+        used = int(lens[a:b].sum())
+        pad = (row_len - used) if row_len is not None else (0 if b > a else 1)
+        assert pad >= 0, f"row of {used} tokens exceeds row_len {row_len}"
+        idx = np.arange(a, b, dtype=np.int64)
+        seg_len.append(np.append(lens[a:b], pad) if pad else lens[a:b])
+        seg_src.append(np.append(idx, -1) if pad else idx)
+        seg_par.append(np.append(parent[a:b], NO_PARENT) if pad else parent[a:b])
+    counts = [len(x) for x in seg_len]
+    out_segments = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=out_segments[1:])
+    flat_len = np.concatenate(seg_len) if seg_len else np.zeros(0, np.int64)
+    src = np.concatenate(seg_src) if seg_src else np.zeros(0, np.int64)
+    row_offsets = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum([int(x.sum()) for x in seg_len], out=row_offsets[1:])
+    total = int(row_offsets[-1])
+    ids = np.full(total, pad_id, dtype=np.int32)
+    mask = np.zeros(total, dtype=np.uint8)
+    logp = np.zeros(total, dtype=np.float32)
+    pos = 0
+    for j, n in zip(src.tolist(), flat_len.tolist(), strict=True):
+        if j >= 0:
+            at = int(tokens.offsets[source[j]]) + int(start[j])
+            ids[pos : pos + n] = tokens.input_ids[at : at + n]
+            mask[pos : pos + n] = tokens.loss_mask[at : at + n]
+            logp[pos : pos + n] = tokens.logprobs[at : at + n]
+        pos += n
+    real = src >= 0
+    safe = np.where(real, src, 0)
+
+    def per_segment(values: np.ndarray, fill: float, dtype: type) -> np.ndarray:
+        v = np.asarray(values)
+        return (
+            np.where(real, v[safe], fill).astype(dtype)
+            if len(v)
+            else np.full(len(src), fill, dtype)
+        )
+
+    return SharedRows(
+        input_ids=ids,
+        loss_mask=mask,
+        logprobs=logp,
+        row_offsets=row_offsets,
+        seq_lens=flat_len.astype(np.int32),
+        sample_index=per_segment(sample_index, PAD_SAMPLE, np.int64),
+        seg_advantage=per_segment(advantage, 0, np.float32),
+        seg_weight=per_segment(weight, 0, np.float32),
+        row_segments=out_segments,
+        seg_parent=(np.concatenate(seg_par) if seg_par else np.zeros(0)).astype(np.int32),
+    )
+
+
+def row_parent(arrays: Mapping[str, np.ndarray], r: int) -> np.ndarray:
+    """[s] int32: row r's ``seg_parent`` (flat shard arrays, `SHARED_SEGMENT_ARRAYS`)."""
+    rs = arrays["row_segments"]
+    return np.asarray(arrays["seg_parent"][int(rs[r]) : int(rs[r + 1])])
+
+
+def shared_view(row: dict[str, np.ndarray], parent: np.ndarray) -> dict[str, np.ndarray]:
+    """A reader row (`rolltool.format.layout.unpack_row`) of a shared pack made exact: its
+    ``position_ids`` continued along each chain, its targets `shared_next_token_targets`, plus
+    `SHARED_FIELDS`. A padding segment is its own sequence (parent -1, no target)."""
+    index = kernel_index(row["cu_seqlens"], parent)
+    out = dict(row)
+    out["position_ids"] = index.position_ids.astype(np.int32)
+    out.update(shared_next_token_targets(row, parent))
+    out["parent"] = np.asarray(parent, dtype=np.int32)
+    out["cu_seqlens_q"] = index.cu_seqlens_q
+    out["cu_seqlens_k"] = index.cu_seqlens_k
+    out["kv_index"] = index.kv_index
+    out["max_seqlen_q"] = np.array([index.max_seqlen_q], dtype=np.int64)
+    out["max_seqlen_k"] = np.array([index.max_seqlen_k], dtype=np.int64)
+    return out
+
+
+def shared_problem(arrays: Mapping[str, np.ndarray], lengths: np.ndarray) -> str | None:
+    """Why a shared pack's shard does not hold valid shared rows, or None (the reader's cheap
+    check; `rolltool verify` compares the tokens with the input). Expects arrays that passed
+    `rolltool.format.layout.check_rows` and the value checks; `lengths` [n]: each input
+    sample's length (samples.parquet). Per row: every ``seg_parent`` is -1 or an earlier real
+    segment of the row, padding continues nothing; a prefix (a segment with children) has the
+    ``sample_index`` of its first child (its representative: the first sample through it),
+    every child starts with the same (re-fed branch) token, and its weight is the sum of its
+    children's; a leaf (a sample's continuation) ends at its sample's last token, a prefix
+    before its representative's."""
+    par = arrays.get("seg_parent")
+    if par is None:
+        return "missing array seg_parent (a --share-prefix pack's rows)"
+    if par.ndim != 1 or len(par) != len(arrays["seq_lens"]) or par.dtype != np.int32:
+        return "seg_parent is not one int32 per segment"
+    rs = arrays["row_segments"].astype(np.int64)
+    lens = arrays["seq_lens"].astype(np.int64)
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    for r in range(len(rs) - 1):
+        a, b = int(rs[r]), int(rs[r + 1])
+        wrong = _row_problem(arrays, par[a:b].astype(np.int64), a, cu[a : b + 1], lengths)
+        if wrong is not None:
+            return f"row {r}: {wrong}"
+    return None
+
+
+def _row_problem(
+    arrays: Mapping[str, np.ndarray], p: np.ndarray, a: int, cu: np.ndarray, lengths: np.ndarray
+) -> str | None:
+    """`shared_problem` of one row: its segments are ``a + j`` for j < len(p), bounded by
+    ``cu`` (absolute token offsets)."""
+    s = len(p)
+    bad = (p < NO_PARENT) | (p >= np.arange(s))
+    if bad.any():
+        j = int(np.flatnonzero(bad)[0])
+        return f"segment {j}'s parent {int(p[j])} is not -1 or an earlier segment"
+    index = arrays["sample_index"][a : a + s]
+    weight = arrays["seg_weight"][a : a + s].astype(np.float64)
+    lens = np.diff(cu)
+    pad = index == PAD_SAMPLE
+    kids = np.flatnonzero(p >= 0)
+    if np.any(pad[kids]) or np.any(pad[p[kids]]):
+        return "a padding segment continues or is continued by another"
+    start = np.zeros(s, dtype=np.int64)
+    for c in kids:
+        start[c] = start[p[c]] + lens[p[c]]
+    first = np.full(s, s, dtype=np.int64)
+    np.minimum.at(first, p[kids], kids)  # each prefix's first child
+    first[first == s] = -1
+    total = np.zeros(s, dtype=np.float64)
+    np.add.at(total, p[kids], weight[kids])
+    if np.any(index[~pad] >= len(lengths)):
+        return f"sample_index {int(index.max())} is not a sample of the input"
+    end = start + lens
+    leaf = ~pad & (first < 0)
+    short = np.flatnonzero(leaf & (end != lengths[np.where(pad, 0, index)]))
+    if len(short):
+        j = int(short[0])
+        i = int(index[j])
+        return f"sample {i}'s continuation ends at token {end[j]}, the sample has {lengths[i]}"
+    ids = arrays["input_ids"]
+    for j in np.flatnonzero(first >= 0).tolist():
+        i = int(index[j])
+        if end[j] >= lengths[i]:
+            return f"a prefix of sample {i} runs to its end ({end[j]} tokens)"
+        if int(index[first[j]]) != i:
+            return (
+                f"prefix segment {j} names sample {i}, its first child {int(index[first[j]])} "
+                "(a prefix's sample is its first child's)"
+            )
+        heads = ids[cu[np.flatnonzero(p == j)]]
+        if np.any(heads != heads[0]):
+            return f"the children of prefix segment {j} start with different tokens"
+        if not np.isclose(weight[j], total[j], rtol=1e-5, atol=0.0):
+            return (
+                f"prefix segment {j} weighs {weight[j]:.9g}, its children {total[j]:.9g} "
+                "(a prefix's weight is the sum over its samples)"
+            )
+    return None

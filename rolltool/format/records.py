@@ -35,6 +35,7 @@ from rolltool.format.spec import (
     HYBRID_VERSION,
     MANIFEST,
     READER_FIELDS,
+    SHARED_VERSION,
     SUPPORTED_VERSIONS,
     USAGE,
 )
@@ -163,6 +164,12 @@ class RecordedConfig:
     gpu_tflops: float | None = field(default=None, metadata=OMIT_DEFAULT)
     """TFLOP/s (the workload's units per second, 1e12) of one GPU the hybrid plan weighed
     exposed communication against (``--gpu-tflops``); written only with ``hybrid_cp``."""
+    share_prefix: bool = field(default=False, metadata=OMIT_DEFAULT)
+    """Each group's shared prefixes stored once (``--share-prefix``, format version 4,
+    `rolltool.format.prefix`); written only when true."""
+    share_min: int | None = field(default=None, metadata=OMIT_DEFAULT)
+    """Tokens a prefix must share beyond its parent's to be stored once (``--share-min``);
+    written only with ``share_prefix``."""
     steps: RecordedSteps
     """How optimizer steps were assembled."""
     advantages: RecordedAdvantages
@@ -255,6 +262,37 @@ class HybridRecord:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SharedTokens:
+    """Tokens of one env's samples in a ``--share-prefix`` step, unshared and as stored."""
+
+    tokens: int
+    """Σ of the samples' lengths: what an unshared pack stores and computes."""
+    stored: int
+    """Stored (and fed forward once each): every prefix once, re-fed branch tokens included."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SharedRecord:
+    """A ``--share-prefix`` step's sharing (`rolltool.plan.prefix.SharingStats`, summed over
+    its micro-batches as laid out; a prefix cut over several micro-batches counts each copy)."""
+
+    prefixes: int
+    """Prefix segments stored."""
+    tokens: int
+    """Σ of the trained samples' lengths (the unshared pack's tokens)."""
+    stored: int
+    """Tokens stored: the plan's ``tokens`` (padding not counted)."""
+    attention_pairs: int
+    """Causal query-key pairs unshared (Σ L (L + 1) / 2)."""
+    attention_pairs_shared: int
+    """Causal query-key pairs as laid out (each continuation over its full context)."""
+    kv_tokens: int
+    """Keys and values gathered per layer (Σ ``cu_seqlens_k[-1]`` over its rows)."""
+    envs: Mapping[str, SharedTokens]
+    """Per env: its samples' tokens, unshared and stored."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class PlanRecord:
     """The partition plan's settings and report (`rolltool.plan.partition.StepPlan.report`)."""
 
@@ -283,6 +321,9 @@ class PlanRecord:
     """``--hybrid-cp``: the layout per GPU (then ``tokens`` count each sample padded for its
     own degree, and the ``*_cost`` figures take each group's slowest GPU per slot); written
     only then."""
+    shared: SharedRecord | None = field(default=None, metadata=OMIT_DEFAULT)
+    """``--share-prefix``: tokens stored against unshared (then ``tokens`` and the ``*_cost``
+    figures count what is stored and computed); written only then."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -451,6 +492,13 @@ class Manifest:
                 f"{where}: format version {m.format_version} with config.hybrid_cp "
                 f"{str(m.config.hybrid_cp).lower()} (a --hybrid-cp pack is version "
                 f"{HYBRID_VERSION}, and only it)",
+                hint=_HINT,
+            )
+        if m.config.share_prefix != (m.format_version == SHARED_VERSION):
+            raise RolltoolError(
+                f"{where}: format version {m.format_version} with config.share_prefix "
+                f"{str(m.config.share_prefix).lower()} (a --share-prefix pack is version "
+                f"{SHARED_VERSION}, and only it)",
                 hint=_HINT,
             )
         for s, st in enumerate(m.steps):

@@ -29,6 +29,7 @@ from rolltool.format import (
     HYBRID_SEGMENT_ARRAYS,
     ROW_ARRAYS,
     SEGMENT_ARRAYS,
+    SHARED_SEGMENT_ARRAYS,
     TOKEN_ARRAYS,
     FileRecord,
     shard_name,
@@ -40,6 +41,7 @@ _SEGMENT_BYTES = sum(np.dtype(t).itemsize for t in SEGMENT_ARRAYS.values())
 _ROW_BYTES = sum(np.dtype(t).itemsize for t in ROW_ARRAYS.values())
 _HYBRID_SEGMENT_BYTES = sum(np.dtype(t).itemsize for t in HYBRID_SEGMENT_ARRAYS.values())
 _HYBRID_ROW_BYTES = sum(np.dtype(t).itemsize for t in HYBRID_ROW_ARRAYS.values())
+_SHARED_SEGMENT_BYTES = sum(np.dtype(t).itemsize for t in SHARED_SEGMENT_ARRAYS.values())
 
 _HINT = "run `rolltool verify` on the directory; pack again if files changed"
 _DTYPES = {"I32": np.int32, "I64": np.int64, "U8": np.uint8, "F32": np.float32, "F64": np.float64}
@@ -48,7 +50,8 @@ _CODES = {np.dtype(v): k for k, v in _DTYPES.items()}
 
 def row_bytes(rows: PackedRows) -> np.ndarray:
     """Bytes each row takes in a shard (9 per token, 20 per segment, 16 per row; a hybrid
-    pack's rows 4 more per segment and 4 x C more per row)."""
+    pack's rows 4 more per segment and 4 x C more per row, a shared-prefix pack's 4 more per
+    segment)."""
     tokens = np.diff(rows.row_offsets)
     segments = np.diff(rows.row_segments)
     size = tokens * _TOKEN_BYTES + segments * _SEGMENT_BYTES + _ROW_BYTES
@@ -56,6 +59,8 @@ def row_bytes(rows: PackedRows) -> np.ndarray:
     if extra:
         cp = len(extra["row_cp_groups"]) // max(len(tokens), 1)
         size = size + segments * _HYBRID_SEGMENT_BYTES + cp * _HYBRID_ROW_BYTES
+    if hasattr(rows, "seg_parent"):  # `rolltool.format.prefix.SharedRows`
+        size = size + segments * _SHARED_SEGMENT_BYTES
     return size
 
 
@@ -94,6 +99,9 @@ def _slice(rows: PackedRows, a: int, b: int) -> dict[str, np.ndarray]:
             out[k] = np.ascontiguousarray(extra[k][s0:s1])
         for k in HYBRID_ROW_ARRAYS:
             out[k] = np.ascontiguousarray(extra[k][a * cp : b * cp])
+    for k in SHARED_SEGMENT_ARRAYS:  # `rolltool.format.prefix.SharedRows`: row-relative
+        if hasattr(rows, k):
+            out[k] = np.ascontiguousarray(getattr(rows, k)[s0:s1])
     return out
 
 

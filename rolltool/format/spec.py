@@ -13,14 +13,19 @@ import numpy as np
 
 FORMAT = "rolltool-packed"
 FORMAT_VERSION = 1
-SUPPORTED_VERSIONS = (1, 2, 3)
-"""3: a hybrid-CP pack (``--hybrid-cp``): each row's CP GPUs are cut into sub-groups
+SUPPORTED_VERSIONS = (1, 2, 3, 4)
+"""4: a shared-prefix pack (``--share-prefix``): a segment may continue another
+(`SHARED_SEGMENT_ARRAYS`), and samples.parquet is as in 2 or 1 (by --epochs); a reader of 1-3
+would serve a continuation as a sample of its own and a prefix as a whole sample, so it must
+refuse them. 3: a hybrid-CP pack (``--hybrid-cp``): each row's CP GPUs are cut into sub-groups
 (`HYBRID_ROW_ARRAYS`, `HYBRID_SEGMENT_ARRAYS`), and samples.parquet is as in 2 or 1 (by
 --epochs); a reader of 1 and 2 would take its rows for plain ``--cp`` rows and serve wrong
 views, so it must refuse them. 2: samples.parquet holds one row per (sample, epoch), with an
 ``epoch`` column (--epochs > 1); 1: one row per sample."""
 HYBRID_VERSION = 3
 """The format version of every ``--hybrid-cp`` pack (`SUPPORTED_VERSIONS`)."""
+SHARED_VERSION = 4
+"""The format version of every ``--share-prefix`` pack (`SUPPORTED_VERSIONS`)."""
 MANIFEST = "manifest.json"
 SAMPLES = "samples.parquet"
 
@@ -57,6 +62,14 @@ sub-group the segment belongs to (`rolltool.format.hybrid`)."""
 HYBRID_ROW_ARRAYS = {"row_cp_groups": np.int32}
 """Stored per row x C in ``--hybrid-cp`` packs only, flat: row r's entries [r·C, (r+1)·C) are
 each GPU's sub-group size (aligned powers of two partitioning the C GPUs)."""
+
+SHARED_SEGMENT_ARRAYS = {"seg_parent": np.int32}
+"""Stored per segment in ``--share-prefix`` packs only: the segment of the same row whose
+tokens precede this one in every sample through it, as an index among the row's segments
+(``parent[j] < j``), or -1 (`rolltool.format.prefix`). A prefix segment's ``sample_index`` is
+its *representative*: the sample (of the lowest index in row order among those through it)
+whose tokens it stores; its ``seg_advantage`` is that sample's and its ``seg_weight`` the sum
+over every sample through it."""
 
 READER_FIELDS = {
     "input_ids": np.int32,

@@ -178,8 +178,8 @@ def test_version_and_option_must_agree(hybrid: Path, tmp_path: Path) -> None:
     plain = {**doc, "format_version": 3, "config": {**doc["config"], "hybrid_cp": False}}
     with pytest.raises(RolltoolError, match="a --hybrid-cp pack is version 3"):
         Manifest.from_json(plain)
-    with pytest.raises(RolltoolError, match="format version 4 is not supported"):
-        Manifest.from_json({**doc, "format_version": 4})
+    with pytest.raises(RolltoolError, match="format version 5 is not supported"):
+        Manifest.from_json({**doc, "format_version": 5})
 
 
 def test_samples_parquet_says_each_sample_s_sub_group(hybrid: Path, tmp_path: Path) -> None:
