@@ -35,6 +35,7 @@ from rolltool.plan.config import (
 )
 from rolltool.plan.loss import LOSS_AGGS
 from rolltool.plan.partition import ALIGNS
+from rolltool.plan.prefix import SHARE_MIN
 from rolltool.plan.workload import DEFAULT_PRESET, MODEL_PRESETS, WORKLOADS
 
 D = PackConfig(dp=1)
@@ -82,6 +83,8 @@ BUDGET = (f"Hard token budget per micro-batch and GPU [default: --row-len when g
     opt("--row-len", POSITIVE, None, "Pad every row to this length (per GPU)."),
     opt("--pad-id", int, D.pad_id, "Token id used for padding."),
     opt("--overlong", OVERLONG, D.overlong, "A sample longer than the budget: error, or leave it out of training."),
+    opt("--share-prefix", bool, D.share_prefix, "Store each group's shared prefixes (prompt, common trajectory) once: a prefix and its continuations on one micro-batch, exact attention through a K/V gather index (format version 4; not with --sp/--cp yet)."),
+    opt("--share-min", click.IntRange(min=2), None, f"Tokens a prefix must share beyond its parent's to be stored once [default: {SHARE_MIN}; --share-prefix only]."),
 )  # fmt: skip
 @section(
     "Loss",

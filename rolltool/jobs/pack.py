@@ -21,6 +21,7 @@ import pyarrow as pa
 from rolltool.engine.base import Engine
 from rolltool.engine.config import EXCHANGE_CHOICES, ExecutionConfig, open_engine
 from rolltool.fetch.buckets import Buckets, exchange
+from rolltool.fetch.prefixes import group_prefixes
 from rolltool.fetch.readplan import read_plan
 from rolltool.fetch.tokens import TokenReader
 from rolltool.format import (
@@ -37,7 +38,9 @@ from rolltool.packing.manifest import created_at, manifest_record, samples_table
 from rolltool.packing.step import Job, Packed, prefetch, step_tokens, write_step
 from rolltool.plan.advantages import ESTIMATORS, AdvantageConfig
 from rolltool.plan.config import OVERLONG, PackConfig
+from rolltool.plan.groups import GroupIndex
 from rolltool.plan.loss import LOSS_AGGS
+from rolltool.plan.prefix_step import GroupForest
 from rolltool.plan.schedule import Schedule, schedule
 from rolltool.plan.step_plan import PlannedStep
 from rolltool.schema import Rollouts, scan
@@ -94,9 +97,10 @@ def run_pack(
     files = resolve_inputs(inputs)
     reader = TokenReader(files, rename, cache_bytes=int(config.cache_mb * 1e6))
     ro = _scan(files, rename, reader, progress or _no_progress)
+    prefixes = _prefixes(reader, ro, config)
     with open_engine(execution) as engine_:
         mapper = engine_.plan_mapper(ro.num_samples)
-        plan = schedule(ro, config, workload, ro.advantage, mapper=mapper)
+        plan = schedule(ro, config, workload, ro.advantage, mapper=mapper, prefixes=prefixes)
         reads = read_plan(
             reader.block_starts,
             reader.block_bytes(),
@@ -200,6 +204,18 @@ def _scan(files: Sequence[InputFile], rename: Mapping[str, str], reader: TokenRe
     finally:
         getattr(ticks, "close", lambda: None)()
     return ro
+
+
+def _prefixes(
+    reader: TokenReader, ro: Rollouts, config: PackConfig
+) -> dict[int, GroupForest] | None:
+    """With ``--share-prefix``, each group's prefixes from the token pass
+    (`rolltool.fetch.prefixes`), before planning; else None."""
+    if not config.share_prefix:
+        return None
+    assert config.share_min is not None
+    groups = GroupIndex.of(ro.group, ro.num_groups)
+    return group_prefixes(reader, groups, ro.length, config.share_min)
 
 
 def _reads_label(reads: ReadRecord) -> str:

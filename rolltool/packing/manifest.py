@@ -17,6 +17,7 @@ from rolltool._version import __version__
 from rolltool.errors import RolltoolError
 from rolltool.format import (
     HYBRID_VERSION,
+    SHARED_VERSION,
     STATUSES,
     AdvantagesRecord,
     InputRecord,
@@ -30,6 +31,15 @@ from rolltool.plan.config import PackConfig
 from rolltool.plan.schedule import Schedule
 from rolltool.plan.workload import Workload
 from rolltool.schema import Rollouts
+
+
+def _version(config: PackConfig, epochs: int) -> int:
+    """The format version a pack is written in (`rolltool.format.spec.SUPPORTED_VERSIONS`)."""
+    if config.hybrid_cp:
+        return HYBRID_VERSION
+    if config.share_prefix:
+        return SHARED_VERSION
+    return 2 if epochs > 1 else 1
 
 
 def manifest_record(
@@ -56,7 +66,7 @@ def manifest_record(
     a = config.advantages
     partial = plan.assembly.partial_dropped
     return Manifest(
-        format_version=HYBRID_VERSION if config.hybrid_cp else 2 if plan.epochs > 1 else 1,
+        format_version=_version(config, plan.epochs),
         rolltool_version=__version__,
         created_at=created_at(),
         command=tuple(command or ()),

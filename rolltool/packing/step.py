@@ -26,6 +26,7 @@ from rolltool.format.hybrid import hybrid_step_rows
 from rolltool.format.layout import PackedRows, SampleTokens, step_rows
 from rolltool.packed.writer import DirectWriter, PackedWriter
 from rolltool.plan.config import PackConfig
+from rolltool.plan.prefix_step import shared_step_rows
 from rolltool.plan.step_plan import PlannedStep
 from rolltool.storage.fs import Location
 
@@ -116,8 +117,13 @@ def write_step(
         "advantage": st.advantage[order],
         "weight": st.weight[order],
     }
-    if st.hybrid is not None:  # each row's sub-groups (`rolltool.format.hybrid`)
-        laid_out: Iterator[PackedRows] = hybrid_step_rows(
+    if st.shared is not None:  # prefixes stored once (`rolltool.plan.prefix_step`)
+        laid_out: Iterator[PackedRows] = shared_step_rows(
+            tokens, st.members[order], st.advantage[order], st.weight[order], st.shared,
+            dp=config.dp, step=st.index, row_len=config.row_len, pad_id=config.pad_id,
+        )  # fmt: skip
+    elif st.hybrid is not None:  # each row's sub-groups (`rolltool.format.hybrid`)
+        laid_out = hybrid_step_rows(
             tokens, st.plan.micro_batches, cp_start=st.hybrid.cp_start, groups=st.hybrid.groups,
             row_len=config.row_len, pad_id=config.pad_id, **per_sample,
         )  # fmt: skip

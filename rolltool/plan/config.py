@@ -20,6 +20,7 @@ from rolltool.plan.batches import StepConfig
 from rolltool.plan.hybrid import RingModel
 from rolltool.plan.loss import check_loss_agg
 from rolltool.plan.partition import ALIGNS
+from rolltool.plan.prefix import SHARE_MIN
 from rolltool.plan.workload import WORKLOADS, Workload, make_workload
 
 """The largest token id a shard holds (``input_ids`` are int32): 2**31 - 1, as the schema's."""
@@ -90,6 +91,14 @@ class PackConfig:
     gpu_tflops: float | None = None
     """TFLOP/s of one GPU (``hybrid_cp`` only; None resolves to ``DEFAULT_GPU_TFLOPS`` with
     it): what exposed ring communication is weighed against, in the workload's units."""
+    share_prefix: bool = False
+    """Store each group's shared prefixes once (`rolltool.plan.prefix_step`, issue 24): a
+    prefix tree is placed whole on one micro-batch of one rank, its cost what is computed.
+    Not with ``sp``, ``cp``, ``hybrid_cp``, ``micro_batch_size``, ``align="total"`` or
+    ``equal_count`` (yet)."""
+    share_min: int | None = None
+    """Tokens a prefix must share beyond its parent's to be stored once (``share_prefix``
+    only; None resolves to `rolltool.plan.prefix.SHARE_MIN` with it)."""
     steps: StepConfig = field(default_factory=_default_steps)
     """How optimizer steps are assembled (batch semantics); default: ``DEFAULT_BATCH_SIZE``
     rollouts per step."""
@@ -143,6 +152,7 @@ class PackConfig:
         self._check_choices()
         self._check_conflicts()
         self._check_hybrid()
+        self._check_shared()
         if self.micro_batch_tokens is None and self.micro_batch_size is None:
             budget = self.row_len if self.row_len is not None else DEFAULT_MICRO_BATCH_TOKENS
             object.__setattr__(self, "micro_batch_tokens", budget)  # resolved once, recorded
@@ -205,6 +215,36 @@ class PackConfig:
                 object.__setattr__(self, name, default)
             elif not (value > 0 and value < float("inf")):
                 raise RolltoolError(f"{flag} must be a positive number, got {value}")
+
+    def _check_shared(self) -> None:
+        """``share_prefix``'s rules (usage errors) and ``share_min`` resolved."""
+        if not self.share_prefix:
+            if self.share_min is not None:
+                raise OptionConflict("--share-min applies to --share-prefix only")
+            return
+        for given, flag, why in (
+            (self.hybrid_cp, "--hybrid-cp", "a prefix tree is planned whole on one GPU"),
+            (self.cp > 1, f"--cp {self.cp}",
+             "a continuation's queries would need the prefix's keys from every CP rank"),
+            (self.sp > 1, f"--sp {self.sp}", "its views are not cut along prefix trees yet"),
+            (self.micro_batch_size is not None, "--micro-batch-size",
+             "it plans prefix trees under a token budget (--micro-batch-tokens)"),
+            (self.align != "lockstep", f"--align {self.align}",
+             "it balances prefix trees in lockstep"),
+            (self.equal_count, "--equal-count", "a prefix tree's samples stay on one rank"),
+        ):  # fmt: skip
+            if given:
+                raise OptionConflict(
+                    f"--share-prefix is not available with {flag} yet: {why}",
+                    hint=f"drop {flag.split()[0]} or --share-prefix (docs/shared_prefix.md)",
+                )
+        if self.share_min is None:
+            object.__setattr__(self, "share_min", SHARE_MIN)
+        elif self.share_min < 2:
+            raise RolltoolError(
+                f"--share-min must be at least 2, got {self.share_min}",
+                hint="a prefix of one token stores nothing once: its branch token is re-fed",
+            )
 
     def ring(self, workload: Workload) -> RingModel:
         """The ring model ``hybrid_cp`` plans with: `workload`'s model shape (K/V bytes per

@@ -26,6 +26,7 @@ from rolltool.plan.batches import Assembly
 from rolltool.plan.groups import GroupIndex, index_dtype
 from rolltool.plan.hybrid_step import HybridLayout
 from rolltool.plan.partition import StepPlan
+from rolltool.plan.prefix_step import SharedPlan
 from rolltool.plan.step_plan import PlannedStep
 from rolltool.schema import Rollouts
 
@@ -47,6 +48,7 @@ class StepOutline:
     count_trimmed: np.ndarray
     cut: str
     hybrid: HybridLayout | None = None  # as `PlannedStep`'s (row order)
+    shared: SharedPlan | None = None  # as `PlannedStep`'s
 
     @staticmethod
     def of(st: PlannedStep) -> StepOutline:
@@ -61,6 +63,7 @@ class StepOutline:
             count_trimmed=st.count_trimmed,
             cut=st.cut,
             hybrid=st.hybrid,
+            shared=st.shared,
         )
 
 

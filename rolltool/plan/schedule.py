@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import overload
 
@@ -39,6 +39,7 @@ from rolltool.plan.config import PackConfig
 from rolltool.plan.group_advantages import GroupAdvantages, group_advantages
 from rolltool.plan.groups import GroupIndex, assembly_groups
 from rolltool.plan.placement import StepOutline, placement
+from rolltool.plan.prefix_step import GroupForest
 from rolltool.plan.step_plan import PlannedStep, batch_steps
 from rolltool.plan.step_warnings import step_warnings
 from rolltool.plan.workload import Workload
@@ -145,6 +146,7 @@ class Schedule:
             count_trimmed=o.count_trimmed,
             cut=o.cut,
             hybrid=o.hybrid,
+            shared=o.shared,
         )
 
     @property
@@ -187,12 +189,14 @@ def schedule(
     given: np.ndarray | None = None,
     *,
     mapper: Mapper = serial,
+    prefixes: Mapping[int, GroupForest] | None = None,
 ) -> Schedule:
     """Plan the run (see the module docstring); `given`: the input's own advantages, if any;
     `mapper(fn, batches)` computes ``[fn(b) for b in batches]`` in order, here by default, or in
     forked processes (`rolltool.engine.local.plan_mapper`) or on Ray (`rolltool.engine.ray`):
     the same plan whichever. Each planned step is folded into the flat arrays as it arrives, so
-    the driver never holds every step's arrays."""
+    the driver never holds every step's arrays. `prefixes`: with ``--share-prefix``, each
+    group's prefixes from the token pass (`rolltool.fetch.prefixes`; none given: none found)."""
     adv = group_advantages(ro, config, given)
     too_long = over_budget(ro, config)
     groups = assembly_groups(ro, ~too_long, adv.uniform)
@@ -204,7 +208,10 @@ def schedule(
             hint="lower --batch-size, or pass --keep-last to keep a partial step",
         )
     in_group = GroupIndex.of(ro.group, ro.num_groups)
-    plan = functools.partial(batch_steps, ro, config, workload, adv, in_group, too_long, groups.env)
+    plan = functools.partial(
+        batch_steps, ro, config, workload, adv, in_group, too_long, groups.env,
+        prefixes=prefixes or {},
+    )  # fmt: skip
     results: Iterable[list[PlannedStep]] = mapper(plan, assembly.steps)
     flat = placement(
         ro, assembly, in_group, too_long, adv.value, config.steps.epochs, config.hybrid_cp

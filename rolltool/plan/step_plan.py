@@ -23,6 +23,7 @@ group_advantages, budget, hybrid_step and step_records; placement, step_warnings
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,7 @@ from rolltool.plan.hybrid_step import HybridLayout, hybrid_record, hybrid_step
 from rolltool.plan.loss import sample_weights, step_denominators
 from rolltool.plan.minibatches import epoch_groups, sample_units, split_epoch
 from rolltool.plan.partition import StepPlan, plan_step
+from rolltool.plan.prefix_step import GroupForest, SharedPlan, plan_shared_step
 from rolltool.plan.step_records import plan_record, step_counts
 from rolltool.plan.workload import Workload
 from rolltool.schema import Rollouts
@@ -65,6 +67,9 @@ class PlannedStep:
     hybrid: HybridLayout | None = None
     """``--hybrid-cp``: each slot's sub-groups and each sample's first GPU (row order), what
     its rows are laid out by (`rolltool.plan.hybrid_step`); None otherwise."""
+    shared: SharedPlan | None = None
+    """``--share-prefix``: each micro-batch's stored segments (`rolltool.plan.prefix_step`),
+    what its rows are laid out by; None otherwise."""
 
     @property
     def epoch(self) -> int:
@@ -86,13 +91,19 @@ def batch_steps(
     too_long: np.ndarray,
     group_env: np.ndarray,
     batch: Step,
+    *,
+    prefixes: Mapping[int, GroupForest] | None = None,
 ) -> list[PlannedStep]:
     """A batch's optimizer steps: the batch itself, or epochs x mini-batches of it (numbered
-    from ``batch.index x`` steps per batch, so batches can be planned in any order)."""
+    from ``batch.index x`` steps per batch, so batches can be planned in any order).
+    `prefixes`: ``--share-prefix``'s groups with prefixes (`rolltool.fetch.prefixes`)."""
+    found = prefixes if prefixes is not None else {}
     if config.steps.per_batch == 1:
-        return [plan_one_step(ro, config, workload, adv, batch, in_group, too_long, group_env)]
+        return [plan_one_step(ro, config, workload, adv, batch, in_group, too_long, group_env,
+                              prefixes=found)]  # fmt: skip
     first = batch.index * config.steps.per_batch
-    return plan_batch(ro, config, workload, adv, batch, in_group, too_long, group_env, first)
+    return plan_batch(ro, config, workload, adv, batch, in_group, too_long, group_env, first,
+                      prefixes=found)  # fmt: skip
 
 
 def plan_one_step(
@@ -104,6 +115,8 @@ def plan_one_step(
     in_group: GroupIndex,
     too_long: np.ndarray,
     group_env: np.ndarray,
+    *,
+    prefixes: Mapping[int, GroupForest] | None = None,
 ) -> PlannedStep:
     """A batch that is one optimizer step: its trained samples, their advantages and loss
     weights, its partition plan and the record that explains its cost and gradient scale."""
@@ -117,7 +130,7 @@ def plan_one_step(
     return _planned(
         ro, config, workload, step, all_members[kept], advantage, overlong, trimmed,
         uniform=adv.uniform, dropped=in_group.samples(step.dropped), group_env=group_env,
-        place=(step.index, 0, 0),
+        place=(step.index, 0, 0), prefixes=prefixes,
     )  # fmt: skip
 
 
@@ -131,6 +144,8 @@ def plan_batch(
     too_long: np.ndarray,
     group_env: np.ndarray,
     first: int,
+    *,
+    prefixes: Mapping[int, GroupForest] | None = None,
 ) -> list[PlannedStep]:
     """A batch as epochs x mini-batches optimizer steps, numbered from `first`
     (`rolltool.plan.minibatches`): advantages once over the batch (whitening over its samples), then
@@ -166,7 +181,7 @@ def plan_batch(
                 ro, config, workload, step, members, advantage_of[members],
                 overlong if head else none, mb.samples[~kept], uniform=adv.uniform,
                 dropped=dropped if head else none, group_env=group_env,
-                place=(batch.index, epoch, mb.index), cut=mb.level,
+                place=(batch.index, epoch, mb.index), cut=mb.level, prefixes=prefixes,
             ))  # fmt: skip
     return _batch_actual(ro, out, batch, sc.batch_unit)
 
@@ -213,12 +228,20 @@ def _planned(
     group_env: np.ndarray,
     place: tuple[int, int, int],
     cut: str = "groups",
+    prefixes: Mapping[int, GroupForest] | None = None,
 ) -> PlannedStep:
     """One optimizer step from its trained samples (`members`, with their `advantage`): loss
     weights, plan and record; `place` is its (batch, epoch, mini-batch)."""
     weight = sample_weights(config.loss_agg, ro.trainable[members], config.loss_scale_factor)
-    layout, per_gpus = None, None
-    if config.hybrid_cp:  # a CP degree per sample (`rolltool.plan.hybrid_step`)
+    layout, per_gpus, shared = None, None, None
+    if config.share_prefix:  # prefix trees placed whole (`rolltool.plan.prefix_step`)
+        assert config.micro_batch_tokens is not None and config.share_min is not None
+        plan, shared = plan_shared_step(
+            members, ro.length[members], ro.group[members], advantage, ro.env[members],
+            ro.env_names, prefixes or {}, dp=config.dp, max_tokens=config.micro_batch_tokens,
+            workload=workload, share_min=config.share_min,
+        )  # fmt: skip
+    elif config.hybrid_cp:  # a CP degree per sample (`rolltool.plan.hybrid_step`)
         assert config.micro_batch_tokens is not None
         plan, layout, hp = hybrid_step(
             ro.length[members], dp=config.dp, cp=config.cp, max_tokens=config.micro_batch_tokens,
@@ -255,7 +278,7 @@ def _planned(
         denominators=Denominators(
             **step_denominators(config.loss_agg, ro.trainable[members], config.loss_scale_factor)
         ),
-        plan=plan_record(plan, per_gpus),
+        plan=plan_record(plan, per_gpus, None if shared is None else shared.record),
     )
     return PlannedStep(
         index=step.index,
@@ -269,6 +292,7 @@ def _planned(
         count_trimmed=trimmed,
         cut=cut,
         hybrid=layout,
+        shared=shared,
     )
 
 

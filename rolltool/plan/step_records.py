@@ -17,21 +17,24 @@ from typing import Any
 
 import numpy as np
 
-from rolltool.format import HybridRecord, PlanRecord
+from rolltool.format import HybridRecord, PlanRecord, SharedRecord
 from rolltool.plan.advantages import reward_moments
 from rolltool.plan.batches import Step
 from rolltool.plan.partition import StepPlan
 from rolltool.schema import Rollouts
 
 
-def plan_record(plan: StepPlan, hybrid: HybridRecord | None = None) -> PlanRecord:
+def plan_record(
+    plan: StepPlan, hybrid: HybridRecord | None = None, shared: SharedRecord | None = None
+) -> PlanRecord:
     """The manifest's summary of a step plan (settings and report, no index arrays), with a
-    ``--hybrid-cp`` step's per-GPU figures (`rolltool.plan.hybrid_step.hybrid_record`)."""
+    ``--hybrid-cp`` step's per-GPU figures (`rolltool.plan.hybrid_step.hybrid_record`) or a
+    ``--share-prefix`` step's sharing (`rolltool.plan.prefix_step`)."""
     d = plan.to_dict()
     d["workload"] = None if plan.workload is None else plan.workload.record()
     d["short"] = tuple(tuple(rc) for rc in d["short"])
     d["samples_per_rank"] = tuple(d["samples_per_rank"])
-    return PlanRecord(**d, hybrid=hybrid)
+    return PlanRecord(**d, hybrid=hybrid, shared=shared)
 
 
 def _moments(x: np.ndarray) -> tuple[float | None, float | None]:

@@ -1,0 +1,582 @@
+"""Planning a ``--share-prefix`` step: prefix trees placed whole, each micro-batch's segments.
+
+`rolltool.plan.prefix` finds a group's shared prefixes from its tokens; planning sees only light
+columns, so pack runs detection once per group *before* planning, in a pass over the token
+columns (`rolltool.fetch.prefixes`), and hands every planner the result (`GroupForest`, by
+group). Why a pass and not the prompt's length: the input's own tokens are what a prefix must
+equal, and only they say where agent branches part; the pass reads the token columns once more
+(sequentially, group after group), the price of a plan that is exact.
+
+Per step (`plan_shared_step`):
+
+1. **Restriction.** A group's forest is cut to the step's samples (`restrict`): a prefix with
+   fewer than two of them goes (its children attach to its nearest kept ancestor), one with
+   the same samples as a kept child goes too (the child shares more), and where the step's
+   advantages of its samples differ and a trained token lies inside it, a prefix ends before
+   that token (detection compared tokens, masks and log-probs only; the advantage is known per
+   step). A prefix must still share ``share_min`` tokens beyond its parent's.
+2. **Units.** A tree (a root prefix, everything below it, all their samples) is the unit placed
+   on one micro-batch of one rank; an unshared sample is a unit of its own. A tree whose stored
+   tokens exceed the budget is cut into subsets of its samples, in layout order (so samples
+   under one nested prefix stay together), each as many as fit, each with its own copy of its
+   chain (`_cut`).
+3. **Cost.** A unit costs what is computed: ``c`` per sample, ``a`` per stored token and
+   ``b · (end² − start²)`` per segment (its queries over its whole context, prefix keys
+   included: a sample alone is ``b · L²``); its tokens are what is stored.
+4. **Placement.** ``dp · M`` micro-batches, M from the token lower bound up: each unit, the
+   costliest first, to the cheapest micro-batch with room (FFD by tokens at M when that fails
+   but fits); the micro-batches sorted by cost and dealt into M slots of dp, each slot's spread
+   over the ranks so rank totals stay even. A micro-batch's samples of one group are laid out
+   together (`restrict` of their union: never more tokens than its units apart).
+
+`shared_step_rows` then lays out a step's rows from its fetched tokens and checks them against
+the plan: every sample through a prefix must agree with its representative there, as planned;
+a sample that does not (the input changed between the pass and the fetch) is an error, never a
+wrong or over-budget row.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from rolltool.errors import RolltoolError
+from rolltool.format import SharedRecord, SharedTokens
+from rolltool.format.layout import PackedRows, SampleTokens
+from rolltool.format.prefix import NO_PARENT, shared_rows
+from rolltool.plan.partition import StepPlan
+from rolltool.plan.prefix import PrefixForest, SharedLayout, SharingStats, lay_out
+from rolltool.plan.workload import Workload
+
+
+@dataclass(frozen=True)
+class GroupForest:
+    """One group's prefixes as the token pass found them (`rolltool.plan.prefix.detect`)."""
+
+    samples: np.ndarray
+    """[n] int64: the group's sample indices, in the order `forest` numbers them."""
+    forest: PrefixForest
+    """Its prefixes (m of them) over those samples."""
+    first_trained: np.ndarray
+    """[m] int64: per prefix, the first position in [1, P) whose token is trained (P = the
+    length its samples share, ``node_end + 1``), or P: where differing advantages end it."""
+
+
+def first_trained(forest: PrefixForest, loss_mask: Sequence[np.ndarray]) -> np.ndarray:
+    """`GroupForest.first_trained` from the group's per-sample loss masks (the samples of a
+    prefix agree on them there, so its representative's tell)."""
+    out = np.empty(len(forest.node_end), dtype=np.int64)
+    for j, (i, end) in enumerate(zip(forest.node_sample, forest.node_end, strict=True)):
+        shared = int(end) + 1
+        hit = np.flatnonzero(np.asarray(loss_mask[int(i)])[1:shared])
+        out[j] = int(hit[0]) + 1 if len(hit) else shared
+    return out
+
+
+def restrict(
+    gf: GroupForest, take: np.ndarray, advantage: np.ndarray, share_min: int
+) -> PrefixForest:
+    """`gf`'s forest cut to the samples ``gf.samples[take]`` (numbered 0.. in `take`'s order;
+    `advantage` [len(take)] their step advantages): see the module docstring, step 1."""
+    f = gf.forest
+    m, k = len(f.node_end), len(take)
+    members: list[list[int]] = [[] for _ in range(m)]
+    for q, t in enumerate(np.asarray(take, dtype=np.int64).tolist()):
+        for j in f.chain(t):
+            members[j].append(q)
+    shared: dict[int, int] = {}  # kept prefix -> the length its samples share
+    parent = np.full(m, NO_PARENT, dtype=np.int64)
+    for j in range(m):  # parents come first
+        mem = members[j]
+        if len(mem) < 2:
+            continue
+        p = int(f.node_parent[j])
+        while p >= 0 and p not in shared:
+            p = int(f.node_parent[p])
+        P = int(f.node_end[j]) + 1
+        if gf.first_trained[j] < P and len(np.unique(advantage[mem])) > 1:
+            P = int(gf.first_trained[j])
+        if P - (shared[p] if p >= 0 else 0) >= share_min:
+            shared[j], parent[j] = P, p
+    for j in sorted(shared, reverse=True):  # a parent with exactly a child's samples goes
+        p = int(parent[j])
+        if p >= 0 and p in shared and len(members[p]) == len(members[j]):
+            del shared[p]
+            for c in shared:
+                if parent[c] == p:
+                    parent[c] = parent[p]
+    kept = sorted(shared)
+    new = {j: n for n, j in enumerate(kept)}
+    deepest = np.full(k, NO_PARENT, dtype=np.int64)
+    for j in kept:  # parents first: a deeper prefix overwrites
+        deepest[members[j]] = new[j]
+    start = [shared[int(parent[j])] - 1 if parent[j] >= 0 else 0 for j in kept]
+    return PrefixForest(
+        lengths=f.lengths[np.asarray(take, dtype=np.int64)],
+        node_sample=np.array([min(members[j]) for j in kept], dtype=np.int64),
+        node_start=np.array(start, dtype=np.int64),
+        node_end=np.array([shared[j] - 1 for j in kept], dtype=np.int64),
+        node_parent=np.array(
+            [new[int(parent[j])] if parent[j] >= 0 else -1 for j in kept], dtype=np.int64
+        ),
+        sample_node=deepest,
+    )
+
+
+def unshared(lengths: np.ndarray) -> PrefixForest:
+    """The forest of samples that share nothing (a group without prefixes)."""
+    none = np.zeros(0, dtype=np.int64)
+    return PrefixForest(
+        np.asarray(lengths, dtype=np.int64),
+        none,
+        none,
+        none,
+        none,
+        np.full(len(lengths), NO_PARENT, dtype=np.int64),
+    )
+
+
+def layout_cost(layout: SharedLayout, workload: Workload) -> float:
+    """What computing `layout` costs under `workload` (module docstring, step 3)."""
+    s = layout.start.astype(np.float64)
+    e = layout.end.astype(np.float64)
+    return float(
+        workload.c * len(layout.lengths)
+        + workload.a * (e - s).sum()
+        + workload.b * (e * e - s * s).sum()
+    )
+
+
+@dataclass(frozen=True)
+class _Part:
+    """Some samples of one group laid out together (positions into the step's members)."""
+
+    group: int
+    positions: np.ndarray  # [k] int64, in layout order
+    layout: SharedLayout  # over ``positions`` (its sample j is positions[j])
+
+    @property
+    def tokens(self) -> int:
+        return int(self.layout.cu_seqlens[-1])
+
+
+class _Group:
+    """One group's samples in a step, and how any subset of them is laid out."""
+
+    def __init__(
+        self,
+        code: int,
+        positions: np.ndarray,
+        members: np.ndarray,
+        lengths: np.ndarray,
+        advantage: np.ndarray,
+        gf: GroupForest | None,
+        share_min: int,
+    ) -> None:
+        self.code, self.positions, self.gf, self.share_min = code, positions, gf, share_min
+        self.lengths, self.advantage = lengths, advantage
+        if gf is not None:
+            at = {int(s): i for i, s in enumerate(gf.samples.tolist())}
+            self.local = np.array([at[int(s)] for s in members[positions]], dtype=np.int64)
+
+    def part(self, which: np.ndarray) -> _Part:
+        """The samples ``positions[which]`` laid out together, in layout order."""
+        which = np.sort(np.asarray(which, dtype=np.int64))
+        if self.gf is None:
+            forest = unshared(self.lengths[which])
+        else:
+            forest = restrict(self.gf, self.local[which], self.advantage[which], self.share_min)
+        lay = lay_out(forest)
+        order = np.array([int(lay.sample[s]) for s in np.flatnonzero(lay.node < 0)], dtype=np.int64)
+        if not np.array_equal(order, np.arange(len(which))):  # samples in layout order
+            renumber = np.empty(len(which), dtype=np.int64)
+            renumber[order] = np.arange(len(which))
+            which = which[order]
+            lay = _renumbered(lay, renumber)
+        return _Part(self.code, self.positions[which], lay)
+
+    def trees(self) -> list[np.ndarray]:
+        """The group's units before any cut: each tree's samples, each unshared sample alone
+        (indices into ``positions``)."""
+        whole = self.part(np.arange(len(self.positions)))
+        order = np.searchsorted(self.positions, whole.positions)
+        root = np.empty(len(self.positions), dtype=np.int64)
+        for s, seg in enumerate(whole.layout.sample_segment.tolist()):
+            while whole.layout.parent[seg] >= 0:
+                seg = int(whole.layout.parent[seg])
+            root[s] = seg
+        out: dict[int, list[int]] = {}
+        for s, r in enumerate(root.tolist()):
+            out.setdefault(r, []).append(int(order[s]))
+        return [np.array(v, dtype=np.int64) for v in out.values()]
+
+
+def _renumbered(lay: SharedLayout, renumber: np.ndarray) -> SharedLayout:
+    """`lay` with its samples renumbered (sample i becomes ``renumber[i]``)."""
+    inverse = np.empty_like(renumber)
+    inverse[renumber] = np.arange(len(renumber))
+    return SharedLayout(
+        lengths=lay.lengths[inverse],
+        sample=renumber[lay.sample],
+        start=lay.start,
+        end=lay.end,
+        parent=lay.parent,
+        node=lay.node,
+        sample_segment=lay.sample_segment[inverse],
+    )
+
+
+def _cut(group: _Group, tree: np.ndarray, cap: int) -> list[_Part]:
+    """A tree as parts of at most `cap` stored tokens: the whole tree when it fits, else its
+    samples in layout order, each part as many as fit (each sample alone fits: the over-long
+    are out of the step)."""
+    whole = group.part(tree)
+    if whole.tokens <= cap:
+        return [whole]
+    pos_index = {int(p): i for i, p in enumerate(group.positions.tolist())}
+    ordered = [pos_index[int(p)] for p in whole.positions.tolist()]
+    parts, current, best = [], [ordered[0]], group.part(np.array(ordered[:1]))
+    for i in ordered[1:]:
+        trial = group.part(np.array([*current, i]))
+        if trial.tokens <= cap:
+            current, best = [*current, i], trial
+        else:
+            parts.append(best)
+            current, best = [i], group.part(np.array([i]))
+    parts.append(best)
+    return parts
+
+
+@dataclass(frozen=True)
+class SharedPlan:
+    """A ``--share-prefix`` step's stored segments, micro-batch by micro-batch (rank 0's
+    first), what `shared_step_rows` lays out: ``S`` segments over ``dp · M`` rows."""
+
+    sample: np.ndarray
+    """[S] int64: the sample (input index) whose tokens a segment stores (a prefix's
+    representative)."""
+    start: np.ndarray
+    """[S] int64: its first position in that sample."""
+    end: np.ndarray
+    """[S] int64: one past its last."""
+    parent: np.ndarray
+    """[S] int32: the segment of its row it continues (row-relative), or -1."""
+    row_segments: np.ndarray
+    """[dp · M + 1] int64: row r's segments are ``[row_segments[r], row_segments[r+1])``."""
+    record: SharedRecord
+    """The step's sharing, for the manifest."""
+
+
+def plan_shared_step(
+    members: np.ndarray,
+    lengths: np.ndarray,
+    group: np.ndarray,
+    advantage: np.ndarray,
+    env: np.ndarray,
+    env_names: Sequence[str],
+    forests: Mapping[int, GroupForest],
+    *,
+    dp: int,
+    max_tokens: int,
+    workload: Workload,
+    share_min: int,
+) -> tuple[StepPlan, SharedPlan]:
+    """One ``--share-prefix`` step's plan (module docstring): `members` [n] its samples, with
+    their `lengths`, `group` codes, step `advantage` and `env` codes; `forests` the token
+    pass's groups with prefixes. ``plan.micro_batches[r][j]`` lists positions in the order
+    the row stores their continuations."""
+    groups: list[_Group] = []
+    codes = group.astype(np.int64)
+    _, first = np.unique(codes, return_index=True)
+    for g in codes[np.sort(first)].tolist():
+        pos = np.flatnonzero(codes == g)
+        groups.append(
+            _Group(g, pos, members, lengths[pos], advantage[pos], forests.get(g), share_min)
+        )
+    units = [p for gr in groups for tree in gr.trees() for p in _cut(gr, tree, max_tokens)]
+    cost = np.array([layout_cost(u.layout, workload) for u in units])
+    tokens = np.array([u.tokens for u in units], dtype=np.int64)
+    bins, m, min_m, ffd_m = _place(cost, tokens, dp, max_tokens)
+    by_group = {gr.code: gr for gr in groups}
+    laid = [[_merged(by_group, [units[u] for u in b]) for b in row] for row in bins]
+    plan = _step_plan(laid, dp, m, min_m, ffd_m, max_tokens, workload)
+    return plan, _shared_plan(laid, members, env, env_names)
+
+
+def _merged(groups: Mapping[int, _Group], units: Sequence[_Part]) -> list[_Part]:
+    """A micro-batch's units, each group's laid out together (module docstring, step 4)."""
+    out: dict[int, list[np.ndarray]] = {}
+    for u in units:
+        out.setdefault(u.group, []).append(u.positions)
+    parts = []
+    for g, pos in out.items():
+        gr = groups[g]
+        which = np.searchsorted(gr.positions, np.concatenate(pos))
+        parts.append(gr.part(which))
+    return parts
+
+
+def _place(
+    cost: np.ndarray, tokens: np.ndarray, dp: int, cap: int
+) -> tuple[list[list[list[int]]], int, int, int]:
+    """Units into ``[dp][M]`` micro-batches under `cap` (module docstring, step 4): (the
+    grid of unit lists, M, the token lower bound, FFD's count)."""
+    n = len(cost)
+    min_m = max(1, math.ceil(int(tokens.sum()) / (dp * cap))) if n else 0
+    ffd_m = _ffd_count(tokens, dp, cap)
+    if not n:
+        return [[] for _ in range(dp)], 0, 0, 0
+    by_cost = sorted(range(n), key=lambda u: (-cost[u], -tokens[u], u))
+    by_tokens = sorted(range(n), key=lambda u: (-tokens[u], -cost[u], u))
+    m = min_m
+    while True:
+        fill = _fill(by_cost, cost, tokens, dp * m, cap, cheapest=True)
+        if fill is None:
+            fill = _fill(by_tokens, cost, tokens, dp * m, cap, cheapest=False)
+        if fill is not None:
+            break
+        m += 1
+    loads = [float(cost[b].sum()) if b else 0.0 for b in fill]
+    ranked = sorted(range(len(fill)), key=lambda b: (-loads[b], b))
+    grid: list[list[list[int]]] = [[] for _ in range(dp)]
+    totals = [0.0] * dp
+    for j in range(m):
+        slot = ranked[j * dp : (j + 1) * dp]
+        ranks = sorted(range(dp), key=lambda r: (totals[r], r))
+        for r, b in zip(ranks, slot, strict=True):  # the heaviest bin to the lightest rank
+            grid[r].append(fill[b])
+            totals[r] += loads[b]
+    return grid, m, min_m, ffd_m
+
+
+def _fill(
+    order: Sequence[int],
+    cost: np.ndarray,
+    tokens: np.ndarray,
+    bins: int,
+    cap: int,
+    *,
+    cheapest: bool,
+) -> list[list[int]] | None:
+    """Units in `order`, each to the cheapest bin with room (or the first, FFD), or None."""
+    load = np.zeros(bins)
+    used = np.zeros(bins, dtype=np.int64)
+    out: list[list[int]] = [[] for _ in range(bins)]
+    for u in order:
+        room = np.flatnonzero(used + tokens[u] <= cap)
+        if not len(room):
+            return None
+        b = int(room[np.argmin(load[room])]) if cheapest else int(room[0])
+        out[b].append(u)
+        load[b] += cost[u]
+        used[b] += tokens[u]
+    return out
+
+
+def _ffd_count(tokens: np.ndarray, dp: int, cap: int) -> int:
+    """Micro-batches per rank first-fit decreasing needs for the units' tokens."""
+    bins: list[int] = []
+    for t in sorted(tokens.tolist(), reverse=True):
+        for b, used in enumerate(bins):
+            if used + t <= cap:
+                bins[b] += t
+                break
+        else:
+            bins.append(t)
+    return math.ceil(len(bins) / dp) if bins else 0
+
+
+def _step_plan(
+    laid: list[list[list[_Part]]],
+    dp: int,
+    m: int,
+    min_m: int,
+    ffd_m: int,
+    cap: int,
+    workload: Workload,
+) -> StepPlan:
+    """The `StepPlan` of laid-out micro-batches: positions in row order, stored tokens and
+    computed cost; every micro-batch under the cap and every position once, checked."""
+    grid = [
+        [np.concatenate([p.positions for p in mb]) if mb else np.zeros(0, np.int64) for mb in row]
+        for row in laid
+    ]
+    tokens = np.array(
+        [[sum(p.tokens for p in mb) for mb in row] for row in laid], dtype=np.int64
+    ).reshape(dp, m)
+    costs = np.array(
+        [[sum(layout_cost(p.layout, workload) for p in mb) for mb in row] for row in laid],
+        dtype=np.float64,
+    ).reshape(dp, m)
+    if m and int(tokens.max()) > cap:
+        raise AssertionError(f"bug: a shared micro-batch holds {int(tokens.max())} > {cap} tokens")
+    seen = np.concatenate([g for row in grid for g in row]) if m else np.zeros(0, np.int64)
+    if len(np.unique(seen)) != len(seen):
+        raise AssertionError("bug: a sample appears twice in a shared plan")
+    empty = np.array([[len(g) == 0 for g in row] for row in grid], dtype=bool).reshape(dp, m)
+    return StepPlan(
+        micro_batches=grid,
+        costs=costs,
+        tokens=tokens,
+        empty=empty,
+        num_micro_batches=m,
+        ffd_micro_batches=ffd_m,
+        min_micro_batches=min_m,
+        max_tokens=cap,
+        micro_batch_size=None,
+        workload=workload,
+    )
+
+
+def _shared_plan(
+    laid: list[list[list[_Part]]], members: np.ndarray, env: np.ndarray, env_names: Sequence[str]
+) -> SharedPlan:
+    """The segment table of laid-out micro-batches, rank-major, and the step's record."""
+    sample, start, end, parent, counts = [], [], [], [], []
+    stats = SharingStats()
+    per_env: dict[str, list[int]] = {}
+    for row in laid:
+        for mb in row:
+            n = 0
+            for p in mb:
+                lay = p.layout
+                sample.append(members[p.positions[lay.sample]])
+                start.append(lay.start)
+                end.append(lay.end)
+                parent.append(np.where(lay.parent >= 0, lay.parent + n, NO_PARENT))
+                n += len(lay.sample)
+                stats = stats + lay.stats()
+                name = env_names[int(env[p.positions[0]])]
+                got = per_env.setdefault(name, [0, 0])
+                got[0] += int(lay.lengths.sum())
+                got[1] += p.tokens
+            counts.append(n)
+    row_segments = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=row_segments[1:])
+
+    def cat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
+        return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)
+
+    record = SharedRecord(
+        prefixes=stats.prefixes,
+        tokens=stats.tokens,
+        stored=stats.tokens_shared,
+        attention_pairs=stats.attention_pairs,
+        attention_pairs_shared=stats.attention_pairs_shared,
+        kv_tokens=stats.kv_tokens_shared,
+        envs={e: SharedTokens(tokens=t, stored=s) for e, (t, s) in per_env.items()},
+    )
+    return SharedPlan(
+        sample=cat(sample, np.int64),
+        start=cat(start, np.int64),
+        end=cat(end, np.int64),
+        parent=cat(parent, np.int32),
+        row_segments=row_segments,
+        record=record,
+    )
+
+
+# -- laying out a planned step from its tokens ------------------------------------------------
+
+
+def shared_step_rows(
+    tokens: SampleTokens,
+    rows_of: np.ndarray,
+    advantage: np.ndarray,
+    weight: np.ndarray,
+    plan: SharedPlan,
+    *,
+    dp: int,
+    step: int,
+    row_len: int | None = None,
+    pad_id: int = 0,
+) -> Iterator[PackedRows]:
+    """Each rank's rows of a planned ``--share-prefix`` step: `tokens` hold the step's samples
+    ``rows_of`` [n] (input indices) in that order, with their `advantage` and `weight` (per
+    trainable token). A prefix's weight is the sum of its samples' (float64, rounded once);
+    every sample through a prefix must agree with its representative there (`_check_agree`)."""
+    at = {int(s): k for k, s in enumerate(rows_of.tolist())}
+    source = np.array([at[int(s)] for s in plan.sample.tolist()], dtype=np.int64)
+    rs = plan.row_segments
+    summed = np.zeros(len(source), dtype=np.float64)
+    has_kids = np.zeros(len(source), dtype=bool)
+    for r in range(len(rs) - 1):
+        a = int(rs[r])
+        p = plan.parent[a : int(rs[r + 1])]
+        has_kids[a + p[p >= 0]] = True
+    w = np.asarray(weight, dtype=np.float32).astype(np.float64)
+    for r in range(len(rs) - 1):
+        a = int(rs[r])
+        for j in range(a, int(rs[r + 1])):
+            if has_kids[j]:
+                continue
+            k = int(source[j])  # a leaf: its sample's continuation; walk up its chain
+            seg = j
+            while seg >= 0:
+                summed[seg] += w[k]
+                if seg != j:
+                    _check_agree(
+                        tokens,
+                        k,
+                        int(source[seg]),
+                        int(plan.end[seg]) + 1,
+                        advantage,
+                        rows_of,
+                        step,
+                    )
+                up = int(plan.parent[seg])
+                seg = a + up if up >= 0 else -1
+    m = (len(rs) - 1) // dp if dp else 0
+    for r in range(dp):
+        a, b = int(rs[r * m]), int(rs[(r + 1) * m])
+        yield shared_rows(
+            tokens,
+            source=source[a:b],
+            start=plan.start[a:b],
+            end=plan.end[a:b],
+            parent=plan.parent[a:b],
+            row_segments=rs[r * m : (r + 1) * m + 1] - a,
+            sample_index=rows_of[source[a:b]],
+            advantage=np.asarray(advantage, dtype=np.float32)[source[a:b]],
+            weight=summed[a:b].astype(np.float32),
+            row_len=row_len,
+            pad_id=pad_id,
+        )
+
+
+def _check_agree(
+    tokens: SampleTokens,
+    k: int,
+    rep: int,
+    shared: int,
+    advantage: np.ndarray,
+    rows_of: np.ndarray,
+    step: int,
+) -> None:
+    """Sample k agrees with the representative `rep` on their first `shared` tokens by
+    detection's rule (ids; masks from token 1; log-probs and advantages where trained)."""
+    if k == rep:
+        return
+    a, b = int(tokens.offsets[k]), int(tokens.offsets[rep])
+    long_enough = min(int(tokens.offsets[k + 1]) - a, int(tokens.offsets[rep + 1]) - b) >= shared
+    ids = tokens.input_ids[a : a + shared], tokens.input_ids[b : b + shared]
+    mask = tokens.loss_mask[a + 1 : a + shared], tokens.loss_mask[b + 1 : b + shared]
+    lp = tokens.logprobs[a + 1 : a + shared], tokens.logprobs[b + 1 : b + shared]
+    trained = mask[0] != 0
+    same = (
+        long_enough
+        and np.array_equal(ids[0], ids[1])
+        and np.array_equal(mask[0], mask[1])
+        and np.array_equal(lp[0][trained], lp[1][trained])
+        and (not trained.any() or advantage[k] == advantage[rep])
+    )
+    if not same:
+        raise RolltoolError(
+            f"step {step}: sample {int(rows_of[k])} no longer shares its first {shared} tokens "
+            f"with sample {int(rows_of[rep])}, as the input's token pass found (the input "
+            "changed while packing?)",
+            hint="pack again from input that does not change",
+        )
