@@ -80,6 +80,7 @@ from rolltool.format import (
 )
 from rolltool.format.hybrid import hybrid_fields, hybrid_problem, hybrid_view
 from rolltool.format.layout import check_rows, unpack_row
+from rolltool.format.prefix import row_parent, shared_problem, shared_view
 from rolltool.format.shards import (
     ShardHeader,
     file_record,
@@ -473,6 +474,8 @@ class PackedReader:
         row_len = self.manifest.config.row_len
         self._row_len: int | None = None if row_len is None else row_len * self.split.size
         """Every (group) row's length when the pack pads rows to one (--row-len x sp or cp)."""
+        self.shared: bool = self.manifest.config.share_prefix
+        """A ``--share-prefix`` pack: rows served with `rolltool.format.prefix.shared_view`."""
         self._rank_rows: dict[int, tuple[RowRef, ...]] = {}
         self._listed_cache: dict[str, _Listed] | None = None
         self._ranks_checked: set[int] = set()
@@ -656,6 +659,8 @@ class PackedReader:
             row = unpack_row(arrays, ref.row)
             if self.split.hybrid:
                 row |= hybrid_fields(arrays, ref.row, self.split.cp)
+            elif self.shared:  # prefixes stored once (`rolltool.format.prefix`)
+                row = shared_view(row, row_parent(arrays, ref.row))
             if view is not None:
                 try:
                     row = view(row)
@@ -737,7 +742,11 @@ class PackedReader:
         if misfit is not None:
             raise _bad(where, f"rows not laid out as the manifest's config says ({misfit})")
         self._check_counts(f, arrays)
-        wrong = lengths_problem(arrays, self._sample_lengths)
+        if self.shared:
+            wrong = shared_problem(arrays, self._sample_lengths)
+            if wrong is not None:
+                raise _bad(where, f"corrupt shared-prefix rows ({wrong})")
+        wrong = None if self.shared else lengths_problem(arrays, self._sample_lengths)
         if wrong is not None:
             raise _bad(where, f"rows not as {SAMPLES} says ({wrong})")
         return arrays
