@@ -22,6 +22,7 @@ def shared_rollouts(
     trajectory: tuple[int, int] = (80, 160),
     identical: int = 0,
     seed: int = 0,
+    vocab: int = 50_000,
 ) -> pa.Table:
     """A table of ``groups`` groups (env ``math``, or ``agent`` with ``branches`` > 1) of
     ``rollouts`` rollouts; ``identical``: that many extra samples per group that repeat its
@@ -44,16 +45,16 @@ def shared_rollouts(
         cols["logprobs"].append(np.where(mask, lp, 0).astype(np.float32))
 
     for g in range(groups):
-        p = rng.integers(5, 50_000, size=int(rng.integers(prompt[0], prompt[1] + 1)))
+        p = rng.integers(1, vocab, size=int(rng.integers(prompt[0], prompt[1] + 1)))
         first = None
         for r in range(rollouts):
             reward = float(rng.integers(0, 2))
             trunk = np.zeros(0, np.int64)
             if branches > 1:
-                trunk = rng.integers(5, 50_000, size=int(rng.integers(*trajectory)))
+                trunk = rng.integers(1, vocab, size=int(rng.integers(*trajectory)))
             trunk_lp = -rng.random(len(trunk))
             for b in range(branches):
-                own = rng.integers(5, 50_000, size=int(rng.integers(response[0], response[1] + 1)))
+                own = rng.integers(1, vocab, size=int(rng.integers(response[0], response[1] + 1)))
                 ids = np.concatenate([p, trunk, own])
                 mask = np.concatenate([np.zeros(len(p)), np.ones(len(trunk) + len(own))])
                 lp = np.concatenate([np.zeros(len(p)), trunk_lp, -rng.random(len(own))])

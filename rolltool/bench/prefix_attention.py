@@ -18,6 +18,7 @@ torch is imported on call, never at import time (like the rest of `rolltool.benc
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +59,27 @@ def prefix_tensors(index: KernelIndex, device: Any = "cpu") -> PrefixTensors:
         max_seqlen_k=index.max_seqlen_k,
         q_bounds=tuple(int(x) for x in index.cu_seqlens_q),
         k_bounds=tuple(int(x) for x in index.cu_seqlens_k),
+    )
+
+
+def row_prefix_tensors(row: Mapping[str, Any], device: Any = "cpu") -> PrefixTensors:
+    """The `PrefixTensors` of a reader row of a ``--share-prefix`` pack
+    (`rolltool.format.prefix.SHARED_FIELDS`, NumPy arrays or tensors), on ``device``."""
+    import torch
+
+    def t(name: str, dtype: Any) -> Any:
+        return torch.as_tensor(row[name], dtype=dtype, device=device)
+
+    q = [int(x) for x in row["cu_seqlens_q"].tolist()]
+    return PrefixTensors(
+        cu_seqlens_q=t("cu_seqlens_q", torch.int32),
+        cu_seqlens_k=t("cu_seqlens_k", torch.int32),
+        kv_index=t("kv_index", torch.int64),
+        position_ids=t("position_ids", torch.int64),
+        max_seqlen_q=int(row["max_seqlen_q"][0]),
+        max_seqlen_k=int(row["max_seqlen_k"][0]),
+        q_bounds=tuple(q),
+        k_bounds=tuple(int(x) for x in row["cu_seqlens_k"].tolist()),
     )
 
 

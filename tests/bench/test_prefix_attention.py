@@ -7,12 +7,11 @@ sdpa over each segment's whole chain for random segment tables.
 
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prefix_models import tiny_llamas
 
 from rolltool.format.prefix import kernel_index, shared_next_token_targets, target_source
 from rolltool.plan.prefix import GroupTokens, detect, lay_out
@@ -20,10 +19,7 @@ from rolltool.plan.prefix import GroupTokens, detect, lay_out
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from rolltool.bench.prefix_attention import attend, hf_attention, prefix_tensors  # noqa: E402
-
-NAME = "rolltool_shared_prefix"
-transformers.AttentionInterface.register(NAME, hf_attention)
+from rolltool.bench.prefix_attention import attend, prefix_tensors  # noqa: E402
 
 
 @settings(max_examples=40, deadline=None)
@@ -52,37 +48,8 @@ def test_attend_is_each_chain_alone(segments: list[tuple[int, int]], seed: int) 
 
 @pytest.fixture(scope="module")
 def models() -> tuple:
-    """(shared, alone): the same weights, the shared-prefix attention and stock eager."""
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=24, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-    )  # fmt: skip
-    config._attn_implementation = "sdpa"
-    alone = transformers.LlamaForCausalLM(config).to(torch.float64)
-    _float64_norms(alone)
-    shared = copy.deepcopy(alone)
-    _float64_norms(shared)
-    shared.config._attn_implementation = NAME
-    return shared, alone
-
-
-def _float64_norms(model: torch.nn.Module) -> None:
-    """RMSNorm in float64. transformers computes it in float32 whatever the model's dtype:
-    the same per token in either layout, but the backward then rounds a prefix token's gradient
-    (summed over its continuations) differently from its copies' (~1e-7): not sharing's error."""
-    for norm in model.modules():
-        if isinstance(norm, transformers.models.llama.modeling_llama.LlamaRMSNorm):
-            norm.forward = _rms(norm)
-
-
-def _rms(norm: torch.nn.Module) -> object:
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        return (
-            norm.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-        )
-
-    return forward
+    """(shared, alone): the same weights, the shared-prefix attention and stock sdpa."""
+    return tiny_llamas()
 
 
 def _case(name: str) -> tuple[GroupTokens, list[np.ndarray]]:
