@@ -30,6 +30,9 @@ group_split         row.split (--sp/--cp: rows split evenly, samples padded for 
                     every --cp row and padding segment a multiple of 2 x cp: valid THD)
 hybrid_layout       row.hybrid, row.budget (--hybrid-cp: each row's aligned sub-groups, each
                     segment in one, split samples padded to 2k, every GPU under its budget)
+shared_layout       row.shared (--share-prefix: parents, each prefix's sample, branch token,
+                    summed weight and advantage; samples are judged reassembled, see
+                    `rolltool.verify.shared`)
 padding             row.padding
 placement           segment.index, sample.placement, sample.repeated, sample.missing
 sample_fields       sample.length, sample.trainable, sample.advantage, sample.weight
@@ -89,6 +92,7 @@ from rolltool.verify.rows import (
     shards_readable,
 )
 from rolltool.verify.segments import read_segments
+from rolltool.verify.shared import shared_layout
 from rolltool.verify.steps import (
     denominators,
     rank_counts,
@@ -113,6 +117,7 @@ INVARIANTS: tuple[Invariant, ...] = (
     row_structure,
     group_split,
     hybrid_layout,
+    shared_layout,
     padding,
     placement,
     sample_fields,

@@ -18,6 +18,7 @@ from rolltool.util.problems import Problem
 from rolltool.verify.context import Context
 from rolltool.verify.rows import agreeing
 from rolltool.verify.segments import Segments
+from rolltool.verify.shared import expand
 
 FIELDS = ("input_ids", "loss_mask", "logprobs")
 
@@ -48,6 +49,8 @@ def content(ctx: Context) -> Iterator[Problem]:
         except RolltoolError as e:  # gone since the first pass
             yield Problem("shard.corrupt", f"step {part.step} rank {part.rank}", e.message)
             continue
+        if ctx.manifest.config.share_prefix:  # its samples reassembled, as the pass read them
+            arrays = expand(arrays)
         yield from _compare(seg, part.first, local, arrays, src)
 
 

@@ -22,6 +22,7 @@ from rolltool.errors import RolltoolError
 from rolltool.format import PAD_SAMPLE, Manifest, ShardRef
 from rolltool.format.layout import check_rows, segment_positions
 from rolltool.format.shards import read_shard
+from rolltool.verify.shared import expand, parents_problem
 
 
 @dataclass(frozen=True)
@@ -91,9 +92,10 @@ def read_segments(root: Path, manifest: Manifest, pad_id: int) -> Segments:
     parts: list[ShardPart] = []
     broken: list[Broken] = []
     cp = manifest.config.cp if manifest.config.hybrid_cp else 0
+    shared = manifest.config.share_prefix
     for s, step in enumerate(manifest.steps):
         for r, rank in enumerate(step.ranks):
-            got = _read_rank(root, s, r, rank.files, pad_id, cp)
+            got = _read_rank(root, s, r, rank.files, pad_id, cp, shared)
             if isinstance(got, Broken):
                 broken.append(got)
                 continue
@@ -105,13 +107,19 @@ def read_segments(root: Path, manifest: Manifest, pad_id: int) -> Segments:
 
 
 def _read_rank(
-    root: Path, step: int, rank: int, files: tuple[ShardRef, ...], pad_id: int, cp: int
+    root: Path,
+    step: int,
+    rank: int,
+    files: tuple[ShardRef, ...],
+    pad_id: int,
+    cp: int,
+    shared: bool = False,
 ) -> list[tuple[ShardRef, dict[str, np.ndarray]]] | Broken:
     """A (step, rank)'s files summarised, or its first unusable file (`cp`: a hybrid pack's
-    C, else 0)."""
+    C, else 0; `shared`: a ``--share-prefix`` pack's, read through `rolltool.verify.shared`)."""
     got, rows = [], 0
     for ref in files:
-        table = _summarise(root, step, rank, ref, pad_id, rows, cp)
+        table = _summarise(root, step, rank, ref, pad_id, rows, cp, shared)
         if isinstance(table, str):
             return Broken(step, rank, ref.path, table)
         got.append((ref, table))
@@ -133,11 +141,19 @@ def _concat(
 
 
 def _summarise(
-    root: Path, step: int, rank: int, ref: ShardRef, pad_id: int, first_row: int, cp: int
+    root: Path,
+    step: int,
+    rank: int,
+    ref: ShardRef,
+    pad_id: int,
+    first_row: int,
+    cp: int,
+    shared: bool = False,
 ) -> dict[str, np.ndarray] | str:
     """One shard's per-segment and per-row summaries, or why it cannot be used. `first_row`:
     rows of the rank's files before it (its recorded ``first_row`` is judged by `rank_files`);
-    `cp`: a hybrid pack's C (its two arrays are read too), else 0."""
+    `cp`: a hybrid pack's C (its two arrays are read too), else 0; `shared`: its segments are
+    its samples reassembled (`rolltool.verify.shared.expand`), its rows what they store."""
     try:
         a = read_shard(root / ref.path)
     except RolltoolError as e:
@@ -147,8 +163,13 @@ def _summarise(
         why = f"{len(a['row_offsets']) - 1} rows, the manifest says {ref.rows}"
     if why is None and cp:
         why = _hybrid_arrays_problem(a, cp)
+    if why is None and shared:
+        why = parents_problem(a)
     if why is not None:
         return f"{ref.path}: corrupt shard ({why})"
+    stored = _row_summaries(a)
+    if shared:
+        a = expand(a)
     lens = a["seq_lens"].astype(np.int64)
     idx = a["sample_index"].astype(np.int64)
     n_rows = len(a["row_offsets"]) - 1
@@ -157,7 +178,6 @@ def _summarise(
     starts = np.zeros(len(lens), dtype=np.int64)
     np.cumsum(lens[:-1], out=starts[1:])
     mask = a["loss_mask"]
-    real = idx >= 0
     table = {
         "step": np.full(len(lens), step),
         "rank": np.full(len(lens), rank),
@@ -172,14 +192,25 @@ def _summarise(
         "row_step": np.full(n_rows, step),
         "row_rank": np.full(n_rows, rank),
         "row_index": first_row + np.arange(n_rows),
-        "row_tokens": np.diff(a["row_offsets"].astype(np.int64)),
-        "row_real_tokens": np.bincount(local, weights=lens * real, minlength=n_rows),
-        "row_real_segments": np.bincount(local[real], minlength=n_rows),
+        **stored,
     }
     if cp:
         table["cp_start"] = a["seg_cp_start"]
         table["row_cp_groups"] = a["row_cp_groups"]
     return table
+
+
+def _row_summaries(a: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Per row of a shard as stored: tokens (padding included), real tokens and real segments."""
+    lens = a["seq_lens"].astype(np.int64)
+    n_rows = len(a["row_offsets"]) - 1
+    local = np.repeat(np.arange(n_rows), np.diff(a["row_segments"]).astype(np.int64))
+    real = a["sample_index"] >= 0
+    return {
+        "row_tokens": np.diff(a["row_offsets"].astype(np.int64)),
+        "row_real_tokens": np.bincount(local, weights=lens * real, minlength=n_rows),
+        "row_real_segments": np.bincount(local[real], minlength=n_rows),
+    }
 
 
 def _hybrid_arrays_problem(a: dict[str, np.ndarray], cp: int) -> str | None:

@@ -22,6 +22,7 @@ from rolltool.plan.workload import Workload
 from rolltool.util.problems import Problem
 from rolltool.verify.context import Context, Samples
 from rolltool.verify.hybrid import HybridGrid
+from rolltool.verify.shared import shared_plans
 
 WEIGHT_RTOL = 2.0**-23
 """Weights are float32 roundings of exact values: at most half an ulp (2^-24 relative) off."""
@@ -434,6 +435,9 @@ def step_plans(ctx: Context) -> Iterator[Problem]:
     equal what samples.parquet gives (steps whose samples are all placed inside the run;
     micro-batches per rank are the ranks' record, checked by `rank_files`)."""
     m, s = ctx.manifest, ctx.samples
+    if m.config.share_prefix:  # its figures are of stored tokens (`rolltool.verify.shared`)
+        yield from shared_plans(ctx)
+        return
     inside = s.inside_run(m.num_steps, m.dp)
     grid = HybridGrid.of(ctx) if ctx.split.hybrid else None
     occupied = ctx.split.padded(s.length) if grid is None else grid.occupied(s.length)
@@ -454,10 +458,14 @@ def step_plans(ctx: Context) -> Iterator[Problem]:
 
 def rank_counts(ctx: Context) -> Iterator[Problem]:
     """Per step and rank: samples and their tokens (samples.parquet), and tokens in its rows
-    padding included (the shards), equal the rank's record."""
+    padding included (the shards), equal the rank's record. A ``--share-prefix`` pack's record
+    counts what its rows store (segments and tokens, prefixes included: the shards')."""
     m, s, seg = ctx.manifest, ctx.samples, ctx.segments
     tokens = np.zeros((m.num_steps, m.dp), dtype=np.int64)
     np.add.at(tokens, (seg.row_step, seg.row_rank), seg.row_tokens)
+    stored = np.zeros((2, m.num_steps, m.dp), dtype=np.int64)
+    np.add.at(stored[0], (seg.row_step, seg.row_rank), seg.row_real_segments)
+    np.add.at(stored[1], (seg.row_step, seg.row_rank), seg.row_real_tokens)
     broken = seg.broken_pairs()
     for step, rec in enumerate(m.steps):
         planned = s.planned(step)
@@ -465,9 +473,11 @@ def rank_counts(ctx: Context) -> Iterator[Problem]:
         rank_of = s.rank[planned] if placed else np.zeros(0, np.int64)
         samples = np.bincount(rank_of, minlength=m.dp)
         real = np.bincount(rank_of, weights=s.length[planned] if placed else None, minlength=m.dp)
+        if m.config.share_prefix:  # the record counts stored segments and tokens
+            samples, real = stored[0][step], stored[1][step]
         for r, rank in enumerate(rec.ranks):
             found = []
-            if placed:
+            if placed and not (m.config.share_prefix and (step, r) in broken):
                 found += [
                     ("samples", rank.samples, samples[r]),
                     ("real_tokens", rank.real_tokens, int(real[r])),
