@@ -61,6 +61,7 @@ from rolltool.plan.partition import metrics, plan_step
 from rolltool.plan.workload import Workload, make_workload
 from rolltool.stats.accumulate import Stats, ValueCounts, percentiles
 from rolltool.stats.rollouts import Mapper
+from rolltool.stats.shared import shared_figures, shared_grid, shared_totals
 from rolltool.storage.fs import Location
 
 ALTERNATIVES = ("tokens", "count")
@@ -240,6 +241,7 @@ def step_stats(
     alternatives: bool = True,
     split: GroupSplit | None = None,
     ring: RingModel | None = None,
+    grid: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> dict[str, Any]:
     """One step's figures from its manifest record and its trained samples (``frame``).
 
@@ -248,7 +250,10 @@ def step_stats(
     ``workload``: the per-GPU cost the plan balanced; ``split``: the pack's sp or cp; ``ring``:
     a --hybrid-cp pack's ring model (then ``frame`` has ``cp_degree`` and ``cp_start``, the
     grids count each sample for its own degree, costs are each group's slowest GPU, ``hybrid``
-    adds the per-degree counts and the per-GPU balance, and no alternative is planned).
+    adds the per-degree counts and the per-GPU balance, and no alternative is planned);
+    ``grid``: a --share-prefix step's stored tokens and computed cost per micro-batch
+    (`rolltool.stats.shared.shared_grid`; then ``shared`` is its sharing, and no alternative is
+    planned: the partition's plans would not share).
     """
     split = split or GroupSplit()
     dp, m = len(step.ranks), step.plan.micro_batches_per_rank
@@ -259,6 +264,10 @@ def step_stats(
         occupied = occupied_tokens(lengths, frame["cp_degree"].to_numpy())
         hybrid = _hybrid_figures(frame, per_gpu)
         alternatives = False  # the partition's plans are not the hybrid plan's alternatives
+    elif grid is not None:  # --share-prefix: what the rows store and compute
+        tokens, costs = grid
+        occupied = lengths
+        alternatives = False
     else:
         tokens, costs = _grid(frame, dp, m, workload, split)
         occupied = split.padded(lengths)
@@ -268,6 +277,9 @@ def step_stats(
     out = {**_counts(step), **_rows(step, tokens, per_row, cp_padding), **fig}
     if hybrid is not None:
         out["hybrid"] = hybrid
+    shared = shared_figures(step)
+    if shared is not None:
+        out["shared"] = shared
     if alternatives:
         out["alternatives"] = {
             kind: _alternative(occupied, kind, step, workload, fig["step_cost"])
@@ -338,6 +350,9 @@ def _totals(steps: list[dict[str, Any]], records: Sequence[StepRecord]) -> dict[
     hybrid = [s["hybrid"] for s in steps if "hybrid" in s]
     if hybrid:
         t["hybrid"] = _hybrid_totals(hybrid)
+    shared = [s["shared"] for s in steps if "shared" in s]
+    if shared:
+        t["shared"] = shared_totals(shared)
     return t
 
 
@@ -429,7 +444,12 @@ def packed_stats(
     ring = _ring(manifest, workload) if split.hybrid else None
     fn = functools.partial(_step_figures, row_len=world["group_row_len"], run=workload,
                            alternatives=alternatives, split=split, ring=ring)  # fmt: skip
-    items = [(r, by_step.get((r.step,), empty)) for r in records]
+    grids = [
+        shared_grid(Path(ds.path), r, _gpu_workload(r, workload))
+        if manifest.config.share_prefix and ds.location.local else None
+        for r in records
+    ]  # fmt: skip
+    items = [(r, by_step.get((r.step,), empty), g) for r, g in zip(records, grids, strict=True)]
     steps = [fn(x) for x in items] if mapper is None else list(mapper(fn, items))
     across = {k: percentiles(np.array([_get(s, k) for s in steps], dtype=object)) for k in ACROSS}
     report = {
@@ -490,7 +510,7 @@ def world_layout(manifest: Manifest) -> dict[str, Any]:
 
 
 def _step_figures(
-    item: tuple[StepRecord, pl.DataFrame],
+    item: tuple[StepRecord, pl.DataFrame, tuple[np.ndarray, np.ndarray] | None],
     *,
     row_len: int | None,
     run: Workload,
@@ -499,9 +519,9 @@ def _step_figures(
     ring: RingModel | None = None,
 ) -> dict[str, Any]:
     """`step_stats` of one (record, trained samples) pair, with the step's per-GPU workload."""
-    record, frame = item
+    record, frame, grid = item
     return step_stats(record, frame, row_len=row_len, workload=_gpu_workload(record, run),
-                      alternatives=alternatives, split=split, ring=ring)  # fmt: skip
+                      alternatives=alternatives, split=split, ring=ring, grid=grid)  # fmt: skip
 
 
 def _gpu_workload(record: StepRecord, run: Workload) -> Workload:

@@ -336,6 +336,22 @@ def _hybrid_table(h: dict[str, Any], width: int | None) -> Table:
     return t
 
 
+def _shared_table(sh: dict[str, Any], width: int | None) -> Table:
+    """A --share-prefix run: tokens per env unshared, stored and saved
+    (`rolltool.stats.shared`'s ``totals.shared``), attention pairs and gathered K/V in the title."""
+    title = (f"shared prefixes: {sh['prefixes']:,} stored once; attention pairs "
+             f"{sh['attention_ratio']:.2f}x fewer, {sh['kv_tokens']:,} keys/values gathered")  # fmt: skip
+    t = Table(title=title, title_justify="left", width=width)
+    for name in ("env", "tokens unshared", "stored", "saved", "fewer"):
+        t.add_column(name, justify="left" if name == "env" else "right")
+    rows = [*sh["envs"].items(), ("all", sh)]
+    for env, e in rows:
+        ratio = e["tokens"] / e["stored"] if e["stored"] else 1.0
+        saved = pct(e["saved"] / e["tokens"]) if e["tokens"] else "-"
+        t.add_row(env, f"{e['tokens']:,}", f"{e['stored']:,}", saved, f"{ratio:.2f}x")
+    return t
+
+
 def _fill_table(hist: list[int]) -> Table:
     t = new_table("micro-batch token fill", ["fill", "micro-batches", ""])
     top = max(hist) or 1
@@ -446,6 +462,8 @@ def render_packed(
     ]
     if "hybrid" in report["totals"]:
         out.append(_hybrid_table(report["totals"]["hybrid"], width))
+    if "shared" in report["totals"]:
+        out.append(_shared_table(report["totals"]["shared"], width))
     structured = bool(structure(report["config"]["epochs"], report["config"]["mini_batches"]))
     if per_step:
         out.append(_steps_table(report["steps"], width, split, structured))

@@ -1,0 +1,50 @@
+"""``rolltool stats`` on a ``--share-prefix`` pack (issue 24): tokens stored against unshared
+per env and in total are the manifest's, a step's micro-batch tokens and costs are recomputed
+from what the shards store and compute (so its balance equals the plan record's), and the
+text report has the sharing table.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+from pack_helpers import pack
+from shared_helpers import shared_rollouts
+
+import rolltool
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("stats-shared")
+    pq.write_table(shared_rollouts(groups=6, rollouts=4, branches=2, seed=5), root / "in.parquet")
+    pack(root / "in.parquet", root / "p", "--dp", 2, "--share-prefix", "--batch-size", 8,
+         "--micro-batch-tokens", 1500)  # fmt: skip
+    return root / "p"
+
+
+def test_stats_report_what_sharing_saved(run_cli: Any, shared: Path) -> None:
+    r = run_cli("stats", shared, "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    m = rolltool.open_packed(shared).manifest
+    total = doc["totals"]["shared"]
+    assert total["tokens"] == sum(st.sampled_tokens for st in m.steps)
+    assert total["stored"] == sum(st.plan.shared.stored for st in m.steps if st.plan.shared)
+    assert (
+        0 < total["stored"] < total["tokens"]
+        and total["saved"] == total["tokens"] - total["stored"]
+    )
+    assert total["envs"]["agent"]["tokens"] == total["tokens"]
+    for s, rec in zip(doc["steps"], m.steps, strict=True):
+        assert rec.plan.shared is not None
+        assert s["shared"]["stored"] == rec.plan.shared.stored == s["real_tokens"]
+        assert "alternatives" not in s  # the partition's plans would not share
+        assert s["lockstep_overhead"]["cost"] == pytest.approx(rec.plan.lockstep_overhead_cost)
+        assert s["rank_imbalance"]["cost"] == pytest.approx(rec.plan.imbalance_cost)
+    text = run_cli("stats", shared)
+    assert text.exit_code == 0 and "shared prefixes" in text.stdout
