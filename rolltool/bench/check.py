@@ -8,7 +8,9 @@ tolerance (``TOLERANCES``) fails the check: it is how cross-contamination, an of
 compared too (error relative to the segment's largest gradient).
 
 Packs made with ``--cp`` / ``--sp`` are checked per GPU instead, from the reader's views
-(`rolltool.bench.split_check`).
+(`rolltool.bench.split_check`). A ``--share-prefix`` row's segment is compared with its whole
+chain run alone (its ancestors' tokens then its own, the last rows of the output); forward only
+(a prefix's key/value gradients sum over its continuations, no segment's alone).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import numpy as np
 from rolltool.bench.backends import Backend
 from rolltool.bench.config import TOLERANCES, BenchSetup, torch_dtype
 from rolltool.bench.rows import Row
+from rolltool.bench.timing import shared_attend
 
 
 def sample_rows(rows: Sequence[Row], n: int) -> list[int]:
@@ -66,7 +69,8 @@ def _whole_row(
     cu = torch.from_numpy(row.cu_seqlens).to(device=q.device, dtype=torch.int32)
     bounds = [int(x) for x in row.cu_seqlens]
     leaves = tuple(x.detach().requires_grad_(go is not None) for x in (q, kb, vb))
-    out = backend.attend(leaves[0], leaves[1], leaves[2], cu, row.max_len, bounds)
+    attend = backend.attend if row.prefix is None else shared_attend(torch, backend, row, q.device)
+    out = attend(leaves[0], leaves[1], leaves[2], cu, row.max_len, bounds)
     if go is None:
         return out, None
     grads = torch.autograd.grad(out, leaves, go)
@@ -89,8 +93,18 @@ def _segments(
     atol, rtol = tol
     worst_out = worst_grad = max_err = 0.0
     worst_segment = -1
+    p = row.prefix
     for i, (s, e) in enumerate(pairwise(int(x) for x in row.cu_seqlens)):
         if e == s:
+            continue
+        if p is not None:  # its chain alone: its ancestors' tokens, then its own
+            chain = torch.from_numpy(p.kv_index[p.cu_seqlens_k[i] : p.cu_seqlens_k[i + 1]])
+            alone = [x[chain.to(x.device)].detach().float() for x in qkv]
+            ref = reference(torch, *alone)[-(e - s) :]
+            err, excess = _excess(torch, out[s:e].detach(), ref.detach(), atol, rtol)
+            max_err = max(max_err, err)
+            if excess > worst_out:
+                worst_out, worst_segment = excess, i
             continue
         alone = [x[s:e].detach().float().clone().requires_grad_(go is not None) for x in qkv]
         ref = reference(torch, *alone)
@@ -120,7 +134,8 @@ def check_row(torch: Any, backend: Backend, row: Row, setup: BenchSetup) -> dict
 
     qkv = (rand(shape.heads), rand(shape.kv_heads), rand(shape.kv_heads))
     with torch.enable_grad():
-        go = rand(shape.heads) if setup.backward else None
+        # a shared row's prefix gradients sum over its continuations: forward only
+        go = rand(shape.heads) if setup.backward and row.prefix is None else None
         out, grads = _whole_row(torch, backend, row, qkv, go)
         fig = _segments(torch, row, qkv, out, grads, go, TOLERANCES[setup.dtype])
     return {

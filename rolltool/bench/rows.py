@@ -22,6 +22,25 @@ from rolltool.packed.reader import PackedDataset, open_packed
 from rolltool.plan.workload import Workload
 
 
+@dataclass(frozen=True)
+class PrefixRow:
+    """A ``--share-prefix`` row's attention (`rolltool.format.prefix.SHARED_FIELDS`): each
+    segment's queries over its gathered keys, ``k[kv_index]`` bounded by ``cu_seqlens_k``."""
+
+    kv_index: np.ndarray
+    """[K] int64: the stored token behind each gathered key and value."""
+    cu_seqlens_k: np.ndarray
+    """[S+1] int32."""
+    start: np.ndarray
+    """[S] int64: each segment's first position (what its chain stores before it)."""
+    parent: np.ndarray
+    """[S] int64: the segment each continues, or -1."""
+    max_seqlen_q: int
+    max_seqlen_k: int
+    samples: int
+    """Samples whose continuation the row holds (its segments minus prefixes and padding)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Row:
     """One packed row (= one micro-batch of one rank in one step)."""
@@ -42,6 +61,8 @@ class Row:
     """The GPU within the data-parallel rank's group (CP or SP rank; 0 without a split)."""
     share: GpuShare | None = None
     """With ``--cp``/``--sp``: this GPU's work on the group row (None: the whole row, one GPU)."""
+    prefix: PrefixRow | None = None
+    """With ``--share-prefix``: the gathered keys each segment attends to (None: its own)."""
 
     @property
     def lengths(self) -> np.ndarray:
@@ -63,10 +84,22 @@ class Row:
 
     @property
     def work_sum_sq(self) -> float:
-        """The GPU's attention work in Σ L² units (`GpuShare.sum_sq`; the row's Σ L²)."""
+        """The GPU's attention work in Σ L² units (`GpuShare.sum_sq`; the row's Σ L²; a shared
+        row's Σ (end² - start²): each segment's queries over its whole context)."""
+        if self.prefix is not None:
+            start = self.prefix.start.astype(np.float64)
+            end = start + self.lengths
+            return float(np.sum(end * end - start * start))
         if self.share is None:
             return float(np.sum(self.lengths.astype(np.float64) ** 2))
         return self.share.sum_sq
+
+    @property
+    def samples(self) -> int:
+        """Samples the row trains (a shared row's continuations; padding not counted)."""
+        if self.prefix is not None:
+            return self.prefix.samples
+        return int(np.sum(self.sample_index >= 0))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,16 +134,63 @@ def load_rows(path: str | Path, steps: Sequence[int] | None = None) -> ReplayRow
                 cu = np.asarray(mb["cu_seqlens"], dtype=np.int32).copy()
                 idx = np.asarray(mb["sample_index"], dtype=np.int64).copy()
                 real = np.diff(cu.astype(np.int64))[idx >= 0]
-                predicted = float(workload.cost(real).sum())
-                rows.append(
-                    Row(step=s, rank=rank, micro_batch=j, cu_seqlens=cu, sample_index=idx,
-                        predicted=predicted)
-                )  # fmt: skip
+                row = Row(step=s, rank=rank, micro_batch=j, cu_seqlens=cu, sample_index=idx,
+                          predicted=float(workload.cost(real).sum()))  # fmt: skip
+                rows.append(_shared(row, mb, workload) if ds.shared else row)
     if not rows:
         raise RolltoolError(f"{path}: no rows to replay in the chosen steps")
     if ds.split.size > 1:
         rows = gpu_rows(ds, rows)
     return ReplayRows(path=Path(path), dp=ds.dp, workload=workload, rows=rows, split=ds.split)
+
+
+def _shared(row: Row, mb: dict[str, np.ndarray], workload: Workload) -> Row:
+    """`row` of a ``--share-prefix`` pack: its `PrefixRow` from the reader's shared view, its
+    predicted cost what is computed (c per sample, a per stored token, b (end² - start²))."""
+    parent = np.asarray(mb["parent"], dtype=np.int64)
+    leaf = np.ones(len(parent), dtype=bool)
+    leaf[parent[parent >= 0]] = False
+    real = row.sample_index >= 0
+    prefix = PrefixRow(
+        kv_index=np.asarray(mb["kv_index"], dtype=np.int64).copy(),
+        cu_seqlens_k=np.asarray(mb["cu_seqlens_k"], dtype=np.int32).copy(),
+        start=np.asarray(mb["position_ids"], dtype=np.int64)[row.cu_seqlens[:-1]],
+        parent=parent,
+        max_seqlen_q=int(mb["max_seqlen_q"][0]),
+        max_seqlen_k=int(mb["max_seqlen_k"][0]),
+        samples=int(np.sum(leaf & real)),
+    )
+    start = prefix.start[real].astype(np.float64)
+    end = start + row.lengths[real]
+    predicted = (
+        workload.c * prefix.samples
+        + workload.a * float((end - start).sum())
+        + workload.b * float((end * end - start * start).sum())
+    )
+    return replace(row, prefix=prefix, predicted=predicted)
+
+
+def unshared_twin(packed: ReplayRows) -> ReplayRows:
+    """A shared pack's rows as they would be unshared: each micro-batch's samples whole, one
+    segment each (a continuation's full length: its start plus its own tokens), padding kept;
+    named ``<path> (unshared)`` (what ``rolltool bench`` times beside the shared rows)."""
+    rows = []
+    for r in packed.rows:
+        if r.prefix is None:
+            rows.append(r)
+            continue
+        leaf = np.ones(len(r.lengths), dtype=bool)
+        leaf[r.prefix.parent[r.prefix.parent >= 0]] = False
+        keep = leaf | (r.sample_index < 0)
+        whole = np.where(r.sample_index >= 0, r.prefix.start + r.lengths, r.lengths)[keep]
+        cu = np.zeros(len(whole) + 1, dtype=np.int32)
+        np.cumsum(whole, out=cu[1:])
+        index = r.sample_index[keep]
+        predicted = float(packed.workload.cost(whole[index >= 0]).sum())
+        rows.append(replace(r, cu_seqlens=cu, sample_index=index, prefix=None,
+                            predicted=predicted))  # fmt: skip
+    name = packed.path.with_name(f"{packed.path.name} (unshared)")
+    return replace(packed, path=name, rows=rows)
 
 
 def gpu_rows(ds: PackedDataset, rows: Sequence[Row]) -> list[Row]:

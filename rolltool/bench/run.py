@@ -24,7 +24,7 @@ from rolltool.bench.backends import Backend, make_backend
 from rolltool.bench.check import check_rows
 from rolltool.bench.compare import compare
 from rolltool.bench.config import BenchConfig, BenchSetup, resolve_shape
-from rolltool.bench.rows import ReplayRows, Row, load_rows
+from rolltool.bench.rows import ReplayRows, Row, load_rows, unshared_twin
 from rolltool.bench.split_check import check_split_rows
 from rolltool.bench.timing import Progress, time_rows
 from rolltool.errors import RolltoolError
@@ -73,7 +73,13 @@ def device_name(torch: Any, device: str) -> str:
 def load_all(paths: Sequence[str | Path], steps: Sequence[int] | None) -> list[ReplayRows]:
     if not paths:
         raise RolltoolError("bench: give at least one packed directory")
-    return [load_rows(p, steps) for p in paths]
+    out = []
+    for p in paths:
+        rows = load_rows(p, steps)
+        out.append(rows)
+        if any(r.prefix is not None for r in rows.rows):  # --share-prefix: and unshared
+            out.append(unshared_twin(rows))
+    return out
 
 
 def report_one(
@@ -101,7 +107,7 @@ def report_one(
         "path": str(packed.path),
         "dp": packed.dp,
         "workload": packed.workload.to_dict() if packed.workload else None,
-        "samples": sum(int(np.sum(r.sample_index >= 0)) for r in groups),
+        "samples": sum(r.samples for r in groups),
         "tokens": sum(r.tokens for r in groups),
         **({"split": timing["split"]} if "split" in timing else {}),
         "steps": timing["steps"],
@@ -188,9 +194,9 @@ def _row_table(
 
 
 def work_flops(row: Row, setup: BenchSetup) -> float:
-    """FLOPs of one timed row: `row_flops` of a whole row; of a GPU's share, a·tokens + b·Σ L²
-    with its share's tokens and Σ L² equivalent (`rolltool.bench.shares.GpuShare.sum_sq`)."""
-    if row.share is None:
+    """FLOPs of one timed row: `row_flops` of a whole row; of a GPU's share (or a shared-prefix
+    row), a·tokens + b·Σ L² with its tokens and Σ L² equivalent (`Row.work_sum_sq`)."""
+    if row.share is None and row.prefix is None:
         return row_flops(row.lengths, setup)
     s = setup.shape
     a, b = flops_coefficients(
@@ -199,7 +205,7 @@ def work_flops(row: Row, setup: BenchSetup) -> float:
         layers=s.layers,
         backward=setup.backward,
     )
-    return a * row.share.tokens + b * row.share.sum_sq
+    return a * row.work_tokens + b * row.work_sum_sq
 
 
 def row_flops(lengths: np.ndarray, setup: BenchSetup) -> float:

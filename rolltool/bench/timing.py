@@ -38,6 +38,7 @@ from rolltool.bench.config import BenchSetup, torch_dtype
 from rolltool.bench.layer import LayerWeights, layer_forward, make_weights
 from rolltool.bench.rows import Row
 from rolltool.bench.split_work import run_share, stage_shares
+from rolltool.errors import RolltoolError
 
 L2_FLUSH_BYTES = 256 * 2**20
 """Larger than any current GPU's L2 (H100/H200: 50 MiB)."""
@@ -67,6 +68,9 @@ class Staged:
     """Layer mode: the layer input [T_max, hidden] (None in attention mode)."""
     weights: LayerWeights | None = None
     """Layer mode: the layer's weights (None in attention mode)."""
+    attends: list[Any] | None = None
+    """Per row: its attention call (a backend's ``attend``, or for a ``--share-prefix`` row
+    `shared_attend`'s); None: every row's is the backend's."""
 
 
 def stage(torch: Any, backend: Backend, rows: Sequence[Row], setup: BenchSetup) -> Staged:
@@ -86,6 +90,11 @@ def stage(torch: Any, backend: Backend, rows: Sequence[Row], setup: BenchSetup) 
         "max_len": [r.max_len for r in rows],
         "tokens": [r.tokens for r in rows],
     }
+    if any(r.prefix is not None for r in rows):
+        boundaries["attends"] = [
+            backend.attend if r.prefix is None else shared_attend(torch, backend, r, device)
+            for r in rows
+        ]
     if setup.what == "layer":
         weights = make_weights(torch, shape, device=setup.device, dtype=dtype,
                                seed=setup.seed + 2, grad=setup.backward)  # fmt: skip
@@ -102,28 +111,53 @@ def stage(torch: Any, backend: Backend, rows: Sequence[Row], setup: BenchSetup) 
     return Staged(q=q, k=k, v=v, grad_out=grad_out, **boundaries)
 
 
+def shared_attend(torch: Any, backend: Backend, row: Row, device: Any) -> Any:
+    """A ``--share-prefix`` row's attention with a backend's call signature: each segment's
+    queries over its gathered keys and values (``k[kv_index]``, bottom-right causal), through
+    the backend's block attention (sdpa per segment on CPU; varlen or flash-attn on a GPU)."""
+    p = row.prefix
+    assert p is not None
+    if backend.attend_blocks is None:
+        raise RolltoolError(
+            f"backend {backend.name} cannot replay --share-prefix rows (no block attention)",
+            hint="use --backend sdpa or torch-varlen",
+        )
+    blocks = backend.attend_blocks
+    kv = torch.from_numpy(p.kv_index).to(device=device)
+    cu_k = torch.from_numpy(p.cu_seqlens_k).to(device=device, dtype=torch.int32)
+    k_bounds = [int(x) for x in p.cu_seqlens_k]
+    max_q, max_k = p.max_seqlen_q, p.max_seqlen_k
+
+    def attend(q: Any, k: Any, v: Any, cu: Any, max_len: int, bounds: Sequence[int]) -> Any:
+        return blocks(q, k.index_select(0, kv), v.index_select(0, kv), cu, cu_k, max_q, max_k,
+                      bounds, k_bounds)  # fmt: skip
+
+    return attend
+
+
 def run_row(torch: Any, backend: Backend, st: Staged, i: int, setup: BenchSetup) -> None:
     """Row i's work: ``layers`` layers or attention calls, with backward when configured."""
     t = st.tokens[i]
     args = (st.cu[i], st.max_len[i], st.bounds[i])
     layers = setup.shape.layers
+    attend = backend.attend if st.attends is None else st.attends[i]
     if st.weights is not None:
         w = st.weights
         x0 = st.x[:t].detach().requires_grad_(setup.backward)
         x = x0
         for _ in range(layers):
-            x = layer_forward(torch, w, x, backend.attend, *args, gqa=backend.gqa)
+            x = layer_forward(torch, w, x, attend, *args, gqa=backend.gqa)
         if setup.backward:
             torch.autograd.grad(x, (x0, *w.params), st.grad_out[:t])
         return
     if not setup.backward:
         for _ in range(layers):
-            backend.attend(st.q[:t], st.k[:t], st.v[:t], *args)
+            attend(st.q[:t], st.k[:t], st.v[:t], *args)
         return
     # Leaf views of the staged buffers (no copy): autograd returns fresh gradients per call.
     q, k, v = (x[:t].detach().requires_grad_() for x in (st.q, st.k, st.v))
     for _ in range(layers):
-        out = backend.attend(q, k, v, *args)
+        out = attend(q, k, v, *args)
         torch.autograd.grad(out, (q, k, v), st.grad_out[:t])
 
 

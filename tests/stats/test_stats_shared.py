@@ -48,3 +48,32 @@ def test_stats_report_what_sharing_saved(run_cli: Any, shared: Path) -> None:
         assert s["rank_imbalance"]["cost"] == pytest.approx(rec.plan.imbalance_cost)
     text = run_cli("stats", shared)
     assert text.exit_code == 0 and "shared prefixes" in text.stdout
+
+
+torch = pytest.importorskip("torch")
+
+TINY = ("--backend", "sdpa", "--heads", "4", "--kv-heads", "2", "--head-dim", "8",
+        "--hidden", "32", "--intermediate", "32", "--repeats", "1", "--warmup", "0")  # fmt: skip
+
+
+@pytest.mark.parametrize("what", ["layer", "attention"])
+def test_bench_replays_shared_rows_beside_the_same_data_unshared(
+    run_cli: Any, shared: Path, what: str
+) -> None:
+    r = run_cli("bench", shared, *TINY, "--what", what, "--check", "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    shared_run, plain_run = doc["runs"]
+    assert plain_run["path"] == f"{shared} (unshared)"
+    m = rolltool.open_packed(shared).manifest
+    stored = sum(st.plan.shared.stored for st in m.steps if st.plan.shared)
+    sampled = sum(st.sampled_tokens for st in m.steps)
+    padding = sum(rk.tokens - rk.real_tokens for st in m.steps for rk in st.ranks)
+    assert shared_run["tokens"] == stored + padding
+    assert plain_run["tokens"] == sampled + padding
+    assert shared_run["samples"] == plain_run["samples"] == sum(st.samples for st in m.steps)
+    assert len(shared_run["rows"]) == len(plain_run["rows"])
+    for run in (shared_run, plain_run):  # every segment equals its chain (or itself) alone
+        assert run["check"]["ok"] and run["check"]["segments_checked"] > 0
+    line = {x["path"]: x for x in doc["comparison"]["lines"]}
+    assert set(line) == {str(shared), f"{shared} (unshared)"}
