@@ -31,6 +31,10 @@ a column per layout:
                             (`RingModel` defaults: 100 GB/s, 400 TFLOP/s): a hybrid plan's own
                             record; a --cp C pack's GPUs each 1/C of the micro-batch plus the
                             exposed ring of each of its samples over C GPUs
+  step time vs lower bound  for the CP layouts: Σ over steps of Σ_j max_g c(g, j) (the row
+                            above's) over Σ over steps of `rolltool.plan.hybrid_bound.lower_bound`
+                            for dp groups of C GPUs: what no layout of those samples on those
+                            GPUs, hybrid or not, beats (1.000)
   CP-split tokens           tokens of samples split over 2 or more GPUs (share of the input's)
   CP padding                the samples' padding to a multiple of 2C, share of the row tokens
   token fill                mean over steps of the plan's tokens / (dp · M · group budget)
@@ -58,6 +62,7 @@ from rolltool.jobs.pack import run_pack
 from rolltool.jobs.synth import run_synth
 from rolltool.plan.config import PackConfig
 from rolltool.plan.hybrid import gpu_tokens
+from rolltool.plan.hybrid_bound import lower_bound
 from rolltool.plan.partition import metrics
 from rolltool.stats import packed_stats
 
@@ -79,6 +84,7 @@ def measure(src: Path, out: Path, **options: Any) -> dict[str, Any]:
     report = packed_stats(out, alternatives=False).report
     samples = pl.read_parquet(out / "samples.parquet", columns=["env", "status", "length"])
     ring = ring_figures(out, manifest, config, report)
+    ring["bound"] = step_bounds(out, config) if config.cp > 1 else None
     shutil.rmtree(out)
     plans = [s.plan for s in manifest.steps]
     by_status = samples.group_by("env", "status").agg(n=pl.len(), tokens=pl.col("length").sum())
@@ -114,6 +120,21 @@ def measure(src: Path, out: Path, **options: Any) -> dict[str, Any]:
         "step_cost": report["totals"]["step_cost"],
         **ring,
     }
+
+
+def step_bounds(out: Path, config: PackConfig) -> float:
+    """Σ over steps of the hybrid lower bound of the step's trained samples on dp x cp GPUs."""
+    t = pl.read_parquet(out / "samples.parquet", columns=["step", "status", "length"])
+    t = t.filter(pl.col("status") == "trained")
+    wl = config.workload()
+    ring = PackConfig(dp=1, cp=config.cp, hybrid_cp=True).ring(wl)
+    budget = config.micro_batch_tokens
+    assert budget is not None
+    return sum(
+        lower_bound(part["length"].to_numpy(), dp=config.dp, cp=config.cp, max_tokens=budget,
+                    workload=wl, ring=ring)
+        for _, part in t.group_by("step", maintain_order=True)
+    )  # fmt: skip
 
 
 def ring_figures(
@@ -180,6 +201,8 @@ def table(names: list[str], runs: list[dict[str, Any]]) -> list[str]:
         ("lockstep overhead, cost (mean)", [f"{r['lockstep_cost'] - 1:+.2%}" for r in runs]),
         ("lockstep overhead, tokens (mean)", [f"{r['lockstep_tokens'] - 1:+.2%}" for r in runs]),
         ("lockstep overhead per GPU, ring (mean)", [f"{r['gpu_lockstep'] - 1:+.2%}" for r in runs]),
+        ("step time vs lower bound", [f"{r['ring_step_cost'] / r['bound']:.3f}" if r["bound"]
+                                      else "—" for r in runs]),
         ("CP-split tokens", [_share(r["split_tokens"], r["input_tokens"]) for r in runs]),
         ("CP padding (of row tokens)", [f"{r['cp_padding']:.3%}" for r in runs]),
         ("token fill (mean)", [f"{r['token_fill']:.1%}" for r in runs]),

@@ -359,10 +359,23 @@ FORGERIES = {
 }
 
 
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One step whose row is a 2-GPU sub-group then two plain GPUs ([2, 2, 1, 1]): a 30-token
+    sample that needs 2 GPUs of 16 beside two 16-token ones that fill a GPU each (split wider,
+    all three would pay more of the ring than they save)."""
+    tmp = tmp_path_factory.mktemp("hybrid-mixed")
+    pq.write_table(
+        rollouts([G("agent", [0.1, 0.9, 0.5], [30, 16, 16])], seed=5), tmp / "in.parquet"
+    )
+    pack(tmp / "in.parquet", tmp / "p", *STEPS, "--dp", 1, *HYBRID[2:])
+    return tmp / "p"
+
+
 @pytest.mark.parametrize("case", sorted(FORGERIES))
-def test_the_reader_refuses_a_forged_layout(packed: Path, tmp_path: Path, case: str) -> None:
+def test_the_reader_refuses_a_forged_layout(mixed: Path, tmp_path: Path, case: str) -> None:
     out = tmp_path / "p"
-    shutil.copytree(packed, out)
+    shutil.copytree(mixed, out)
     path, arrays = _shard_with(out, lambda a: _split_and_whole(a) is not None)
     edits, match = FORGERIES[case]
     for name, index, value in edits(arrays, _split_and_whole(arrays)):
