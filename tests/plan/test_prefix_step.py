@@ -1,0 +1,129 @@
+"""Planning ``--share-prefix`` steps (`rolltool.plan.prefix_step`, issue 24).
+
+`restrict` cuts a group's forest to some of its samples: the result still reassembles every
+sample exactly, each prefix has two samples and pays `share_min`, and a prefix holding a trained
+token never spans samples whose advantages differ. `plan_shared_step` places every sample once,
+no micro-batch over the cap, its tokens what is stored and its costs what is computed, a tree
+whole where it fits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rolltool.plan.prefix import GroupTokens, detect, lay_out
+from rolltool.plan.prefix_step import (
+    GroupForest,
+    first_trained,
+    layout_cost,
+    plan_shared_step,
+    restrict,
+)
+from rolltool.plan.workload import make_workload
+
+
+def _group(rng: np.random.Generator, n: int) -> GroupTokens:
+    """A prompt (untrained), then 2 trained trunks (one per half), then each sample's own."""
+    prompt = rng.integers(1, 9, int(rng.integers(6, 14)))
+    trunks = [rng.integers(1, 9, int(rng.integers(3, 9))) for _ in range(2)]
+    ids, mask = [], []
+    for i in range(n):
+        own = rng.integers(1, 9, int(rng.integers(1, 6)))
+        t = trunks[i % 2] if rng.random() < 0.8 else np.zeros(0, np.int64)
+        ids.append(np.r_[prompt, t, own])
+        mask.append(np.r_[np.zeros(len(prompt)), np.ones(len(t) + len(own))].astype(np.int8))
+    return GroupTokens(ids, mask, [np.zeros(len(x)) for x in ids])
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_restrict_keeps_every_sample_and_the_rules(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    g = _group(rng, int(rng.integers(3, 9)))
+    share_min = 3
+    f = detect(g, share_min)
+    gf = GroupForest(np.arange(len(g.input_ids)), f, first_trained(f, g.loss_mask))
+    take = np.sort(rng.choice(len(g.input_ids), int(rng.integers(1, len(g.input_ids) + 1)),
+                              replace=False))  # fmt: skip
+    adv = rng.choice([0.0, 1.0], len(take))
+    r = restrict(gf, take, adv, share_min)
+    lay = lay_out(r)
+    for q, i in enumerate(take.tolist()):  # every sample reassembles
+        got = np.concatenate([g.input_ids[take[lay.sample[s]]][lay.start[s] : lay.end[s]]
+                              for s in lay.chain(q)])  # fmt: skip
+        np.testing.assert_array_equal(got, g.input_ids[i])
+    for j in range(len(r.node_end)):
+        members = [q for q in range(len(take)) if j in r.chain(q)]
+        assert len(members) >= 2
+        base = r.node_end[r.node_parent[j]] + 1 if r.node_parent[j] >= 0 else 0
+        assert r.node_end[j] + 1 - base >= share_min
+        trained = np.asarray(g.loss_mask[take[members[0]]])[1 : r.node_end[j] + 1].any()
+        if trained:
+            assert len(set(adv[members].tolist())) == 1
+
+
+def test_differing_advantages_end_a_prefix_before_its_first_trained_token() -> None:
+    prompt, trunk = np.arange(1, 11), np.arange(20, 30)
+    ids = [np.r_[prompt, trunk, [40 + i]] for i in range(2)]
+    mask = [np.r_[np.zeros(10), np.ones(11)] for _ in ids]
+    g = GroupTokens(ids, mask, [np.zeros(21)] * 2)
+    f = detect(g, 3)
+    assert f.node_end.tolist() == [19]  # prompt and trunk shared: 20 tokens
+    gf = GroupForest(np.arange(2), f, first_trained(f, mask))
+    same = restrict(gf, np.arange(2), np.array([0.5, 0.5]), 3)
+    assert same.node_end.tolist() == [19]
+    differ = restrict(gf, np.arange(2), np.array([0.5, -0.5]), 3)
+    assert differ.node_end.tolist() == [9]  # shared up to the trained trunk's first token
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("dp", [1, 3])
+def test_a_shared_plan_places_every_sample_under_the_cap(seed: int, dp: int) -> None:
+    rng = np.random.default_rng(100 + seed)
+    groups = [_group(rng, int(rng.integers(2, 8))) for _ in range(5)]
+    members, codes, forests, tokens = [], [], {}, []
+    for gi, g in enumerate(groups):
+        start = len(members)
+        f = detect(g, 3)
+        members += range(start, start + len(g.input_ids))
+        codes += [gi] * len(g.input_ids)
+        tokens += list(g.input_ids)
+        forests[gi] = GroupForest(np.arange(start, start + len(g.input_ids)), f,
+                                  first_trained(f, g.loss_mask))  # fmt: skip
+    lengths = np.array([len(t) for t in tokens])
+    cap = int(lengths.max()) + int(rng.integers(0, 40))
+    w = make_workload("flops")
+    plan, shared = plan_shared_step(
+        np.array(members), lengths, np.array(codes), np.zeros(len(members), np.float32),
+        np.zeros(len(members), np.int64), ["math"], forests, dp=dp, max_tokens=cap, workload=w,
+        share_min=3,
+    )  # fmt: skip
+    placed = np.concatenate([mb for row in plan.micro_batches for mb in row])
+    assert sorted(placed.tolist()) == list(range(len(members)))  # every sample once
+    assert plan.tokens.max() <= cap
+    assert int(plan.tokens.sum()) == shared.record.stored == int((shared.end - shared.start).sum())
+    assert shared.record.tokens == int(lengths.sum())
+    rs = shared.row_segments
+    for r in range(dp):  # row r's segments rebuild every sample of its micro-batches
+        for j, mb in enumerate(plan.micro_batches[r]):
+            a, b = (
+                int(rs[r * plan.num_micro_batches + j]),
+                int(rs[r * plan.num_micro_batches + j + 1]),
+            )
+            leaves = set(range(b - a)) - set(shared.parent[a:b][shared.parent[a:b] >= 0].tolist())
+            assert sorted(int(shared.sample[a + k]) for k in leaves) == sorted(mb.tolist())
+            for k in leaves:
+                chain, seg = [], k
+                while seg >= 0:
+                    chain.append(a + seg)
+                    seg = int(shared.parent[a + seg])
+                i = int(shared.sample[a + k])
+                got = np.concatenate([tokens[shared.sample[s]][shared.start[s] : shared.end[s]]
+                                      for s in chain[::-1]])  # fmt: skip
+                np.testing.assert_array_equal(got, tokens[i])
+    whole = [lay_out(f.forest) for f in forests.values()]
+    ideal = sum(layout_cost(lay, w) for lay in whole)
+    if cap >= max(int(lay.cu_seqlens[-1]) for lay in whole):  # no tree is cut: costs add up
+        assert plan.costs.sum() == pytest.approx(ideal, rel=1e-12)
+    else:  # a cut tree computes its prefix again
+        assert plan.costs.sum() >= ideal * (1 - 1e-12)
