@@ -2,7 +2,7 @@
 
     python benchmarks/shared_prefix.py [--rollouts 8] [--prompt 4096] [--response 1024]
                                        [--repeats 5] [--threads 1] [--hidden 64] [--layers 2]
-                                       [--intermediate 4 x hidden]
+                                       [--intermediate 4 x hidden] [--packed-groups 2]
 
 Two groups of random tokens (what the model computes does not depend on their values):
 
@@ -23,22 +23,37 @@ attention in both layouts (sdpa per segment; unshared = no gathered prefix), los
 target weight x -log p. Median of --repeats, the layouts interleaved, after one warm-up each.
 The last column checks exactness: max |Δ log p| over every sample's targets, shared vs unshared
 (float32 here; the tests check 1e-10 in float64).
+
+The ``packed`` rows run the same through the real pipeline: --packed-groups grpo groups
+written as a rollout Parquet file, ``rolltool pack --dp 1 --micro-batch-tokens 16384``
+with and without ``--share-prefix`` (one step), and every row the reader gives replayed
+(``row_prefix_tensors`` of the shared view; an unshared row as one with no parents), loss = sum
+of the reader's target weight x -log p; Δ log p compares each sample's targets across the two
+packs (found through the chains).
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import torch
 import transformers
 
-from rolltool.bench.prefix_attention import hf_attention, prefix_tensors
-from rolltool.format.prefix import shared_next_token_targets, target_source
+import rolltool
+from rolltool.bench.prefix_attention import hf_attention, prefix_tensors, row_prefix_tensors
+from rolltool.format.prefix import shared_next_token_targets, shared_view, target_source
+from rolltool.jobs.pack import run_pack
+from rolltool.plan.batches import StepConfig
+from rolltool.plan.config import PackConfig
 from rolltool.plan.prefix import GroupTokens, PrefixForest, SharedLayout, detect, lay_out
 from rolltool.plan.workload import make_workload
 
@@ -156,6 +171,12 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--intermediate", type=int, default=None, help="default: 4 x --hidden")
+    ap.add_argument(
+        "--packed-groups",
+        type=int,
+        default=2,
+        help="grpo groups run through rolltool pack and the reader (0: none)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     transformers.AttentionInterface.register(NAME, hf_attention)
@@ -183,6 +204,89 @@ def main() -> None:
                 f"{sec:.3f} ({base_s / sec:.2f}x)",
                 f"{r['delta'] if k == 'shared' else 0:.1e} |",
             ]))  # fmt: skip
+    if args.packed_groups:
+        groups = [grpo(args.rollouts, args.prompt, args.response, rng)
+                  for _ in range(args.packed_groups)]  # fmt: skip
+        with tempfile.TemporaryDirectory() as tmp:
+            r = packed(groups, model, args.repeats, Path(tmp))
+        base, base_s = r["tokens"]["unshared"], r["seconds"]["unshared"]
+        for k in ("unshared", "shared"):
+            print(f"| packed ({args.packed_groups} x grpo) | {k} | {r['tokens'][k]:,} "
+                  f"({base / r['tokens'][k]:.2f}x) | | | | {r['seconds'][k]:.3f} "
+                  f"({base_s / r['seconds'][k]:.2f}x) | {r['delta'] if k == 'shared' else 0:.1e} |")  # fmt: skip
+
+
+def packed(groups: list[GroupTokens], model: Any, repeats: int, root: Path) -> dict[str, Any]:
+    """The groups through ``rolltool pack`` shared and unshared, each pack's rows replayed."""
+    cols: dict[str, list[Any]] = {k: [] for k in ("group_id", "rollout_id", "sample_id", "env",
+                                                  "reward", "input_ids", "loss_mask", "logprobs")}  # fmt: skip
+    for gi, g in enumerate(groups):
+        for i, (ids, mask) in enumerate(zip(g.input_ids, g.loss_mask, strict=True)):
+            cols["group_id"].append(f"g{gi}")
+            cols["rollout_id"].append(f"g{gi}/r{i}")
+            cols["sample_id"].append(f"g{gi}/r{i}")
+            cols["env"].append("math")
+            cols["reward"].append(float(i % 2))
+            cols["input_ids"].append(np.asarray(ids, dtype=np.int32).tolist())
+            cols["loss_mask"].append((np.asarray(mask) != 0).tolist())
+            cols["logprobs"].append(np.zeros(len(ids), dtype=np.float32).tolist())
+    pq.write_table(pa.table(cols), root / "in.parquet")
+    out: dict[str, Any] = {"rows": {}, "seconds": {}, "tokens": {}, "logp": {}}
+    for name, share in (("unshared", False), ("shared", True)):
+        config = PackConfig(dp=1, share_prefix=share, micro_batch_tokens=16384,
+                            steps=StepConfig(batch_size=len(cols["rollout_id"])))  # fmt: skip
+        run_pack([str(root / "in.parquet")], root / name, config, force=True)
+        ds = rolltool.open_packed(root / name)
+        rows = [r if share else shared_view(r, np.full(len(r["sample_index"]), -1))
+                for r in ds.micro_batches(0, 0)]  # fmt: skip
+        out["rows"][name] = rows
+        out["tokens"][name] = sum(len(r["input_ids"]) for r in rows)
+    for name, rows in out["rows"].items():  # warm-up, and each sample's target log-probs
+        out["logp"][name] = _chains_logp(model, rows)
+    times: dict[str, list[float]] = {k: [] for k in out["rows"]}
+    for _ in range(repeats):
+        for name, rows in out["rows"].items():
+            t0 = time.process_time()
+            for r in rows:
+                _packed_step(model, r)
+            times[name].append(time.process_time() - t0)
+    out["seconds"] = {k: statistics.median(v) for k, v in times.items()}
+    a, b = out["logp"]["shared"], out["logp"]["unshared"]
+    out["delta"] = max(float((a[i] - b[i]).abs().max()) for i in a)
+    return out
+
+
+def _packed_step(model: Any, row: dict[str, Any]) -> Any:
+    """Forward + backward of one reader row; its per-stored-token target log-probs."""
+    model.zero_grad(set_to_none=True)
+    ids = torch.from_numpy(np.array(row["input_ids"], dtype=np.int64))[None]
+    pos = torch.from_numpy(np.array(row["position_ids"], dtype=np.int64))[None]
+    logits = model(input_ids=ids, position_ids=pos, prefix_index=row_prefix_tensors(row),
+                   use_cache=False).logits[0]  # fmt: skip
+    target = torch.from_numpy(np.array(row["target_ids"], dtype=np.int64))
+    logp = logits.log_softmax(-1).gather(1, target.clamp(min=0)[:, None])[:, 0]
+    weight = torch.from_numpy(np.array(row["target_loss_weight"]))
+    (weight * -logp).sum().backward()
+    return logp.detach()
+
+
+def _chains_logp(model: Any, rows: list[dict[str, Any]]) -> dict[int, Any]:
+    """sample_index -> its targets' log-probs, read along its chain in the rows."""
+    out = {}
+    for r in rows:
+        logp = _packed_step(model, r)
+        parent, cu = r["parent"], r["cu_seqlens"]
+        named = set(parent[parent >= 0].tolist())
+        for j, i in enumerate(r["sample_index"].tolist()):
+            if i < 0 or j in named:
+                continue
+            chain, seg = [], j
+            while seg >= 0:
+                chain.append(seg)
+                seg = int(parent[seg])
+            at = np.concatenate([np.arange(cu[s], cu[s + 1]) for s in chain[::-1]])
+            out[i] = logp[torch.from_numpy(at[:-1])]
+    return out
 
 
 def tflops(w: Any, s: Any) -> float:
