@@ -25,8 +25,9 @@ Per step (`plan_shared_step`):
    included: a sample alone is ``b · L²``); its tokens are what is stored.
 4. **Placement.** ``dp · M`` micro-batches, M from the token lower bound up: each unit, the
    costliest first, to the cheapest micro-batch with room (FFD by tokens at M when that fails
-   but fits); the micro-batches sorted by cost and dealt into M slots of dp, each slot's spread
-   over the ranks so rank totals stay even. A micro-batch's samples of one group are laid out
+   but fits), then the costliest micro-batch lightened by moves and swaps of one unit while
+   that lowers it (`_even`); the micro-batches sorted by cost and dealt into M slots of dp,
+   each slot's spread over the ranks so rank totals stay even. A micro-batch's samples of one group are laid out
    together (`restrict` of their union: never more tokens than its units apart).
 
 `shared_step_rows` then lays out a step's rows from its fetched tokens and checks them against
@@ -339,6 +340,7 @@ def _place(
         if fill is not None:
             break
         m += 1
+    fill = _even(fill, cost, tokens, cap)
     loads = [float(cost[b].sum()) if b else 0.0 for b in fill]
     ranked = sorted(range(len(fill)), key=lambda b: (-loads[b], b))
     grid: list[list[list[int]]] = [[] for _ in range(dp)]
@@ -350,6 +352,63 @@ def _place(
             grid[r].append(fill[b])
             totals[r] += loads[b]
     return grid, m, min_m, ffd_m
+
+
+def _even(
+    fill: list[list[int]], cost: np.ndarray, tokens: np.ndarray, cap: int, rounds: int = 1000
+) -> list[list[int]]:
+    """`fill` with its costliest micro-batch lightened while a move or a swap of one unit with
+    a lighter micro-batch (room permitting) lowers the pair's larger cost: trees are coarse, so
+    greedy placement alone leaves micro-batches uneven. Never raises the costliest one."""
+    out = [list(b) for b in fill]
+    load = np.array([float(cost[b].sum()) if b else 0.0 for b in out])
+    used = np.array([int(tokens[b].sum()) if b else 0 for b in out], dtype=np.int64)
+    for _ in range(rounds):
+        h = int(np.argmax(load))
+        done = True
+        for low in np.argsort(load, kind="stable").tolist():
+            if low == h or load[low] >= load[h]:
+                break
+            move = _best_exchange(out[h], out[low], load[h], load[low], used[h], used[low],
+                                  cost, tokens, cap)  # fmt: skip
+            if move is None:
+                continue
+            u, v = move
+            out[h].remove(u)
+            out[low].append(u)
+            delta_c, delta_t = float(cost[u]), int(tokens[u])
+            if v is not None:
+                out[low].remove(v)
+                out[h].append(v)
+                delta_c -= float(cost[v])
+                delta_t -= int(tokens[v])
+            load[h] -= delta_c
+            load[low] += delta_c
+            used[h] -= delta_t
+            used[low] += delta_t
+            done = False
+            break
+        if done:
+            break
+    return out
+
+
+def _best_exchange(heavy: list[int], light: list[int], hi: float, lo: float, used_hi: int,
+                   used_lo: int, cost: np.ndarray, tokens: np.ndarray,
+                   cap: int) -> tuple[int, int | None] | None:  # fmt: skip
+    """The move (u, None) or swap (u, v) of a unit u of `heavy` with v of `light` that lowers
+    max(hi, lo) the most within `cap`, or None."""
+    best, best_max = None, hi * (1 - 1e-9)
+    for u in heavy:
+        for v in [None, *light]:
+            d = float(cost[u]) - (float(cost[v]) if v is not None else 0.0)
+            t = int(tokens[u]) - (int(tokens[v]) if v is not None else 0)
+            if d <= 0 or used_lo + t > cap or used_hi - t > cap:
+                continue
+            new = max(hi - d, lo + d)
+            if new < best_max:
+                best, best_max = (u, v), new
+    return best
 
 
 def _fill(

@@ -127,3 +127,26 @@ def test_a_shared_plan_places_every_sample_under_the_cap(seed: int, dp: int) -> 
         assert plan.costs.sum() == pytest.approx(ideal, rel=1e-12)
     else:  # a cut tree computes its prefix again
         assert plan.costs.sum() >= ideal * (1 - 1e-12)
+
+
+def test_evening_lowers_the_costliest_micro_batch_within_the_cap() -> None:
+    from rolltool.plan.prefix_step import _even, _fill
+
+    lowered = 0
+    for seed in range(40):
+        rng = np.random.default_rng(seed)
+        n, cap = int(rng.integers(4, 30)), 100
+        tokens = rng.integers(5, 60, n)
+        cost = tokens * rng.uniform(0.5, 2.0, n)
+        order = sorted(range(n), key=lambda u: -cost[u])
+        fill = _fill(order, cost, tokens, n, cap, cheapest=False)  # first fit: uneven
+        assert fill is not None
+        fill = [b for b in fill if b] + [[], []]
+        evened = _even(fill, cost, tokens, cap)
+        assert sorted(u for b in evened for u in b) == list(range(n))  # each unit once
+        assert all(tokens[b].sum() <= cap for b in evened if b)
+        before = max(cost[b].sum() for b in fill if b)
+        after = max(cost[b].sum() if b else 0.0 for b in evened)
+        assert after <= before + 1e-9
+        lowered += after < before - 1e-9
+    assert lowered > 20  # it really evens
