@@ -1,23 +1,30 @@
 """Benchmark: `rolltool pack` end to end against the I/O floor, and its peak memory.
 
     python benchmarks/pack.py [--groups 2000 4000] [--repeats 3] [--dp 8] [--cache-mb 1024 0]
+                              [--workers 1 2] [--trees DIR ...]
 
 For each synth dataset (cached under /tmp), in one run and on the same file:
-  floor  read the input Parquet (pyarrow.parquet.read_table) + write as many bytes as pack's
-         output holds, as raw arrays (numpy tofile) - what any packer must at least do; in a
-         subprocess like pack, so both pay interpreter start-up
-  pack   `rolltool pack IN --dp 8 -o OUT --force --json` in a subprocess
-Prints medians, tokens/s, the ratio to the floor, and the peak RSS of each pack process, with
-the default --cache-mb 1024 (decoded input kept so that data that fits is read once) and with
---cache-mb 0: then memory is bounded by a step and does not grow with the dataset.
+  floor  in a fresh process (both sides pay interpreter start-up): read the token columns pack
+         reads (pyarrow.parquet.read_table of input_ids, loss_mask, logprobs), then write as
+         many files of as many bytes as pack's output holds and sha256 each (one thread) - what
+         any packer must at least do
+  pack   `rolltool pack IN --dp 8 --batch-size 256 --cache-mb C --workers W -o OUT --json`
+         in a subprocess; with --trees, the same command run from each checkout too (its
+         rolltool first on PYTHONPATH: e.g. a `git worktree` of an older commit), interleaved
+Runs alternate (per repeat: every tree x workers x cache, each followed by a floor), so every
+ratio compares runs made side by side on a shared machine. Prints medians, tokens/s, the ratio
+to the floor and to one worker of the same tree, and the peak RSS of the pack process (its
+workers not included: ru_maxrss is per process), with the default --cache-mb 1024 (decoded
+input kept so that data that fits is read once) and with --cache-mb 0: then memory is bounded
+by a step and does not grow with the dataset.
 
-The memory bound (rolltool.packed.writer / rolltool.pack): beyond the imports and the light columns,
-pack holds the token cache (--cache-mb), the decoded tokens of two steps (the one being laid out,
-the next being read), the row group being decoded (Parquet reads whole row groups: Arrow and
-NumPy copies) and the rows queued for writing (at most 256 MB plus one rank's rows).
-``step MB`` is the largest step's decoded tokens (9 bytes per token), ``rg MB`` the largest
-row group's; ``base MB`` the peak RSS of a process that only imports rolltool and scans the
-input (light columns); ``bound MB`` = base + cache + 2 x step + 2 x rg + min(256, step) +
+The memory bound (rolltool.packed.writer / rolltool.jobs.pack): beyond the imports and the
+light columns, pack holds the token cache (--cache-mb), the decoded tokens of two steps (the one
+being laid out, the next being read), the row group being decoded (Parquet reads whole row
+groups: Arrow and NumPy copies) and the rows queued for writing (at most 256 MB plus one rank's
+rows). ``step MB`` is the largest step's decoded tokens (9 bytes per token), ``rg MB`` the
+largest row group's; ``base MB`` the peak RSS of a process that only imports rolltool and scans
+the input (light columns); ``bound MB`` = base + cache + 2 x step + 2 x rg + min(256, step) +
 step / dp, which the peak should stay under.
 """
 
@@ -39,13 +46,18 @@ import pyarrow.parquet as pq
 from _data import synth_dataset
 
 
-def _pack(src: Path, out: Path, dp: int, cache_mb: float) -> tuple[float, int, dict]:
-    """(seconds, peak RSS in MB of this child alone, manifest) of one pack run in a new process."""
+def _pack(
+    src: Path, out: Path, dp: int, cache_mb: float, workers: int = 1, tree: str = ""
+) -> tuple[float, int, dict]:
+    """(seconds, peak RSS in MB of this child alone, manifest) of one pack run in a new process,
+    with the rolltool of checkout `tree` ("" = the installed one)."""
     cmd = [sys.executable, "-m", "rolltool", "pack", str(src), "--dp", str(dp), "-o", str(out),
-           "--batch-size", "256", "--cache-mb", str(cache_mb), "--json"]  # fmt: skip
+           "--batch-size", "256", "--cache-mb", str(cache_mb), "--workers", str(workers),
+           "--json"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": tree} if tree else None
     t0 = time.perf_counter()
     with tempfile.TemporaryFile() as stdout:
-        proc = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.DEVNULL, env=env)
         _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)
         dt = time.perf_counter() - t0
@@ -82,17 +94,32 @@ def _base_rss(src: Path) -> int:
 
 
 FLOOR = """
-import sys, numpy as np, pyarrow.parquet as pq
-pq.read_table(sys.argv[1])
-np.zeros(int(sys.argv[2]), dtype=np.uint8).tofile(sys.argv[3])
+import hashlib, sys, numpy as np, pyarrow.parquet as pq
+table = pq.read_table(sys.argv[1], columns=sys.argv[4].split(","))
+sizes = [int(n) for n in sys.argv[2].split(",")]
+data = np.zeros(max(sizes), dtype=np.uint8)
+for i, n in enumerate(sizes):
+    view = memoryview(data)[:n]
+    with open(f"{sys.argv[3]}.{i}", "wb") as f:
+        f.write(view)
+    hashlib.sha256(view).hexdigest()
 """
+TOKEN_COLUMNS = ("input_ids", "loss_mask", "logprobs")
 
 
-def _floor(src: Path, nbytes: int, scratch: Path) -> float:
-    """The floor in a fresh process too, so both sides pay interpreter start-up and imports."""
+def _floor(src: Path, nbytes: int | list[int], scratch: Path) -> float:
+    """Seconds of the floor in a fresh process (read the token columns, write and hash files
+    of `nbytes`: one size, or each file's), its files removed afterwards."""
+    sizes = [nbytes] if isinstance(nbytes, int) else list(nbytes)
+    names = set(pq.ParquetFile(src).schema_arrow.names)
+    cols = ",".join(c for c in TOKEN_COLUMNS if c in names)
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-c", FLOOR, str(src), str(nbytes), str(scratch)], check=True)
-    return time.perf_counter() - t0
+    subprocess.run([sys.executable, "-c", FLOOR, str(src), ",".join(map(str, sizes)),
+                    str(scratch), cols], check=True)  # fmt: skip
+    dt = time.perf_counter() - t0
+    for i in range(len(sizes)):
+        Path(f"{scratch}.{i}").unlink(missing_ok=True)
+    return dt
 
 
 def main() -> None:
@@ -103,36 +130,47 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dp", type=int, default=8)
     ap.add_argument("--cache-mb", type=float, nargs="+", default=[1024.0, 0.0])
+    ap.add_argument("--workers", type=int, nargs="+", default=[1])
+    ap.add_argument("--trees", nargs="*", default=[], help="other checkouts, run interleaved")
     args = ap.parse_args()
+    trees = ["", *args.trees]
     work = Path(tempfile.mkdtemp())
-    print(f"{'groups':>7}{'samples':>9}{'tokens':>13}{'steps':>7}{'cache MB':>9}{'floor s':>9}"
-          f"{'pack s':>8}{'x floor':>9}{'Mtok/s':>8}{'step MB':>9}{'rg MB':>7}{'base MB':>9}{'bound MB':>9}"
-          f"{'peak MB':>9}")  # fmt: skip
+    print(f"{'tree':<10}{'groups':>7}{'samples':>9}{'tokens':>13}{'steps':>7}{'cache MB':>9}"
+          f"{'workers':>8}{'floor s':>9}{'pack s':>8}{'x floor':>9}{'x one':>7}{'Mtok/s':>8}"
+          f"{'step MB':>9}{'rg MB':>7}{'base MB':>9}{'bound MB':>9}{'peak MB':>9}")  # fmt: skip
     for groups in args.groups:
         src = synth_dataset(groups)
         base, rg_mb = _base_rss(src), _row_group_mb(src)
-        for cache_mb in args.cache_mb:
-            # Runs alternate with the floor; each writes a fresh output (--force would add the
-            # deletion of the old one).
-            runs, floors = [], []
-            for i in range(args.repeats):
-                runs.append(_pack(src, work / f"packed-{groups}-{cache_mb}-{i}", args.dp, cache_mb))
-                nbytes = sum(f["bytes"] for f in runs[-1][2]["files"].values())
-                floors.append(_floor(src, nbytes, work / "floor.bin"))
-            manifest = runs[-1][2]
-            t_pack = statistics.median(r[0] for r in runs)
-            t_floor = statistics.median(floors)
+        modes = [(t, c, w) for t in trees for c in args.cache_mb for w in args.workers]
+        runs: dict[tuple[str, float, int], list[tuple[float, int, dict]]] = {m: [] for m in modes}
+        floors: dict[tuple[str, float, int], list[float]] = {m: [] for m in modes}
+        # Every mode once per repeat, each run followed by a floor; each writes a fresh output
+        # (--force would add the deletion of the old one).
+        for i in range(args.repeats):
+            for m in modes:
+                tree, cache_mb, w = m
+                out = work / f"packed-{i}"
+                runs[m].append(_pack(src, out, args.dp, cache_mb, w, tree))
+                sizes = [f["bytes"] for f in runs[m][-1][2]["files"].values()]
+                floors[m].append(_floor(src, sizes, work / "floor.bin"))
+                shutil.rmtree(out, ignore_errors=True)
+        for m in modes:
+            tree, cache_mb, w = m
+            manifest = runs[m][-1][2]
+            t_pack = statistics.median(r[0] for r in runs[m])
+            t_floor = statistics.median(floors[m])
+            t_one = statistics.median(r[0] for r in runs.get((tree, cache_mb, 1), runs[m]))
             tokens = sum(s["sampled_tokens"] for s in manifest["steps"])
             step_mb = max(s["sampled_tokens"] for s in manifest["steps"]) * 9 / 1e6
             bound = base + cache_mb + 2 * (step_mb + rg_mb) + min(256, step_mb) + step_mb / args.dp
             print(
-                f"{groups:>7}{manifest['samples']['total']:>9,}{tokens:>13,}{manifest['num_steps']:>7}"
-                f"{cache_mb:>9,.0f}{t_floor:>9.2f}{t_pack:>8.2f}{t_pack / t_floor:>9.2f}"
-                f"{tokens / t_pack / 1e6:>8.1f}{step_mb:>9,.0f}{rg_mb:>7,.0f}{base:>9,}{bound:>9,.0f}"
-                f"{max(r[1] for r in runs):>9,}"
+                f"{Path(tree).name or 'this':<10}{groups:>7}{manifest['samples']['total']:>9,}"
+                f"{tokens:>13,}{manifest['num_steps']:>7}{cache_mb:>9,.0f}{w:>8}{t_floor:>9.2f}"
+                f"{t_pack:>8.2f}{t_pack / t_floor:>9.2f}{t_one / t_pack:>7.2f}"
+                f"{tokens / t_pack / 1e6:>8.1f}{step_mb:>9,.0f}{rg_mb:>7,.0f}{base:>9,}"
+                f"{bound:>9,.0f}{max(r[1] for r in runs[m]):>9,}"
             )
-            shutil.rmtree(work, ignore_errors=True)
-            work.mkdir()
+    shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

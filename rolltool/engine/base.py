@@ -52,6 +52,12 @@ class Engine(Protocol):
         command's pieces)."""
         ...
 
+    def scan_mapper(self) -> Mapper | None:
+        """The `Mapper` that checks the input's row groups (`rolltool.schema.scan_deferred`:
+        ``pack``'s scan), naming "scanning row groups" in its errors; None: this process scans
+        them, one after another (one local worker)."""
+        ...
+
     def plan_mapper(self, samples: int) -> Mapper:
         """The `Mapper` that plans the batches of a run over `samples` input samples (the local
         engine plans a run too small to pay for its pool here)."""
@@ -65,6 +71,12 @@ class Engine(Protocol):
     def pack_steps(self, steps: Sequence[PlannedStep], job: Job) -> Iterator[Packed]:
         """Every step packed elsewhere (`rolltool.packing.step.pack_chunk`) into ``job.root``,
         its record and files yielded in step order for the driver to adopt."""
+        ...
+
+    @property
+    def packs_here(self) -> bool:
+        """Whether the job may pack steps in its own process (`pack_worth_it` can say False):
+        then it decodes the first row groups while it plans (`rolltool.fetch.tokens.preloaded`)."""
         ...
 
     @property

@@ -247,10 +247,11 @@ def _run(span: tuple[int, int]) -> list[Any]:
 # -- packing steps in a pool of processes (``pack --workers N``) -------------------------
 
 MIN_WORKERS = 4
-"""A pool is used only with at least this many workers, each with a core of its own: the workers
-decode the input again (the driver's scan cache is not shared) and one process already overlaps
-reading with writing on threads, so on 2 cores the pool is slower (docs/performance.md, "scale";
-`benchmarks/scale.py`) ..."""
+"""A pool is used only with at least this many workers, each with a core of its own: one process
+already overlaps decoding with planning (`rolltool.fetch.tokens.preloaded`) and reading, laying
+out and writing with each other on threads, where a worker does them one after another and
+first imports for ~1.5 s; on 2 cores a pool of 2 took 12-22 s where one process took 8-12
+(docs/performance.md, "pack"; `benchmarks/pack.py`) ..."""
 MIN_STEPS_PER_WORKER = 2
 """... at least this many steps per worker ..."""
 MIN_TOKENS = 20_000_000
@@ -309,12 +310,18 @@ class LocalEngine:
     workers: int
     """Processes that plan batches, pack steps and map a stage's items; 1: all of it here."""
 
+    packs_here = True
+    """A run too small for the pool is packed by the job (`pack_worth_it`)."""
     data_exchange = False
     """The exchange path's buckets are the job's (see the module docstring)."""
 
     def map_in_order(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
         """`map_in_order` with `workers` processes (any `Mapper`; no size rule)."""
         return map_in_order(fn, items, self.workers)
+
+    def scan_mapper(self) -> Mapper | None:
+        """`local_mapper` (forked processes; None for one worker)."""
+        return local_mapper(self.workers, "scanning row groups")
 
     def plan_mapper(self, samples: int) -> Mapper:
         """`plan_mapper`: a pool only for a run that pays for one."""

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import socket
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
@@ -100,6 +101,9 @@ class RayEngine:
     def window(self) -> int:
         return self.tasks_in_flight or max(WINDOW_PER_CPU * self.cpus, 2)
 
+    packs_here = False
+    """Every step is packed by Ray tasks (`pack_worth_it`)."""
+
     @property
     def data_exchange(self) -> bool:
         """Whether the exchange path runs on Ray Data here (``DATA_EXCHANGE_NODES``)."""
@@ -108,6 +112,10 @@ class RayEngine:
     def chunks(self, n: int) -> list[tuple[int, int]]:
         """``[a, b)`` bounds of the contiguous chunks ``n`` items are cut into."""
         return base.chunks(n, self.cpus, MAX_CHUNK)
+
+    def scan_mapper(self) -> Mapper:
+        """`map_in_order` naming "scanning row groups" (the scan as Ray tasks)."""
+        return functools.partial(self.map_in_order, what="scanning row groups")
 
     def plan_mapper(self, samples: int) -> Mapper:
         """`map_in_order`, whatever the run's size: the cluster is up already."""

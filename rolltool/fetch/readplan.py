@@ -1,9 +1,8 @@
 """How much of the input a plan reads: the read amplification of fetching step after step.
 
-The validation scan reads every row group once; a step's tokens are then fetched row group by
-row group (`rolltool.fetch.tokens.TokenReader`). When the
-plan takes groups in input order, consecutive steps read consecutive row groups and the input is
-read about once; with ``--order completion`` or ``shuffle`` each step's samples are scattered
+The input's token columns are read row group by row group where a step's tokens are fetched
+(`rolltool.fetch.tokens.TokenReader`). When the plan takes groups in input order, consecutive
+steps read consecutive row groups and the input is read about once; with ``--order completion`` or ``shuffle`` each step's samples are scattered
 over the input and every step decodes whole row groups for a few samples each. Computed from the
 plan and the Parquet footers before any token is read:
 
@@ -12,8 +11,10 @@ plan and the Parquet footers before any token is read:
 - ``read``: for each step, the bytes of the row groups it touches, except those the previous
   step touched too (the reader keeps its last decoded row group), the cost without a cache;
 - ``amplification`` = read / needed (about 1 in input order); ``cached_amplification`` the same
-  with an LRU model of the cache, which the scan fills first (what the fetches really read on
-  top of the scan, roughly: 0 when the input's tokens fit ``--cache-mb``).
+  with an LRU model of the cache, filled first with the row groups in input order while they
+  fit (what the job decodes while it plans, `rolltool.fetch.tokens.TokenReader.preload`; before
+  the scan was deferred, the scan's offers), so roughly what the fetches read beyond one pass
+  over the input: 0 when the input's tokens fit ``--cache-mb``.
 
 Worked example: two row groups of 100 bytes and 10 one-token samples each; step 0 trains
 samples 0-4 and 10-14, step 1 samples 5-9 and 15-19 -> needed 200 bytes; step 0 reads both row
@@ -85,8 +86,8 @@ def read_plan(
 
 
 class _Lru:
-    """The reader's cache, roughly: row groups in input order while they fit (the scan's
-    offers), then least recently used out."""
+    """The reader's cache, roughly: row groups in input order while they fit (the preload),
+    then least recently used out."""
 
     def __init__(self, capacity: int, sizes: np.ndarray) -> None:
         self.capacity, self.sizes = capacity, sizes

@@ -2,21 +2,27 @@
 
 Planning works on light columns only; the packer then asks for the tokens of one step at a time
 (`TokenReader.fetch(sample_indices)`). Row groups are decoded into flat NumPy arrays and kept in
-a byte-bounded cache, so memory stays bounded by a step plus the cache, not by the dataset. The
-validation scan `offer`s the row groups it has already read while the cache has room, so a
-dataset that fits in the cache is read from disk once.
+a byte-bounded cache, so memory stays bounded by a step plus the cache, not by the dataset. A
+scan that read the token columns may `offer` its row groups while the cache has room, so a
+dataset that fits in the cache is read from disk once. Pack's scan is deferred
+(`rolltool.schema.scan_deferred`: light columns and ``loss_mask`` only): the reader decodes each
+row group's token columns once, where they are fetched, and runs the row rules the scan left
+(`rolltool.schema.pieces.RowCheck`, the reader's ``check``) on every row group it reads before
+any of its tokens are used.
 
 An input that changes during a run is an error naming the file, never silently mixed data: each
 file's size, modification time and inode are recorded when the reader is made (before the
 scan) and checked before every read from disk, and every row group's sample lengths as the
-scan saw them (`offer`) are checked against the tokens later decoded.
+scan saw them (`offer`, `expect_lengths`) are checked against the tokens later decoded.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +30,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from rolltool.errors import RolltoolError
+from rolltool.fetch.readplan import DECODED_BYTES_PER_TOKEN
 from rolltool.format.layout import SampleTokens, segment_positions
 from rolltool.input.parquet import (
     InputFile,
@@ -36,12 +43,17 @@ from rolltool.schema import FORMAT_COLUMNS, token_format
 
 
 def _flat(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
-    """(lengths, flat values) of a list array (slice-safe, nulls as empty)."""
+    """(lengths, flat values) of a list array (slice-safe, nulls as empty). The values are a
+    read-only view of the Arrow buffer where NumPy can share it (numbers; booleans are
+    unpacked), and a column of one chunk is not concatenated (that copies)."""
     if isinstance(arr, pa.ChunkedArray):
-        arr = arr.combine_chunks()
-    lengths = pc.list_value_length(arr).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+        arr = arr.chunk(0) if arr.num_chunks == 1 else arr.combine_chunks()
+    if arr.null_count:
+        lengths = pc.list_value_length(arr).fill_null(0).to_numpy(zero_copy_only=False)
+    else:  # no Python scalar (pa.scalar's first call imports pandas: ~0.4 s a process)
+        lengths = np.diff(arr.offsets.to_numpy(zero_copy_only=False))
     values = pc.list_flatten(arr).to_numpy(zero_copy_only=False)
-    return lengths, values
+    return lengths.astype(np.int64, copy=False), values
 
 
 @dataclass(frozen=True)
@@ -83,6 +95,12 @@ class ReaderState:
     rename: Mapping[str, str]
     stats: Sequence[tuple[int, ...]]
     lengths: Mapping[int, np.ndarray]
+    check: RowGroupCheck | None = None
+
+
+RowGroupCheck = Callable[[int, pa.Table], None]
+"""``check(file_index, table)``: the row rules on a row group's token columns as read from
+disk, raising where a row breaks one (`rolltool.schema.pieces.RowCheck`)."""
 
 
 class TokenReader:
@@ -93,7 +111,9 @@ class TokenReader:
     decoding a kept table (bit-packed bool masks become bytes, missing logprobs zeros) re-counts
     it and evicts. Apart from the cache, the last decoded row group is kept (also with
     ``cache_bytes=0``), so consecutive steps that share a row group decode it once: memory is the
-    cache plus one decoded row group. No file is held open between reads.
+    cache plus one decoded row group. No file is held open between reads. `check` runs on every
+    row group read from disk before its tokens are used (see the module docstring); `checked`
+    lists the row groups it ran on.
     """
 
     def __init__(
@@ -102,10 +122,13 @@ class TokenReader:
         rename: Mapping[str, str],
         *,
         cache_bytes: int = 1 << 30,
+        check: RowGroupCheck | None = None,
     ) -> None:
         self.files = list(files)
         self.rename = dict(rename)
         self.cache_bytes = cache_bytes
+        self.check = check
+        self.checked: set[int] = set()  # blocks `check` passed on
         self._cache: OrderedDict[int, _Block | pa.Table] = OrderedDict()
         self._cached = 0
         self._columns = [_token_columns(f, self.rename) for f in self.files]
@@ -127,16 +150,64 @@ class TokenReader:
     def handoff(self) -> ReaderState:
         """What another process needs to read the same input with the same checks: the file
         identities recorded at the start of the run and the sample lengths the scan saw."""
-        return ReaderState(self.files, self.rename, list(self._stats), dict(self._lengths))
+        return ReaderState(
+            self.files, self.rename, list(self._stats), dict(self._lengths), self.check
+        )
 
     @classmethod
     def resume(cls, state: ReaderState, *, cache_bytes: int) -> TokenReader:
         """A reader in another process that checks the input against `state` (`handoff`), as
         the reader that made it does: a file changed since the run started is refused."""
-        reader = cls(state.files, state.rename, cache_bytes=cache_bytes)
+        reader = cls(state.files, state.rename, cache_bytes=cache_bytes, check=state.check)
         reader._stats = list(state.stats)
         reader._lengths = dict(state.lengths)
         return reader
+
+    def expect_lengths(self, length: np.ndarray) -> None:
+        """Record the scan's tokens per sample (`length`, [n] over the ordered input) as every
+        row group's expected lengths, as `offer` does for the row groups it is given (int32:
+        4 bytes a sample kept for the run)."""
+        bounds = np.append(self._starts, self.num_rows)
+        for b in range(len(self._starts)):
+            self._lengths.setdefault(b, length[bounds[b] : bounds[b + 1]].astype(np.int32))
+
+    def block_of(self, sample_index: np.ndarray) -> np.ndarray:
+        """[k] int64: the row group (block) that holds each sample."""
+        return np.searchsorted(self._starts, sample_index, side="right") - 1
+
+    def check_blocks(self, blocks: Iterable[int]) -> None:
+        """Read row groups `blocks` and run `check` on them (no tokens kept): for those no
+        fetch reads, so that every row of the input is checked."""
+        if self.check is None:
+            return
+        for b in blocks:
+            if b not in self.checked:
+                fi, rg = self._where[b]
+                self._check_unchanged(fi)
+                self._check_table(b, read_row_group(self.files[fi], self.rename,
+                                                    self._columns[fi], rg))  # fmt: skip
+
+    def _check_table(self, b: int, table: pa.Table) -> None:
+        if self.check is not None and b not in self.checked:
+            self.check(self._where[b][0], table)
+            self.checked.add(b)
+
+    def preload(self, stop: threading.Event | None = None) -> None:
+        """Decode row groups in input order into the cache while it has room for the next one
+        (by its expected lengths), until `stop` is set: what the steps of a plan in input order
+        fetch first, decoded and checked on a thread while the driver plans (`preloaded`)."""
+        for b, want in sorted(self._lengths.items()):
+            size = DECODED_BYTES_PER_TOKEN * int(want.sum()) + 8 * len(want)
+            if (stop is not None and stop.is_set()) or self._cached + size > self.cache_bytes:
+                return
+            self._block(b)
+
+    def clear(self) -> None:
+        """Forget every decoded row group (the cache and the last one): where other processes
+        pack the steps, what this one preloaded is of no use."""
+        self._cache.clear()
+        self._cached = 0
+        self._last = None
 
     @property
     def block_starts(self) -> np.ndarray:
@@ -199,6 +270,7 @@ class TokenReader:
             fi, rg = self._where[b]
             self._check_unchanged(fi)
             cached = read_row_group(self.files[fi], self.rename, self._columns[fi], rg)
+            self._check_table(b, cached)
         block = _to_block(cached)
         self._check_lengths(b, block)
         self._put(b, block)
@@ -230,7 +302,7 @@ class TokenReader:
         idx = np.asarray(sample_index, dtype=np.int64)
         if len(idx) and (idx.min() < 0 or idx.max() >= self.num_rows):
             raise IndexError("sample_index out of range")
-        block_of = np.searchsorted(self._starts, idx, side="right") - 1
+        block_of = self.block_of(idx)
         local = idx - self._starts[block_of] if len(idx) else idx
         lengths = np.zeros(len(idx), dtype=np.int64)
         blocks = {int(b): self._block(int(b)) for b in np.unique(block_of)}
@@ -251,6 +323,39 @@ class TokenReader:
             mask[dst : dst + n] = blk.loss_mask[src : src + n]
             logp[dst : dst + n] = blk.logprobs[src : src + n]
         return SampleTokens(offsets=offsets, input_ids=ids, loss_mask=mask, logprobs=logp)
+
+
+@contextlib.contextmanager
+def preloaded(reader: TokenReader, enabled: bool = True) -> Iterator[Callable[[], None]]:
+    """`reader.preload` on a thread for the block (nothing where not `enabled`); yields
+    ``ready()``, which waits for it and raises what it raised (a row that breaks a rule, an
+    input that changed). Call ``ready()`` before the reader is used again: the reader is not
+    shared between threads. Leaving the block stops the thread and waits for it."""
+    stop = threading.Event()
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            reader.preload(stop)
+        except BaseException as e:  # raised by ready(), on the caller's thread
+            failed.append(e)
+
+    thread = threading.Thread(target=run, name="rolltool-preload", daemon=True)
+    if enabled:
+        thread.start()
+
+    def ready() -> None:
+        if enabled:
+            thread.join()
+        if failed:
+            raise failed[0]
+
+    try:
+        yield ready
+    finally:
+        stop.set()
+        if enabled:
+            thread.join()
 
 
 def _identity(path: str) -> tuple[int, ...]:
@@ -278,7 +383,9 @@ def _to_block(table: pa.Table) -> _Block:
     if "input_ids" in table.column_names:
         lengths, ids = _flat(table.column("input_ids"))
         _, mask = _flat(table.column("loss_mask"))
-        mask = mask.astype(np.uint8)
+        # Booleans come unpacked into a new array, reused as bytes; integers are copied (the
+        # first token's mask is cleared below, in place).
+        mask = mask.view(np.uint8) if mask.dtype == np.bool_ else mask.astype(np.uint8)
     else:
         p_len, p_ids = _flat(table.column("prompt_ids"))
         r_len, r_ids = _flat(table.column("response_ids"))
@@ -289,7 +396,7 @@ def _to_block(table: pa.Table) -> _Block:
     mask[offsets[:-1][lengths > 0]] = 0  # a sample's first token is never a target (schema)
     if "logprobs" in table.column_names:
         lp_len, lp = _flat(table.column("logprobs"))
-        lp = lp.astype(np.float32)
+        lp = lp.astype(np.float32, copy=False)
         if not np.array_equal(lp_len, lengths):  # null logprobs for some samples: zeros there
             full = np.zeros(int(offsets[-1]), dtype=np.float32)
             lp_off = np.concatenate([[0], np.cumsum(lp_len)])
@@ -298,7 +405,9 @@ def _to_block(table: pa.Table) -> _Block:
             lp = full
     else:
         lp = np.zeros(int(offsets[-1]), dtype=np.float32)
-    return _Block(offsets=offsets, input_ids=ids.astype(np.int32), loss_mask=mask, logprobs=lp)
+    return _Block(
+        offsets=offsets, input_ids=ids.astype(np.int32, copy=False), loss_mask=mask, logprobs=lp
+    )
 
 
 def _interleave(

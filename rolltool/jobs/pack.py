@@ -11,19 +11,20 @@ import dataclasses
 import functools
 import shutil
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol, TypeVar
 
 import numpy as np
-import pyarrow as pa
 
 from rolltool.engine.base import Engine
 from rolltool.engine.config import EXCHANGE_CHOICES, ExecutionConfig, open_engine
+from rolltool.errors import RolltoolError
 from rolltool.fetch.buckets import Buckets, exchange
 from rolltool.fetch.prefixes import group_prefixes
 from rolltool.fetch.readplan import read_plan
-from rolltool.fetch.tokens import TokenReader
+from rolltool.fetch.tokens import TokenReader, preloaded
 from rolltool.format import (
     STATUSES,
     Manifest,
@@ -43,7 +44,8 @@ from rolltool.plan.loss import LOSS_AGGS
 from rolltool.plan.prefix_step import GroupForest
 from rolltool.plan.schedule import Schedule, schedule
 from rolltool.plan.step_plan import PlannedStep
-from rolltool.schema import Rollouts, scan
+from rolltool.schema import Rollouts, scan, scan_deferred
+from rolltool.schema.pieces import MIN_ROW_GROUPS
 from rolltool.storage.outputs import check_target
 
 DEFAULT_EXECUTION = ExecutionConfig()
@@ -95,12 +97,16 @@ def run_pack(
     workload = config.workload()
     rename = invert_mapping(columns or {})
     files = resolve_inputs(inputs)
-    reader = TokenReader(files, rename, cache_bytes=int(config.cache_mb * 1e6))
-    ro = _scan(files, rename, reader, progress or _no_progress)
-    prefixes = _prefixes(reader, ro, config)
-    with open_engine(execution) as engine_:
-        mapper = engine_.plan_mapper(ro.num_samples)
-        plan = schedule(ro, config, workload, ro.advantage, mapper=mapper, prefixes=prefixes)
+    with open_engine(execution) as engine_, _problems_first(files, rename, engine_):
+        reader = TokenReader(files, rename, cache_bytes=int(config.cache_mb * 1e6))
+        ro = _scan(files, rename, reader, engine_, progress or _no_progress)
+        # The first row groups decoded and checked on a thread while the job plans, where it
+        # may pack them itself (the prefix pass reads every group first: no preload then).
+        with preloaded(reader, engine_.packs_here and not config.share_prefix) as ready:
+            prefixes = _prefixes(reader, ro, config)
+            mapper = engine_.plan_mapper(ro.num_samples)
+            plan = schedule(ro, config, workload, ro.advantage, mapper=mapper, prefixes=prefixes)
+            ready()
         reads = read_plan(
             reader.block_starts,
             reader.block_bytes(),
@@ -117,6 +123,7 @@ def run_pack(
             buckets = _exchange(writer, reader, plan, wrap) if local else None
             label = "packing steps" + (" from buckets" if buckets else _reads_label(reads))
             steps = _pack_all(writer, reader, plan, config, engine_, wrap, buckets, label, shuffle)
+            reader.check_blocks(_untouched(reader, plan))
             if buckets is not None:
                 shutil.rmtree(buckets.root)  # before the commit: not part of the output
             writer.write_samples(samples_table(ro, plan))
@@ -158,6 +165,7 @@ def _legacy(
 
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 
 class Progress(Protocol):
@@ -187,23 +195,62 @@ def _no_progress(
 
 
 def _scan(files: Sequence[InputFile], rename: Mapping[str, str], reader: TokenReader,
-          progress: Progress) -> Rollouts:  # fmt: skip
-    """`schema.scan`, feeding the reader's cache, with progress over the input's row groups."""
+          engine: Engine, progress: Progress) -> Rollouts:  # fmt: skip
+    """The deferred scan (`rolltool.schema.scan_deferred`: light columns and ``loss_mask``),
+    with progress over the input's row groups; its row groups as tasks where the engine has
+    more than this process (`Engine.scan_mapper`). The rules it leaves run where the token
+    columns are decoded: `reader` gets them as its ``check``, and the scan's lengths to
+    compare the tokens with."""
     rows = np.diff(np.append(reader.block_starts, reader.num_rows)).tolist()
     ticks = iter(progress(range(len(rows)), len(rows), "checking the input",
                           size=rows.__getitem__, unit="samples"))  # fmt: skip
+    mapper = engine.scan_mapper() if len(rows) >= MIN_ROW_GROUPS else None
 
-    def offer(file_index: int, row_group: int, table: pa.Table) -> None:
-        reader.offer(file_index, row_group, table)
+    def tick(*_: object) -> None:
         next(ticks, None)
 
+    def ticking(fn: Callable[[T], R], items: Sequence[T]) -> Iterator[R]:
+        assert mapper is not None
+        for result in mapper(fn, items):
+            tick()
+            yield result
+
     try:
-        ro = scan(files, rename, on_row_group=offer)
+        if mapper is None:
+            ro, check = scan_deferred(files, rename, on_row_group=tick)
+        else:
+            ro, check = scan_deferred(files, rename, mapper=ticking)
         for _ in ticks:  # the last row group counted (the bar closes, a last log line)
             pass
     finally:
         getattr(ticks, "close", lambda: None)()
+    reader.check = check
+    reader.expect_lengths(ro.length)
     return ro
+
+
+@contextmanager
+def _problems_first(files: Sequence[InputFile], rename: Mapping[str, str],
+                    engine: Engine) -> Iterator[None]:  # fmt: skip
+    """Where an error stops the job (a row the deferred scan or a fetch's check flags, or any
+    later error), raise the input's problems instead, as the full scan lists them, when it has
+    any: the messages, and their precedence over the plan's errors, of a scan that read every
+    column first. Nothing is written either way."""
+    try:
+        yield
+    except RolltoolError:
+        scan(files, rename, mapper=engine.scan_mapper())
+        raise
+
+
+def _untouched(reader: TokenReader, plan: Schedule) -> list[int]:
+    """The row groups no step trains a sample of: no fetch reads them, so the job checks them
+    (`TokenReader.check_blocks`) for every row of the input to be checked, as the full scan
+    did."""
+    touched = np.zeros(len(reader.block_starts), dtype=bool)
+    for s in range(len(plan.outlines)):
+        touched[reader.block_of(plan.trained(s))] = True
+    return np.flatnonzero(~touched).tolist()
 
 
 def _prefixes(
@@ -260,6 +307,7 @@ def _pack_all(
     if shuffle:
         return _adopt_all(writer, reader, steps, config, engine.exchange_steps, wrap, None, label)
     if engine.pack_worth_it([o.record for o in plan.outlines]):
+        reader.clear()  # the workers decode what they pack
         return _adopt_all(writer, reader, steps, config, engine.pack_steps, wrap, buckets, label)
     fetch = functools.partial(step_tokens, reader, buckets)
     fetched = prefetch(fetch, steps)

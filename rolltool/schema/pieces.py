@@ -15,6 +15,8 @@ format); ``input_ids`` and ``logprobs`` (`DEFERRED`) are left to a job that deco
 them find nothing on the light columns alone, so a deferred scan flags only rows the full scan
 flags too; `RowCheck` runs every row rule and raises `DeferredProblem` at the first flagged
 row, and the job then runs the full scan for the message (which lists every problem).
+``rolltool pack`` defers its scan the same way and runs `RowCheck` where it fetches the token
+columns (`rolltool.fetch.tokens`), so they are decoded once.
 """
 
 from __future__ import annotations
@@ -188,8 +190,10 @@ class DeferredProblem(RolltoolError):
 
 @dataclass(frozen=True)
 class RowCheck:
-    """The row rules on a row group of file `file` read with every column (the copy's):
-    raises `DeferredProblem` at the first flagged row. ``check(file, table)``."""
+    """The row rules on a row group of file `file` read with every column (the copy's) or with
+    its token columns (pack's fetch, `rolltool.fetch.tokens.TokenReader`): raises
+    `DeferredProblem` at the first flagged row. ``check(file, table)``. Picklable: it travels
+    to pack's worker processes and Ray tasks with the reader."""
 
     job: ScanJob
 

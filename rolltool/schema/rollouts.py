@@ -296,14 +296,20 @@ def scan_deferred(
     *,
     ignore: Collection[str] = (),
     mapper: Mapper | None = None,
+    on_row_group: Callable[[int, int, pa.Table], None] | None = None,
 ) -> tuple[Rollouts, RowCheck]:
     """`scan` reading only the light columns (`rolltool.schema.pieces.DEFERRED`), and the row
     rules it left undone as a ``check(file_index, table)`` for a job that reads every column
-    anyway (`rolltool.jobs.rewrite.append_columns`). The Rollouts equal `scan`'s once the check has
+    anyway (`rolltool.jobs.rewrite.append_columns`) or its token columns (``pack``'s fetch,
+    `rolltool.fetch.tokens.TokenReader`). The Rollouts equal `scan`'s once the check has
     passed on every row group. Where a row breaks a rule, the deferred scan or the check raises
-    `DeferredProblem`, not the listing: the caller runs `scan` for that.
+    `DeferredProblem`, not the listing: the caller runs `scan` for that. `on_row_group` as in
+    `scan` (the row groups it sees hold the light columns only; not with a mapper).
     """
-    ro, job = _scan(files, rename, ScanRun(None, None, mapper), ignore, deferred=True)
+    if mapper is not None and on_row_group is not None:
+        raise ValueError("on_row_group sees row groups read here: pass no mapper")
+    run = ScanRun(None, on_row_group, mapper)
+    ro, job = _scan(files, rename, run, ignore, deferred=True)
     return ro, RowCheck(replace(job, deferred=False))
 
 

@@ -42,7 +42,7 @@ class RowBatch:
     tokens_null: np.ndarray  # [n] bool: a token list of the sample is null
     trainable: np.ndarray  # [n] int64: targets, loss_mask ones but the first token's
     first_cleared: np.ndarray  # [n] bool: loss_mask 1 on the first token (never a target)
-    reward: np.ndarray  # [n] float64, nan where null
+    reward: np.ndarray  # [n] float64, nan where null (0 in a batch without it: token columns only)
 
     def floats(self, col: str) -> np.ndarray | None:
         """float64 values of a numeric (or timestamp: seconds) column; nan where null."""
@@ -92,20 +92,40 @@ def bit_row_sums(offsets: np.ndarray, values: pa.Array) -> np.ndarray:
     """`row_sums` of a boolean array without nulls, counted on its bitmap without unpacking
     it (8x fewer elements; and no polars: its thread pool deadlocks a forked worker).
 
-    Ones before bit position p = the set bits of the whole bytes before it (a running sum of
-    per-byte counts) + those of its partial byte; a row's ones are the difference at its
-    bounds. Positions are ``values.offset + offsets`` (a sliced array starts mid-byte).
+    Ones before bit position p = the set bits of the whole bytes before it + those of its
+    partial byte; a row's ones are the difference at its bounds: the whole bytes between them
+    (`_byte_sums`) plus the partial byte at its end, less the one at its start. Positions are
+    ``values.offset + offsets`` (a sliced array starts mid-byte).
     """
     n = len(offsets) - 1
     if not len(values):
         return np.zeros(n, dtype=np.int64)
     bitmap = np.frombuffer(values.buffers()[1], dtype=np.uint8)
-    before = np.concatenate([[0], np.cumsum(_POPCOUNT[bitmap])])
     pos = values.offset + np.asarray(offsets, dtype=np.int64)
     byte, bit = pos >> 3, pos & 7
     low = bitmap[np.minimum(byte, len(bitmap) - 1)] & ((1 << bit) - 1)  # 0 where bit == 0
-    ones = before[byte] + _POPCOUNT[low]
-    return ones[1:] - ones[:-1]
+    partial = _POPCOUNT[low]
+    return _byte_sums(_popcount(bitmap), byte) + partial[1:] - partial[:-1]
+
+
+def _popcount(bitmap: np.ndarray) -> np.ndarray:
+    """[B] uint8 set bits of each byte (NumPy >= 2's ``bitwise_count``, else the table)."""
+    count = getattr(np, "bitwise_count", None)
+    return count(bitmap) if count is not None else _POPCOUNT[bitmap].astype(np.uint8)
+
+
+def _byte_sums(counts: np.ndarray, byte: np.ndarray) -> np.ndarray:
+    """[n] int64: ``counts[byte[i]:byte[i + 1]].sum()`` for each i (`byte` non-decreasing,
+    at most ``len(counts)``): one ``reduceat`` over (start, end) pairs, no running sum over
+    every byte (three arrays of 8 bytes a byte, where the bitmap has one)."""
+    lo, hi = byte[:-1], byte[1:]
+    sums = np.zeros(len(lo), dtype=np.int64)
+    some = np.flatnonzero(hi > lo)
+    if len(some):
+        padded = np.append(counts, np.uint8(0))  # an end index may be len(counts)
+        pairs = np.stack([lo[some], hi[some]], axis=1).ravel()
+        sums[some] = np.add.reduceat(padded, pairs, dtype=np.int64)[::2]
+    return sums
 
 
 def _rows_of(offsets: np.ndarray, bad: np.ndarray) -> np.ndarray:
@@ -162,7 +182,9 @@ def row_batch(batch: pa.RecordBatch, fmt: str, skip: Collection[str] = ()) -> Ro
     """Decode a batch's light values; columns in `skip` (mistyped) are left out.
 
     A batch without ``input_ids`` (a deferred scan: `rolltool.schema.pieces`) takes the
-    sequence length from ``loss_mask``: equal once `mask_length` has seen both columns.
+    sequence length from ``loss_mask``: equal once `mask_length` has seen both columns. A batch
+    of the token columns alone (pack's check where it fetches, `rolltool.fetch.tokens`) has
+    no light column to flag.
     """
     cols = {k: v for k, v in zip(batch.schema.names, batch.columns, strict=True) if k not in skip}
     if fmt == "input_ids":
@@ -185,7 +207,7 @@ def row_batch(batch: pa.RecordBatch, fmt: str, skip: Collection[str] = ()) -> Ro
         tokens_null=tokens_null,
         trainable=trainable,
         first_cleared=first,
-        reward=_floats(cols["reward"]),
+        reward=_floats(cols["reward"]) if "reward" in cols else np.zeros(batch.num_rows),
     )
 
 
@@ -211,7 +233,7 @@ def nulls(b: RowBatch) -> Iterator[Flagged]:
 def _non_finite(b: RowBatch, col: str, kind: str) -> Iterator[Flagged]:
     """`kind` for the non-null values of numeric column `col` that are nan or infinite."""
     values = b.reward if col == "reward" else b.floats(col)
-    if values is None:
+    if values is None or col not in b.cols:
         return
     rows = np.flatnonzero(~np.isfinite(values) & ~_null(b.cols[col]))
     if len(rows):
@@ -335,17 +357,18 @@ def logprobs_values(b: RowBatch) -> Iterator[Flagged]:
 
 
 def _plain_floats(values: pa.Array) -> bool:
-    """Floats without a null, a nan, an infinity or a value float32 cannot hold, decided in two
-    passes without a copy: a float64 sum is finite only if every value is (it may overflow
-    where they all are: then the exact rules run), then the extremes are in range."""
+    """Floats without a null, a nan, an infinity or a value float32 cannot hold, decided
+    without a copy: a float64 sum is finite only if every value is (it may overflow where they
+    all are: then the exact rules run); every finite float32 is in range, float64 extremes are
+    compared. NumPy's reductions, not Arrow's: ``pc.min_max`` of floats takes ~13x as long
+    (0.45 s against 0.034 s for 59 M float32)."""
     if values.null_count or values.type not in (pa.float32(), pa.float64()) or not len(values):
         return False
+    flat = values.to_numpy(zero_copy_only=True)
     with np.errstate(over="ignore", invalid="ignore"):
-        total = np.sum(values.to_numpy(zero_copy_only=True), dtype=np.float64)
-    if not np.isfinite(total):
-        return False
-    lo_hi = pc.min_max(values)
-    return max(-lo_hi["min"].as_py(), lo_hi["max"].as_py()) < FLOAT32_LIMIT
+        if not np.isfinite(np.sum(flat, dtype=np.float64)):
+            return False
+    return flat.dtype == np.float32 or max(-flat.min(), flat.max()) < FLOAT32_LIMIT
 
 
 def _logprobs_range(offsets: np.ndarray, values: pa.Array) -> Iterator[Flagged]:
