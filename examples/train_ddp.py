@@ -227,6 +227,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for path in args.packed:
             ds = rolltool.open_packed(path)
+            if ds.shared:  # continuations attend to prefixes elsewhere in the row
+                raise SystemExit(f"{path} is a --share-prefix pack: this model attends within "
+                                 "cu_seqlens only (docs/training.md, shared prefixes)")  # fmt: skip
             if ds.dp != world:
                 raise SystemExit(
                     f"{path} was packed for --dp {ds.dp}; launch {ds.dp} processes, not {world}"

@@ -30,6 +30,10 @@ parser.add_argument("--start-step", type=int, default=0, help="resume at this st
 args = parser.parse_args()
 
 ds = rolltool.open_packed(args.packed)
+if ds.shared:  # its continuations attend to prefixes in other segments (docs/training.md)
+    raise SystemExit(
+        f"{args.packed} is a --share-prefix pack: this loop attends within cu_seqlens only"
+    )
 emb, mix, head = (
     torch.nn.Embedding(VOCAB, DIM),
     torch.nn.Linear(2 * DIM, DIM),
