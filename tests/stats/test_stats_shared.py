@@ -77,3 +77,15 @@ def test_bench_replays_shared_rows_beside_the_same_data_unshared(
         assert run["check"]["ok"] and run["check"]["segments_checked"] > 0
     line = {x["path"]: x for x in doc["comparison"]["lines"]}
     assert set(line) == {str(shared), f"{shared} (unshared)"}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (torch-varlen on a GPU)")
+@pytest.mark.parametrize("backend", ["torch-varlen", "sdpa"])
+def test_bench_checks_shared_rows_on_the_gpu(run_cli: Any, shared: Path, backend: str) -> None:
+    """On a GPU the shared rows go through the varlen kernel's block attention (bottom-right
+    causal over the gathered K/V); --check compares each segment with its chain alone."""
+    r = run_cli("bench", shared, "--backend", backend, "--device", "cuda", "--dtype", "bf16",
+                "--what", "attention", "--repeats", "1", "--warmup", "0", "--check", "--json")  # fmt: skip
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert all(run["check"]["ok"] for run in doc["runs"])
