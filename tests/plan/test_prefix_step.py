@@ -150,3 +150,45 @@ def test_evening_lowers_the_costliest_micro_batch_within_the_cap() -> None:
         assert after <= before + 1e-9
         lowered += after < before - 1e-9
     assert lowered > 20  # it really evens
+
+
+def test_rows_from_tokens_that_no_longer_agree_are_refused() -> None:
+    """shared_step_rows checks every sample against its prefix's representative: tokens that
+    changed since the token pass are an error, never a row with another sample's prompt."""
+    from rolltool.errors import RolltoolError
+    from rolltool.format.layout import SampleTokens
+    from rolltool.plan.prefix_step import shared_step_rows
+
+    rng = np.random.default_rng(7)
+    g = _group(rng, 4)
+    f = detect(g, 3)
+    forests = {0: GroupForest(np.arange(4), f, first_trained(f, g.loss_mask))}
+    lengths = g.lengths
+    plan, shared = plan_shared_step(
+        np.arange(4), lengths, np.zeros(4, np.int64), np.zeros(4, np.float32),
+        np.zeros(4, np.int64), ["math"], forests, dp=1, max_tokens=int(lengths.sum()),
+        workload=make_workload("tokens"), share_min=3,
+    )  # fmt: skip
+    order = np.concatenate(plan.micro_batches[0])
+
+    def tokens(ids: list[np.ndarray]) -> SampleTokens:
+        offsets = np.r_[0, np.cumsum([len(ids[i]) for i in order])]
+        return SampleTokens(
+            offsets=offsets.astype(np.int64),
+            input_ids=np.concatenate([ids[i] for i in order]).astype(np.int32),
+            loss_mask=np.concatenate([g.loss_mask[i] for i in order]).astype(np.uint8),
+            logprobs=np.zeros(int(offsets[-1]), np.float32),
+        )
+
+    def rows(ids: list[np.ndarray]) -> list:
+        return list(shared_step_rows(tokens(ids), order, np.zeros(4, np.float32),
+                                     np.ones(4, np.float32), shared, dp=1, step=0))  # fmt: skip
+
+    assert shared.record.prefixes >= 1
+    (ok,) = rows(list(g.input_ids))
+    assert int(ok.row_offsets[-1]) == shared.record.stored
+    changed = [x.copy() for x in g.input_ids]
+    last = int(order[-1])  # a sample through the prompt, not its representative
+    changed[last][2] += 1
+    with pytest.raises(RolltoolError, match="no longer shares"):
+        rows(changed)
