@@ -352,6 +352,24 @@ def _shared_table(sh: dict[str, Any], width: int | None) -> Table:
     return t
 
 
+def _shared_steps_table(steps: list[dict[str, Any]], width: int | None) -> Table:
+    """A --share-prefix run per step and env: tokens unshared, stored and saved."""
+    t = Table(title="shared prefixes per step and env", title_justify="left", width=width)
+    for name in ("step", "env", "prefixes", "tokens unshared", "stored", "saved"):
+        t.add_column(name, justify="left" if name == "env" else "right")
+    for st in steps:
+        sh = st.get("shared")
+        if sh is None:
+            continue
+        for env, e in sh["envs"].items():
+            saved = pct(e["saved"] / e["tokens"]) if e["tokens"] else "-"
+            t.add_row(str(st["step"]), env, "", f"{e['tokens']:,}", f"{e['stored']:,}", saved)
+        saved = pct(sh["saved"] / sh["tokens"]) if sh["tokens"] else "-"
+        t.add_row(str(st["step"]), "all", f"{sh['prefixes']:,}", f"{sh['tokens']:,}",
+                  f"{sh['stored']:,}", saved)  # fmt: skip
+    return t
+
+
 def _fill_table(hist: list[int]) -> Table:
     t = new_table("micro-batch token fill", ["fill", "micro-batches", ""])
     top = max(hist) or 1
@@ -464,6 +482,8 @@ def render_packed(
         out.append(_hybrid_table(report["totals"]["hybrid"], width))
     if "shared" in report["totals"]:
         out.append(_shared_table(report["totals"]["shared"], width))
+        if per_step:
+            out.append(_shared_steps_table(report["steps"], width))
     structured = bool(structure(report["config"]["epochs"], report["config"]["mini_batches"]))
     if per_step:
         out.append(_steps_table(report["steps"], width, split, structured))

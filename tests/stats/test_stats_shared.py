@@ -48,6 +48,8 @@ def test_stats_report_what_sharing_saved(run_cli: Any, shared: Path) -> None:
         assert s["rank_imbalance"]["cost"] == pytest.approx(rec.plan.imbalance_cost)
     text = run_cli("stats", shared)
     assert text.exit_code == 0 and "shared prefixes" in text.stdout
+    steps = run_cli("stats", shared, "--per-step")
+    assert steps.exit_code == 0 and "shared prefixes per step and env" in steps.stdout
 
 
 torch = pytest.importorskip("torch")
