@@ -39,8 +39,14 @@ def ffd(tokens: np.ndarray, cap: int) -> tuple[np.ndarray, int]:
     n = len(tokens)
     if n == 0:
         return np.empty(0, dtype=np.int64), 0
+    # First fit leaves at most one bin half full or less (an item of a later such bin would
+    # have fitted the earlier one), so it opens at most 2 · tokens / cap + 1 bins: the tree
+    # needs that many leaves, not n (a rank's 128 samples into 5 bins: depth 3, not 7)
+    most = min(n, 2 * int(tokens.sum()) // cap + 2)
+    if most <= LINEAR_UP_TO:
+        return _ffd_linear(tokens.tolist(), cap)
     size = 1
-    while size < n:
+    while size < most:
         size *= 2
     # free[size + b] = free tokens of bin b (unopened bins are empty: cap free); inner nodes: max
     free = [cap] * (2 * size)
@@ -65,6 +71,28 @@ def ffd(tokens: np.ndarray, cap: int) -> tuple[np.ndarray, int]:
             free[node] = best
             node //= 2
     return np.array(labels, dtype=np.int64), opened
+
+
+LINEAR_UP_TO = 64
+"""`ffd` scans the open bins in order, not a segment tree, when it can open at most this many
+(a rank's bins in a step, typically): the same first fit in fewer Python steps per item (128
+samples into 12 bins: 54 against 87 µs; about even at 40 bins)."""
+
+
+def _ffd_linear(tokens: list[int], cap: int) -> tuple[np.ndarray, int]:
+    free: list[int] = []
+    labels: list[int] = []
+    put = labels.append
+    for t in tokens:
+        for b, room in enumerate(free):
+            if room >= t:
+                free[b] = room - t
+                put(b)
+                break
+        else:
+            put(len(free))
+            free.append(cap - t)
+    return np.array(labels, dtype=np.int64), len(free)
 
 
 def pack_balanced(costs: np.ndarray, tokens: np.ndarray, cap: int, bins: int) -> np.ndarray | None:

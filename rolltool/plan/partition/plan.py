@@ -402,11 +402,8 @@ def _best_lockstep(
     if not equal_count:
         candidates.append(_lockstep_grid(cost, length, dp, cap, seen))
     if n <= CANDIDATES_UP_TO * dp:
-        for method in ("refined", "lpt"):
-            for ffd_only in (False, True):
-                candidates.append(
-                    _rank_first_grid(cost, length, dp, cap, equal_count, ffd_only, method)
-                )
+        for method in ("refined", "lpt"):  # one split over ranks, packed both ways
+            candidates += _rank_first_grids(cost, length, dp, cap, equal_count, method)
     elif equal_count:
         candidates.append(_rank_first_grid(cost, length, dp, cap, equal_count, method="refined"))
     if seen is not None:
@@ -527,9 +524,24 @@ def _rank_first_grid(
     """Split samples over ranks (``balance``), then pack each rank into the same M bins (balanced
     packing, or first-fit decreasing with ``ffd_only``), each rank's bins sorted by cost so that
     slot j holds every rank's j-th costliest bin."""
+    packing = "ffd" if ffd_only else "balanced"
+    return _rank_first_grids(cost, length, dp, cap, equal_count, method, (packing,))[0]
+
+
+def _rank_first_grids(
+    cost: np.ndarray,
+    length: np.ndarray,
+    dp: int,
+    cap: int,
+    equal_count: bool,
+    method: str = "auto",
+    packings: tuple[str, ...] = ("balanced", "ffd"),
+) -> list[tuple[Grid, int, int]]:
+    """`_rank_first_grid`'s plan for each of `packings` ("balanced": balanced packing where it
+    fits, else FFD's; "ffd": FFD's), from one split over ranks and one FFD per rank."""
     n = len(cost)
     if n == 0:
-        return [[] for _ in range(dp)], 0, 0
+        return [([[] for _ in range(dp)], 0, 0) for _ in packings]
     rank = balance_labels(cost, dp, equal_count=equal_count, method=method)
     idx = [np.flatnonzero(rank == r) for r in range(dp)]
     orders = [ix[descending_order(length[ix])] for ix in idx]
@@ -537,17 +549,23 @@ def _rank_first_grid(
     min_m = max(1, max(-(-t // cap) for t in per_rank_tokens))
     ffds = [ffd(length[o], cap) for o in orders]
     ffd_m = max(1, max(b for _, b in ffds))
-    m, packed = ffd_m, [labels for labels, _ in ffds]  # FFD's bins, unless balanced fits
-    if not ffd_only:
-        balanced = _pack_ranks_balanced(cost, length, orders, cap, min_m, ffd_m)
-        if balanced is not None:
-            m, packed = balanced
-    grid: Grid = []
-    for o, labels in zip(orders, packed, strict=True):
-        bins = members(labels, o, m)
-        bin_cost = np.bincount(labels, weights=cost[o], minlength=m)
-        grid.append([bins[int(b)] for b in np.argsort(-bin_cost, kind="stable")])
-    return grid, ffd_m, min_m
+
+    def grid_of(m: int, packed: list[np.ndarray]) -> tuple[Grid, int, int]:
+        grid: Grid = []
+        for o, labels in zip(orders, packed, strict=True):
+            bins = members(labels, o, m)
+            bin_cost = np.bincount(labels, weights=cost[o], minlength=m)
+            grid.append([bins[int(b)] for b in np.argsort(-bin_cost, kind="stable")])
+        return grid, ffd_m, min_m
+
+    plans = []
+    for packing in packings:
+        balanced = None
+        if packing == "balanced":
+            balanced = _pack_ranks_balanced(cost, length, orders, cap, min_m, ffd_m)
+        plans.append(grid_of(*balanced) if balanced is not None
+                     else grid_of(ffd_m, [labels for labels, _ in ffds]))  # fmt: skip
+    return plans
 
 
 def _pack_ranks_balanced(

@@ -71,9 +71,9 @@ a model off by 2x in its L² term costs far more than 0.05% on the planning mode
 
 def members(labels: np.ndarray, order: np.ndarray, nb: int) -> list[np.ndarray]:
     """Sample indices of each bin, ascending: ``labels[i]`` is the bin of sample ``order[i]``."""
-    by_bin = np.lexsort((order, labels))
-    bounds = np.cumsum(np.bincount(labels, minlength=nb))[:-1]
-    return np.split(order[by_bin], bounds)
+    by_bin = order[np.lexsort((order, labels))]
+    ends = np.cumsum(np.bincount(labels, minlength=nb)).tolist()
+    return [by_bin[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]  # np.split, faster
 
 
 def bins_to_slots(labels: np.ndarray, order: np.ndarray, cost: np.ndarray, dp: int, m: int) -> Grid:
