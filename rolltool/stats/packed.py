@@ -445,8 +445,7 @@ def packed_stats(
     fn = functools.partial(_step_figures, row_len=world["group_row_len"], run=workload,
                            alternatives=alternatives, split=split, ring=ring)  # fmt: skip
     grids = [
-        shared_grid(Path(ds.path), r, _gpu_workload(r, workload))
-        if manifest.config.share_prefix and ds.location.local else None
+        shared_grid(ds, r, _gpu_workload(r, workload)) if manifest.config.share_prefix else None
         for r in records
     ]  # fmt: skip
     items = [(r, by_step.get((r.step,), empty), g) for r, g in zip(records, grids, strict=True)]

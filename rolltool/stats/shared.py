@@ -2,8 +2,8 @@
 sharing saved (issue 24).
 
 samples.parquet gives each sample's own length; a shared row stores a prefix once, so its
-tokens and cost are not the sum of its samples'. `shared_grid` reads them from the shards (the
-``seq_lens``/``seg_parent``/``sample_index`` arrays only, memory-mapped): per micro-batch the
+tokens and cost are not the sum of its samples'. `shared_grid` reads them from the reader's rows
+(their ``cu_seqlens``, ``position_ids``, ``parent`` and ``sample_index``): per micro-batch the
 stored real tokens, and the cost of what is computed under the step's workload, ``c`` per
 sample, ``a`` per stored token, ``b (end² - start²)`` per segment (its queries over its whole
 context), as the plan priced it (`rolltool.plan.prefix_step`). `shared_figures` is a step's
@@ -14,44 +14,36 @@ pairs, gathered K/V); `shared_totals` sums them over steps.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from rolltool.format import StepRecord
-from rolltool.format.prefix import kernel_index
-from rolltool.format.shards import read_shard
+from rolltool.packed.core import PackedReader
 from rolltool.plan.workload import Workload
 
 
 def shared_grid(
-    root: Path, record: StepRecord, workload: Workload
+    ds: PackedReader, record: StepRecord, workload: Workload
 ) -> tuple[np.ndarray, np.ndarray]:
-    """``[dp, m]`` stored real tokens and computed cost per micro-batch of a shared step."""
+    """``[dp, m]`` stored real tokens and computed cost per micro-batch of a shared step, from
+    the reader's rows (local or remote shards alike)."""
     dp, m = len(record.ranks), record.plan.micro_batches_per_rank
     tokens = np.zeros((dp, m), dtype=np.int64)
     costs = np.zeros((dp, m))
-    for r, rank in enumerate(record.ranks):
-        for f in rank.files:
-            a = read_shard(root / f.path)
-            rs = a["row_segments"].astype(np.int64)
-            lens = a["seq_lens"].astype(np.int64)
-            for row in range(len(rs) - 1):
-                j = f.first_row + row
-                s0, s1 = int(rs[row]), int(rs[row + 1])
-                real = a["sample_index"][s0:s1] >= 0
-                cu = np.concatenate([[0], np.cumsum(lens[s0:s1])])
-                ix = kernel_index(cu, a["seg_parent"][s0:s1])
-                start = ix.start[real].astype(np.float64)
-                end = start + lens[s0:s1][real]
-                leaves = _leaves(a["seg_parent"][s0:s1]) & real
-                tokens[r, j] = int(lens[s0:s1][real].sum())
-                costs[r, j] = float(
-                    workload.c * leaves.sum()
-                    + workload.a * (end - start).sum()
-                    + workload.b * (end * end - start * start).sum()
-                )
+    for r in range(dp):
+        for j, row in enumerate(ds.micro_batches(record.step, r)):
+            lens = np.diff(row["cu_seqlens"].astype(np.int64))
+            real = row["sample_index"] >= 0
+            start = row["position_ids"][row["cu_seqlens"][:-1]].astype(np.float64)[real]
+            end = start + lens[real]
+            leaves = _leaves(row["parent"]) & real
+            tokens[r, j] = int(lens[real].sum())
+            costs[r, j] = float(
+                workload.c * leaves.sum()
+                + workload.a * (end - start).sum()
+                + workload.b * (end * end - start * start).sum()
+            )
     return tokens, costs
 
 
