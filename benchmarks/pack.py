@@ -12,8 +12,11 @@ For each synth dataset (cached under /tmp), in one run and on the same file:
          in a subprocess; with --trees, the same command run from each checkout too (its
          rolltool first on PYTHONPATH: e.g. a `git worktree` of an older commit), interleaved
 Runs alternate (per repeat: every tree x workers x cache, each followed by a floor), so every
-ratio compares runs made side by side on a shared machine. Prints medians, tokens/s, the ratio
-to the floor and to one worker of the same tree, and the peak RSS of the pack process (its
+ratio compares runs made side by side on a shared machine: ``x floor`` is the median over
+repeats of pack / the floor run right after it, ``x one`` of one worker's run / this one's in
+the same repeat, ``x cpu`` the same as ``x floor`` in CPU seconds (user + system: steadier
+than wall time when other jobs share the cores; the pack pool's workers not counted). Prints
+medians, tokens/s, and the peak RSS of the pack process (its
 workers not included: ru_maxrss is per process), with the default --cache-mb 1024 (decoded
 input kept so that data that fits is read once) and with --cache-mb 0: then memory is bounded
 by a step and does not grow with the dataset.
@@ -48,9 +51,11 @@ from _data import synth_dataset
 
 def _pack(
     src: Path, out: Path, dp: int, cache_mb: float, workers: int = 1, tree: str = ""
-) -> tuple[float, int, dict]:
-    """(seconds, peak RSS in MB of this child alone, manifest) of one pack run in a new process,
-    with the rolltool of checkout `tree` ("" = the installed one)."""
+) -> tuple[float, int, dict, float]:
+    """(seconds, peak RSS in MB of this child alone, manifest, CPU seconds of the process) of
+    one pack run in a new process, with the rolltool of checkout `tree` ("" = the installed
+    one). The CPU time counts the process and the children it waited for (the planning pool),
+    not the pack pool's workers (the forkserver's children)."""
     cmd = [sys.executable, "-m", "rolltool", "pack", str(src), "--dp", str(dp), "-o", str(out),
            "--batch-size", "256", "--cache-mb", str(cache_mb), "--workers", str(workers),
            "--json"]  # fmt: skip
@@ -65,7 +70,7 @@ def _pack(
             raise SystemExit(f"pack failed ({proc.returncode}): {' '.join(cmd)}")
         stdout.seek(0)
         manifest = json.loads(stdout.read())
-    return dt, usage.ru_maxrss // 1024, manifest
+    return dt, usage.ru_maxrss // 1024, manifest, usage.ru_utime + usage.ru_stime
 
 
 BASE = """
@@ -107,16 +112,24 @@ for i, n in enumerate(sizes):
 TOKEN_COLUMNS = ("input_ids", "loss_mask", "logprobs")
 
 
-def _floor(src: Path, nbytes: int | list[int], scratch: Path) -> float:
+def _floor(
+    src: Path, nbytes: int | list[int], scratch: Path, cpu: list[float] | None = None
+) -> float:
     """Seconds of the floor in a fresh process (read the token columns, write and hash files
-    of `nbytes`: one size, or each file's), its files removed afterwards."""
+    of `nbytes`: one size, or each file's), its files removed afterwards; its CPU seconds
+    appended to `cpu` where given."""
     sizes = [nbytes] if isinstance(nbytes, int) else list(nbytes)
     names = set(pq.ParquetFile(src).schema_arrow.names)
     cols = ",".join(c for c in TOKEN_COLUMNS if c in names)
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-c", FLOOR, str(src), ",".join(map(str, sizes)),
-                    str(scratch), cols], check=True)  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-c", FLOOR, str(src), ",".join(map(str, sizes)),
+                             str(scratch), cols])  # fmt: skip
+    _, status, usage = os.wait4(proc.pid, 0)
     dt = time.perf_counter() - t0
+    if os.waitstatus_to_exitcode(status):
+        raise SystemExit("the floor failed")
+    if cpu is not None:
+        cpu.append(usage.ru_utime + usage.ru_stime)
     for i in range(len(sizes)):
         Path(f"{scratch}.{i}").unlink(missing_ok=True)
     return dt
@@ -137,6 +150,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp())
     print(f"{'tree':<10}{'groups':>7}{'samples':>9}{'tokens':>13}{'steps':>7}{'cache MB':>9}"
           f"{'workers':>8}{'floor s':>9}{'pack s':>8}{'x floor':>9}{'x one':>7}{'Mtok/s':>8}"
+          f"{'floor cpu':>10}{'pack cpu':>9}{'x cpu':>7}"
           f"{'step MB':>9}{'rg MB':>7}{'base MB':>9}{'bound MB':>9}{'peak MB':>9}")  # fmt: skip
     for groups in args.groups:
         src = synth_dataset(groups)
@@ -144,6 +158,7 @@ def main() -> None:
         modes = [(t, c, w) for t in trees for c in args.cache_mb for w in args.workers]
         runs: dict[tuple[str, float, int], list[tuple[float, int, dict]]] = {m: [] for m in modes}
         floors: dict[tuple[str, float, int], list[float]] = {m: [] for m in modes}
+        floor_cpu: dict[tuple[str, float, int], list[float]] = {m: [] for m in modes}
         # Every mode once per repeat, each run followed by a floor; each writes a fresh output
         # (--force would add the deletion of the old one).
         for i in range(args.repeats):
@@ -152,22 +167,29 @@ def main() -> None:
                 out = work / f"packed-{i}"
                 runs[m].append(_pack(src, out, args.dp, cache_mb, w, tree))
                 sizes = [f["bytes"] for f in runs[m][-1][2]["files"].values()]
-                floors[m].append(_floor(src, sizes, work / "floor.bin"))
+                floors[m].append(_floor(src, sizes, work / "floor.bin", floor_cpu[m]))
                 shutil.rmtree(out, ignore_errors=True)
         for m in modes:
             tree, cache_mb, w = m
             manifest = runs[m][-1][2]
             t_pack = statistics.median(r[0] for r in runs[m])
             t_floor = statistics.median(floors[m])
-            t_one = statistics.median(r[0] for r in runs.get((tree, cache_mb, 1), runs[m]))
+            one = runs.get((tree, cache_mb, 1), runs[m])
+            # Ratios of runs made side by side (repeat i of each), then their median.
+            x_floor = statistics.median(r[0] / f for r, f in zip(runs[m], floors[m], strict=True))
+            x_one = statistics.median(a[0] / b[0] for a, b in zip(one, runs[m], strict=True))
+            c_pack = statistics.median(r[3] for r in runs[m])
+            c_floor = statistics.median(floor_cpu[m])
+            x_cpu = statistics.median(r[3] / f for r, f in zip(runs[m], floor_cpu[m], strict=True))
             tokens = sum(s["sampled_tokens"] for s in manifest["steps"])
             step_mb = max(s["sampled_tokens"] for s in manifest["steps"]) * 9 / 1e6
             bound = base + cache_mb + 2 * (step_mb + rg_mb) + min(256, step_mb) + step_mb / args.dp
             print(
                 f"{Path(tree).name or 'this':<10}{groups:>7}{manifest['samples']['total']:>9,}"
                 f"{tokens:>13,}{manifest['num_steps']:>7}{cache_mb:>9,.0f}{w:>8}{t_floor:>9.2f}"
-                f"{t_pack:>8.2f}{t_pack / t_floor:>9.2f}{t_one / t_pack:>7.2f}"
-                f"{tokens / t_pack / 1e6:>8.1f}{step_mb:>9,.0f}{rg_mb:>7,.0f}{base:>9,}"
+                f"{t_pack:>8.2f}{x_floor:>9.2f}{x_one:>7.2f}"
+                f"{tokens / t_pack / 1e6:>8.1f}{c_floor:>10.2f}{c_pack:>9.2f}{x_cpu:>7.2f}"
+                f"{step_mb:>9,.0f}{rg_mb:>7,.0f}{base:>9,}"
                 f"{bound:>9,.0f}{max(r[1] for r in runs[m]):>9,}"
             )
     shutil.rmtree(work, ignore_errors=True)

@@ -1,7 +1,7 @@
 """Benchmark: scale-out (issue 12): workers, the exchange path, the plan at millions of samples, Ray.
 
     python benchmarks/scale.py [--groups 2000] [--repeats 3] [--samples 1000000 10000000]
-                               [--sections workers exchange plan] [--plan-trees DIR ...]
+                               [--sections workers exchange plan scan] [--plan-trees DIR ...]
                                [--ray] [--ray-nodes]
 
 Sections (each in fresh processes, on the same synth input, medians of --repeats):
@@ -11,6 +11,11 @@ Sections (each in fresh processes, on the same synth input, medians of --repeats
             included: ru_maxrss is per process)
   exchange  --order shuffle with --cache-mb 64 (the input is >= 4x the token cache): the plan's
             read amplification, then the run with --exchange never and --exchange always
+  scan      pack's scan (`rolltool.schema.scan_deferred`: light columns and loss_mask; the token
+            columns are checked where pack fetches them) with 1 and 2 local workers (row groups
+            as forked tasks) and the full scan (every column, one process) for scale: seconds,
+            input MB/s, and the driver's own CPU seconds (forked workers not counted: what stays
+            on the driver when the row groups are tasks: the fold and the cross-row rules)
   plan      `rolltool.plan.schedule.schedule` on synthetic light columns of N samples (groups of 8,
             log-normal lengths, one env): seconds, the process's peak RSS, and per sample what
             planning adds over the light columns at its peak and what the returned plan keeps
@@ -175,6 +180,46 @@ def plan(sizes: list[int], repeats: int, trees: list[str]) -> None:
                       f"{r['kept_bytes'] / n:>9,.0f}{(r['peak_mb'] - 90) * 2**20 / n:>6,.0f}")  # fmt: skip
 
 
+SCAN = """
+import json, resource, sys, time
+import pyarrow as pa
+pa.array([0])  # pyarrow's first conversion imports pandas (~0.4 s): not the scan's
+from rolltool.engine.local import local_mapper
+from rolltool.input.resolve import resolve_inputs
+from rolltool.schema import scan, scan_deferred
+files = resolve_inputs([sys.argv[1]])
+def cpu():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+t0, c0 = time.perf_counter(), cpu()
+if sys.argv[2] == "full":
+    scan(files)
+else:
+    scan_deferred(files, mapper=local_mapper(int(sys.argv[2]), "scanning row groups"))
+print(json.dumps({"seconds": time.perf_counter() - t0, "driver_cpu": cpu() - c0}))
+"""
+
+
+def scan_section(src: Path, repeats: int) -> None:
+    """pack's scan, serial and as tasks, against the full scan (module docstring)."""
+    import pyarrow.parquet as pq
+
+    mb = src.stat().st_size / 1e6
+    groups = pq.ParquetFile(src).metadata.num_row_groups
+    print(f"\n## scan: {mb:,.0f} MB, {groups} row groups (tasks from 8)")
+    print(f"{'scan':<26}{'seconds':>9}{'MB/s':>8}{'driver CPU s':>14}")
+    modes = ["1", "2", "full"]
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    for _ in range(repeats):
+        for m in modes:
+            runs[m].append(_run([sys.executable, "-c", SCAN, str(src), m])[2])
+    for m in modes:
+        dt = statistics.median(r["seconds"] for r in runs[m])
+        cpu = statistics.median(r["driver_cpu"] for r in runs[m])
+        name = "full (every column)" if m == "full" else f"deferred, {m} worker(s)"
+        print(f"{name:<26}{dt:>9.2f}{mb / dt:>8,.0f}{cpu:>14.2f}")
+
+
 RAY_NODES = """
 import json, subprocess, sys, time
 from ray.cluster_utils import Cluster
@@ -223,7 +268,7 @@ def main() -> None:
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp())
     src = Path()  # the plan section makes its own light columns
-    if args.ray or {"workers", "exchange"} & set(args.sections):
+    if args.ray or {"workers", "exchange", "scan"} & set(args.sections):
         src = synth_dataset(args.groups)
         print(f"input: {src} ({src.stat().st_size / 1e6:,.0f} MB)")
     print(f"{os.cpu_count()} CPUs")
@@ -231,6 +276,8 @@ def main() -> None:
         workers(src, work, args.repeats)
     if "exchange" in args.sections:
         exchange(src, work, args.repeats)
+    if "scan" in args.sections:
+        scan_section(src, args.repeats)
     if "plan" in args.sections:
         plan(args.samples, args.repeats, args.plan_trees)
     if args.ray:

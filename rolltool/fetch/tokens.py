@@ -197,10 +197,15 @@ class TokenReader:
         (by its expected lengths), until `stop` is set: what the steps of a plan in input order
         fetch first, decoded and checked on a thread while the driver plans (`preloaded`)."""
         for b, want in sorted(self._lengths.items()):
-            size = DECODED_BYTES_PER_TOKEN * int(want.sum()) + 8 * len(want)
-            if (stop is not None and stop.is_set()) or self._cached + size > self.cache_bytes:
+            if stop is not None and stop.is_set():
                 return
-            self._block(b)
+            held = self._cache.get(b)
+            if isinstance(held, _Block):
+                continue
+            size = DECODED_BYTES_PER_TOKEN * int(want.sum()) + 8 * len(want)
+            if held is None and self._cached + size > self.cache_bytes:
+                return
+            self._block(b)  # an offered table is converted, a row group read and checked
 
     def clear(self) -> None:
         """Forget every decoded row group (the cache and the last one): where other processes

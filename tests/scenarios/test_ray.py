@@ -265,6 +265,47 @@ def test_the_advantages_scan_on_ray_writes_the_local_file(cluster: None, tmp_pat
     assert messages[0] == messages[1] and "sample" in messages[0] and len(mapped) > 1
 
 
+def test_packs_scan_and_checks_on_ray_give_the_local_messages(
+    cluster: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``pack --engine ray``: the deferred scan's row groups are Ray tasks (a spy counts them),
+    the token columns are checked in the pack tasks, and a row that breaks a rule stops the
+    run with the local run's message (the full scan's listing), whichever of them finds it: a
+    reward (the scan), a token id and a logprob (the tasks' fetch)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(EXAMPLE)
+
+    def broken(name: str, row: int, value: object) -> Path:
+        values = table[name].to_pylist()
+        if isinstance(values[row], list):
+            values[row][-1] = value
+        else:
+            values[row] = value
+        path = tmp_path / f"{name}.parquet"
+        col = pa.array(values, table.schema.field(name).type)
+        pq.write_table(table.set_column(table.schema.get_field_index(name), name, col), path,
+                       row_group_size=40)  # fmt: skip
+        return path
+
+    mapped = _count_maps(monkeypatch)
+    config = PackConfig.from_options(dp=4, batch_size=32)
+    groups = pq.read_metadata(broken("reward", 0, 0.5)).num_row_groups
+    for name, value in {"reward": float("nan"), "input_ids": -1, "logprobs": float("inf")}.items():
+        path = broken(name, 150, value)
+        messages = []
+        for where, kw in {"local": {"workers": 1}, "ray": {"engine": "ray"}}.items():
+            mapped.clear()
+            with pytest.raises(RolltoolError) as e:
+                execution = ExecutionConfig(**kw)  # type: ignore[arg-type]
+                run_pack([str(path)], tmp_path / where, config, execution, command=COMMAND)
+            messages.append(str(e.value))
+            assert not (tmp_path / where).exists()
+        assert messages[0] == messages[1] and f"'{name}'" in messages[0], messages
+        assert groups >= 8 and mapped[0] == groups  # the deferred scan, as Ray tasks
+
+
 def test_the_advantages_cli_on_ray_writes_the_local_file(
     cluster: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
