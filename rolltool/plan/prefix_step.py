@@ -13,8 +13,10 @@ Per step (`plan_shared_step`):
    fewer than two of them goes (its children attach to its nearest kept ancestor), one with
    the same samples as a kept child goes too (the child shares more), and where the step's
    advantages of its samples differ and a trained token lies inside it, a prefix ends before
-   that token (detection compared tokens, masks and log-probs only; the advantage is known per
-   step). A prefix must still share ``share_min`` tokens beyond its parent's.
+   that token and its samples of each advantage share the rest under it (detection compared
+   tokens, masks and log-probs only; the advantage is known per step). A prefix must still
+   share ``share_min`` tokens beyond its parent's. So samples laid out together never store
+   more than they do apart (tested), which the placement relies on.
 2. **Units.** A tree (a root prefix, everything below it, all their samples) is the unit placed
    on one micro-batch of one rank; an unshared sample is a unit of its own. A tree whose stored
    tokens exceed the budget is cut into subsets of its samples, in layout order (so samples
@@ -81,50 +83,82 @@ def restrict(
     gf: GroupForest, take: np.ndarray, advantage: np.ndarray, share_min: int
 ) -> PrefixForest:
     """`gf`'s forest cut to the samples ``gf.samples[take]`` (numbered 0.. in `take`'s order;
-    `advantage` [len(take)] their step advantages): see the module docstring, step 1."""
+    `advantage` [len(take)] their step advantages): see the module docstring, step 1.
+
+    Prefixes are rebuilt as *instances* (a forest prefix, some of its samples, the length they
+    share), parents first: a prefix's samples under one parent instance form one instance; where
+    their advantages differ and a trained token lies in its span, the instance ends before that
+    token and each set of samples of one advantage gets its own instance of the full length
+    under it (so samples of equal advantage keep sharing their trained tokens, whichever others
+    are in the step: the layout of a union of samples never stores more than its parts')."""
     f = gf.forest
-    m, k = len(f.node_end), len(take)
-    members: list[list[int]] = [[] for _ in range(m)]
+    k = len(take)
+    members: list[list[int]] = [[] for _ in range(len(f.node_end))]
     for q, t in enumerate(np.asarray(take, dtype=np.int64).tolist()):
         for j in f.chain(t):
             members[j].append(q)
-    shared: dict[int, int] = {}  # kept prefix -> the length its samples share
-    parent = np.full(m, NO_PARENT, dtype=np.int64)
-    for j in range(m):  # parents come first
-        mem = members[j]
-        if len(mem) < 2:
-            continue
-        p = int(f.node_parent[j])
-        while p >= 0 and p not in shared:
-            p = int(f.node_parent[p])
-        P = int(f.node_end[j]) + 1
-        if gf.first_trained[j] < P and len(np.unique(advantage[mem])) > 1:
-            P = int(gf.first_trained[j])
-        if P - (shared[p] if p >= 0 else 0) >= share_min:
-            shared[j], parent[j] = P, p
-    for j in sorted(shared, reverse=True):  # a parent with exactly a child's samples goes
-        p = int(parent[j])
-        if p >= 0 and p in shared and len(members[p]) == len(members[j]):
-            del shared[p]
-            for c in shared:
-                if parent[c] == p:
-                    parent[c] = parent[p]
-    kept = sorted(shared)
-    new = {j: n for n, j in enumerate(kept)}
+    inst_p: list[int] = []  # each instance's shared length
+    inst_parent: list[int] = []
+    inst_members: list[list[int]] = []
+    at = np.full(k, NO_PARENT, dtype=np.int64)  # each sample's deepest instance so far
+
+    def add(mem: list[int], P: int, parent: int) -> int:
+        base = inst_p[parent] if parent >= 0 else 0
+        if len(mem) < 2 or P - base < share_min:
+            return parent
+        inst_p.append(P)
+        inst_parent.append(parent)
+        inst_members.append(mem)
+        at[mem] = len(inst_p) - 1
+        return len(inst_p) - 1
+
+    for j in range(len(f.node_end)):  # parents come first
+        P, trained = int(f.node_end[j]) + 1, int(gf.first_trained[j])
+        under: dict[int, list[int]] = {}
+        for q in members[j]:
+            under.setdefault(int(at[q]), []).append(q)
+        for parent, mem in under.items():
+            classes: dict[float, list[int]] = {}
+            for q in mem:
+                classes.setdefault(float(advantage[q]), []).append(q)
+            if trained >= P or len(classes) == 1:
+                add(mem, P, parent)
+                continue
+            head = add(mem, trained, parent)  # shared up to the first trained token
+            for cls in classes.values():
+                add(cls, P, head)
+    keep = _without_repeats(inst_parent, inst_members)
+    new = {n: i for i, n in enumerate(keep)}
+
+    def kept_parent(n: int) -> int:
+        p = inst_parent[n]
+        while p >= 0 and p not in new:
+            p = inst_parent[p]
+        return p
+
     deepest = np.full(k, NO_PARENT, dtype=np.int64)
-    for j in kept:  # parents first: a deeper prefix overwrites
-        deepest[members[j]] = new[j]
-    start = [shared[int(parent[j])] - 1 if parent[j] >= 0 else 0 for j in kept]
+    for n in keep:  # parents first: a deeper instance overwrites
+        deepest[inst_members[n]] = new[n]
+    parents = [kept_parent(n) for n in keep]
     return PrefixForest(
         lengths=f.lengths[np.asarray(take, dtype=np.int64)],
-        node_sample=np.array([min(members[j]) for j in kept], dtype=np.int64),
-        node_start=np.array(start, dtype=np.int64),
-        node_end=np.array([shared[j] - 1 for j in kept], dtype=np.int64),
-        node_parent=np.array(
-            [new[int(parent[j])] if parent[j] >= 0 else -1 for j in kept], dtype=np.int64
-        ),
+        node_sample=np.array([min(inst_members[n]) for n in keep], dtype=np.int64),
+        node_start=np.array([inst_p[p] - 1 if p >= 0 else 0 for p in parents], dtype=np.int64),
+        node_end=np.array([inst_p[n] - 1 for n in keep], dtype=np.int64),
+        node_parent=np.array([new[p] if p >= 0 else NO_PARENT for p in parents], np.int64),
         sample_node=deepest,
     )
+
+
+def _without_repeats(parent: list[int], members: list[list[int]]) -> list[int]:
+    """The instances to keep, in order: all but those with exactly one child instance of the
+    same samples (the child shares more)."""
+    drop = set()
+    for n in range(len(parent)):
+        p = parent[n]
+        if p >= 0 and len(members[p]) == len(members[n]):
+            drop.add(p)
+    return [n for n in range(len(parent)) if n not in drop]
 
 
 def unshared(lengths: np.ndarray) -> PrefixForest:
@@ -308,15 +342,19 @@ def plan_shared_step(
 
 
 def _merged(groups: Mapping[int, _Group], units: Sequence[_Part]) -> list[_Part]:
-    """A micro-batch's units, each group's laid out together (module docstring, step 4)."""
-    out: dict[int, list[np.ndarray]] = {}
+    """A micro-batch's units, each group's laid out together (module docstring, step 4), or
+    its units apart where together would store more (`restrict` makes that impossible; the
+    placement's token counts must hold whatever)."""
+    out: dict[int, list[_Part]] = {}
     for u in units:
-        out.setdefault(u.group, []).append(u.positions)
+        out.setdefault(u.group, []).append(u)
     parts = []
-    for g, pos in out.items():
+    for g, mine in out.items():
         gr = groups[g]
-        which = np.searchsorted(gr.positions, np.concatenate(pos))
-        parts.append(gr.part(which))
+        which = np.searchsorted(gr.positions, np.concatenate([u.positions for u in mine]))
+        together = gr.part(which)
+        apart = sum(u.tokens for u in mine)
+        parts.extend([together] if together.tokens <= apart else mine)
     return parts
 
 

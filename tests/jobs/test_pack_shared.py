@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from pack_helpers import cli, input_samples, pack, samples
@@ -290,3 +291,36 @@ def test_workers_epochs_and_row_len(
         assert report["checked"]["input_samples"] > 0
     for _, _, row in _rows(tmp_path / "rl"):
         assert len(row["input_ids"]) == 2048
+
+
+def test_differing_advantages_over_a_shared_trunk(tmp_path: Path) -> None:
+    """Two rollouts of a group with the same tokens and log-probs but different rewards (so
+    different advantages) share their untrained prompt, not their trained response; copies of
+    one reward share all but their last token. The pack verifies."""
+    from rolltool.verify import verify
+
+    table = shared_rollouts(groups=3, rollouts=4, identical=3, seed=9)
+    ids = table.column("sample_id").to_pylist()
+    reward = table.column("reward").to_pylist()
+    first = {s.split("/r")[0]: reward[k] for k, s in enumerate(ids) if s.endswith("/r0/b0")}
+    # copies r4, r5, r6 of each group's r0: r4 flips its reward, r5 and r6 keep it
+    flip = [
+        1 - first[s.split("/r")[0]] if "/r4/" in s else r for s, r in zip(ids, reward, strict=True)
+    ]
+    path = tmp_path / "in.parquet"
+    table = table.set_column(table.column_names.index("reward"), "reward", pa.array(flip))
+    pq.write_table(table, path)
+    pack(path, tmp_path / "s", "--dp", 1, "--share-prefix", "--batch-size", 7,
+         "--micro-batch-tokens", 8192, "--share-min", 8)  # fmt: skip
+    report = verify(tmp_path / "s", inputs=[path])
+    assert report["ok"], report["problems"]
+    inp = input_samples(path)
+    own = {}
+    for _, _, row in _rows(tmp_path / "s"):
+        cu = row["cu_seqlens"]
+        for i, chain in _leaves(row).items():
+            own[inp["sample_id"][i]] = int(cu[chain[-1] + 1] - cu[chain[-1]])
+    for g in range(3):
+        base = f"math/{g:04d}"
+        assert own[f"{base}/r5/b0"] == own[f"{base}/r6/b0"] == 1  # equal copies: one own token
+        assert own[f"{base}/r4/b0"] > 1  # the flipped copy keeps its response
