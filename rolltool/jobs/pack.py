@@ -39,6 +39,7 @@ from rolltool.packing.manifest import created_at, manifest_record, samples_table
 from rolltool.packing.step import Job, Packed, prefetch, step_tokens, write_step
 from rolltool.plan.advantages import ESTIMATORS, AdvantageConfig
 from rolltool.plan.config import OVERLONG, PackConfig
+from rolltool.plan.group_advantages import group_advantages
 from rolltool.plan.groups import GroupIndex
 from rolltool.plan.loss import LOSS_AGGS
 from rolltool.plan.prefix_step import GroupForest
@@ -262,7 +263,8 @@ def _prefixes(
         return None
     assert config.share_min is not None
     groups = GroupIndex.of(ro.group, ro.num_groups)
-    return group_prefixes(reader, groups, ro.length, config.share_min)
+    advantage = group_advantages(ro, config, ro.advantage).value  # as schedule computes them
+    return group_prefixes(reader, groups, ro.length, config.share_min, advantage=advantage)
 
 
 def _reads_label(reads: ReadRecord) -> str:

@@ -216,3 +216,24 @@ def test_samples_laid_out_together_never_store_more_than_apart() -> None:
         assert together <= gr.part(a).tokens + gr.part(b).tokens
         compared += together < gr.part(a).tokens + gr.part(b).tokens
     assert compared > 100  # sharing across the parts really happened
+
+
+def test_a_pass_with_the_advantages_is_kept_whole() -> None:
+    """With the advantages given to the token pass (pack gives the input's group advantages)
+    and the same advantages in the step, restricting to all of a group's samples keeps its
+    layout exactly: the step stores what detection with advantages finds."""
+    differ = 0
+    for seed in range(200):
+        rng = np.random.default_rng(seed)
+        g0 = _group(rng, int(rng.integers(3, 10)))
+        adv = rng.choice([0.0, 1.0], len(g0.input_ids))
+        g = GroupTokens(g0.input_ids, g0.loss_mask, g0.logprobs, adv)
+        f = detect(g, 3)
+        gf = GroupForest(np.arange(len(adv)), f, first_trained(f, g.loss_mask))
+        r = restrict(gf, np.arange(len(adv)), adv, 3)
+        assert int(lay_out(r).cu_seqlens[-1]) == int(lay_out(f).cu_seqlens[-1])
+        blind = detect(g0, 3)  # the pass without advantages
+        gb = GroupForest(np.arange(len(adv)), blind, first_trained(blind, g0.loss_mask))
+        rb = restrict(gb, np.arange(len(adv)), adv, 3)
+        differ += int(lay_out(rb).cu_seqlens[-1]) > int(lay_out(f).cu_seqlens[-1])
+    assert differ > 0  # without them the pass can miss prefixes: the case is exercised
