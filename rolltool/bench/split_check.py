@@ -42,7 +42,6 @@ from rolltool.bench.check import _excess, reference, sample_rows
 from rolltool.bench.config import TOLERANCES, BenchSetup, torch_dtype
 from rolltool.bench.rows import ReplayRows, Row
 from rolltool.bench.shares import sp_heads
-from rolltool.errors import RolltoolError
 from rolltool.format.split import cp_gather
 from rolltool.packed.reader import PackedDataset, open_packed
 
@@ -212,6 +211,90 @@ def check_cp(torch: Any, backend: Backend, ds: PackedDataset, row: Row, setup: B
     return len(refs)
 
 
+def check_hybrid(torch: Any, backend: Backend, ds: PackedDataset, row: Row, setup: BenchSetup,
+                 model: TinyAttention, tally: Tally) -> int:  # fmt: skip
+    """Every GPU of one ``--hybrid-cp`` group row against the samples alone: each sub-group of
+    k > 1 GPUs as a ``--cp k`` group (its views' chunks against keys gathered from the
+    sub-group), each plain GPU's segments each attending to itself; every sample of the row
+    must be met exactly once over the GPUs, or the row fails. Returns samples compared."""
+    views = [ds.micro_batches(row.step, row.rank, cp_rank=g, torch=True)[row.micro_batch]
+             for g in range(ds.split.cp)]  # fmt: skip
+    whole = ds.micro_batches(row.step, row.rank, torch=True)[row.micro_batch]
+    refs = alone(torch, model, whole, setup.backward)
+    local = [tuple(x.requires_grad_(setup.backward) for x in model(v["input_ids"], v["position_ids"]))
+             for v in views]  # fmt: skip
+    blocks: dict[int, list[int]] = {}
+    for g, v in enumerate(views):
+        blocks.setdefault(int(v["cp_group_start"][0]), []).append(g)
+    met: list[int] = []
+    loss = 0.0
+    with torch.enable_grad():
+        for members in blocks.values():
+            sub, sub_local = [views[g] for g in members], [local[g] for g in members]
+            for r in range(len(members)):
+                if len(members) > 1:
+                    qs, ks, vs, where = _blocks_of_rank(torch, sub_local, sub, r)
+                    if r == 0:  # every rank of the sub-group holds two chunks of each sample
+                        met += [s for s, _ in where[::2]]
+                else:
+                    qs, ks, vs, where = _plain_blocks(torch, sub_local[0], sub[0])
+                    met += [s for s, _ in where]
+                if not qs:
+                    continue
+                out = _attend_blocks(torch, backend, setup, qs, ks, vs)
+                start = 0
+                for q, (s, pos) in zip(qs, where, strict=True):
+                    got, start = out[start : start + len(q)], start + len(q)
+                    real = pos < len(refs[s].out)
+                    tally.add(torch, s, got[real], refs[s].out[pos[real]])
+                    loss = loss + (got[real] * refs[s].go[pos[real]]).sum()
+        if setup.backward and torch.is_tensor(loss):
+            grads = _grads(torch, loss, [x for qkv in local for x in qkv])
+            for members in blocks.values():
+                sub = [views[g] for g in members]
+                mine = [x for g in members for x in grads[3 * g : 3 * g + 3]]
+                if len(members) > 1:
+                    _cp_grads(torch, sub, mine, refs, tally)
+                else:
+                    _plain_grads(sub[0], mine, refs, tally)
+    if sorted(met) != sorted(refs):  # a sample missing from every GPU, or on two
+        tally.worst = float("inf")
+    return len(refs)
+
+
+def _plain_blocks(
+    torch: Any, local: tuple[Any, Any, Any], view: dict[str, Any]
+) -> tuple[list[Any], list[Any], list[Any], list[tuple[int, Any]]]:
+    """A plain GPU's segments, each its own query, key and value block (a whole sample attends
+    to itself), with (sample, its positions) per block."""
+    cu = view["cu_seqlens"].tolist()
+    qs, ks, vs, where = [], [], [], []
+    for seg, s in enumerate(view["sample_index"].tolist()):
+        if s < 0:
+            continue
+        a, b = cu[seg], cu[seg + 1]
+        qs.append(local[0][a:b])
+        ks.append(local[1][a:b])
+        vs.append(local[2][a:b])
+        where.append((s, view["position_ids"][a:b].long()))
+    return qs, ks, vs, where
+
+
+def _plain_grads(
+    view: dict[str, Any], grads: Sequence[Any], refs: dict[int, Alone], tally: Tally
+) -> None:
+    """A plain GPU's q, k, v gradients against the samples alone, at each token's position."""
+    cu = view["cu_seqlens"].tolist()
+    for seg, s in enumerate(view["sample_index"].tolist()):
+        if s < 0:
+            continue
+        a, b = cu[seg], cu[seg + 1]
+        pos = view["position_ids"][a:b].long()
+        ref_grads = refs[s].grads
+        assert ref_grads is not None
+        tally.add_grads([x[a:b] for x in grads], [x[pos] for x in ref_grads], refs[s])
+
+
 def _grads(torch: Any, loss: Any, leaves: Sequence[Any]) -> list[Any]:
     """d loss / d leaves, zeros for a leaf the kernel did not differentiate (a broken one)."""
     grads = torch.autograd.grad(loss, leaves, allow_unused=True)
@@ -306,16 +389,10 @@ def check_split_rows(
     document as `rolltool.bench.check.check_rows`, with ``what`` saying what was compared."""
     ds = open_packed(packed.path)
     split = packed.split
-    if split.hybrid:
-        raise RolltoolError(
-            f"{packed.path}: bench --check does not check --hybrid-cp packs (yet)",
-            hint="time it without --check; the layout is checked by `rolltool verify` and the "
-            "views against ring attention by the tests (tests/packed/test_reader_hybrid.py)",
-        )
     groups = [r for r in packed.rows if r.gpu == 0]
     model = TinyAttention.make(torch, setup)
     atol, rtol = TOLERANCES[setup.dtype]
-    check = check_cp if split.kind == "cp" else check_sp
+    check = check_hybrid if split.hybrid else check_cp if split.kind == "cp" else check_sp
     results = []
     for i in sample_rows(groups, setup.check_rows):
         row, tally = groups[i], Tally(atol, rtol)
@@ -326,7 +403,9 @@ def check_split_rows(
                         "worst_grad_ratio": tally.worst_grad if setup.backward else None,
                         "worst_sample": tally.worst_sample,
                         "ok": tally.worst <= 1.0 and tally.worst_grad <= 1.0})  # fmt: skip
-    what = (f"cp {split.cp}: each CP rank's chunks against keys gathered from the group"
+    what = (f"hybrid cp {split.cp}: each sub-group's CP ranks against keys gathered from the "
+            "sub-group, each plain GPU's segments alone" if split.hybrid
+            else f"cp {split.cp}: each CP rank's chunks against keys gathered from the group"
             if split.kind == "cp" else f"sp {split.sp}: the row gathered, heads split, sliced")  # fmt: skip
     return {
         "ok": all(r["ok"] for r in results),

@@ -97,5 +97,60 @@ def test_bench_replays_every_gpu_view(run_cli: Any, hybrid: Path) -> None:
     ratios = [max(g["seconds"] for g in v) / np.mean([g["seconds"] for g in v])
               for v in groups.values()]  # fmt: skip
     assert doc["total"]["group_imbalance_max"] == pytest.approx(max(ratios))
-    r = run_cli("bench", hybrid, *TINY, "--check")
-    assert r.exit_code == 1 and "--hybrid-cp" in r.stderr
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One step whose row is a 2-GPU sub-group then two plain GPUs ([2, 2, 1, 1])."""
+    root = tmp_path_factory.mktemp("stats-hybrid-mixed")
+    pq.write_table(
+        rollouts([G("agent", [0.1, 0.9, 0.5], [30, 16, 16])], seed=5), root / "in.parquet"
+    )
+    pack(root / "in.parquet", root / "p", "--dp", 1, "--cp", 4, "--hybrid-cp",
+         "--micro-batch-tokens", 16, "--batch-size", 8, "--keep-last")  # fmt: skip
+    return root / "p"
+
+
+def _row_groups(out: Path) -> set[tuple[int, ...]]:
+    ds = rolltool.open_packed(out)
+    return {tuple(int(ds.micro_batches(st.step, rank, cp_rank=g)[j]["cp_group_size"][0])
+                  for g in range(4))
+            for st in ds.manifest.steps for rank, r in enumerate(st.ranks)
+            for j in range(r.micro_batches)}  # fmt: skip
+
+
+@pytest.mark.parametrize("which", ["hybrid", "mixed"])
+def test_bench_check_compares_every_gpu_with_the_samples_alone(
+    run_cli: Any, request: pytest.FixtureRequest, which: str
+) -> None:
+    out = request.getfixturevalue(which)
+    if which == "mixed":
+        assert (2, 2, 1, 1) in _row_groups(out)  # a sub-group and plain GPUs in one row
+    r = run_cli("bench", out, *TINY, "--check", "--check-rows", "64", "--json")
+    assert r.exit_code == 0, r.output
+    check = json.loads(r.stdout)["check"]
+    assert check["ok"] and "hybrid cp 4" in check["what"]
+    ds = rolltool.open_packed(out)
+    assert check["segments_checked"] == ds.manifest.samples.trained  # every row, every sample
+
+
+def test_bench_check_fails_a_gpu_view_out_of_place(
+    run_cli: Any, mixed: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GPU 3's positions shifted by one (a plain GPU's whole sample attending as if a token
+    later): the check must fail it, not pass it on the reader's word."""
+    from rolltool.packed.reader import PackedDataset
+
+    real = PackedDataset.micro_batches
+
+    def shifted(self: Any, step: int, rank: int, **kw: Any) -> Any:
+        rows = real(self, step, rank, **kw)
+        if kw.get("cp_rank") == 3:
+            for row in rows:
+                row["position_ids"] = row["position_ids"] + 1
+        return rows
+
+    monkeypatch.setattr(PackedDataset, "micro_batches", shifted)
+    r = run_cli("bench", mixed, *TINY, "--check", "--json")
+    assert r.exit_code == 1
+    assert not json.loads(r.stdout)["check"]["ok"]
