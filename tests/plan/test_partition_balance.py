@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from partition_refs import reference_kk
 
 from rolltool.errors import RolltoolError
-from rolltool.plan.partition import METHODS, balance, lower_bound, part_loads
+from rolltool.plan.partition import METHODS, balance, balance_labels, lower_bound, part_loads
+from rolltool.plan.partition.balance import refined_and_lpt_labels
 
 # ---------------------------------------------------------------- slow, obvious references
 
@@ -191,3 +192,22 @@ def test_errors_are_for_people() -> None:
     assert e.value.hint and "kk" in e.value.hint
     with pytest.raises(RolltoolError, match="one-dimensional"):
         balance(np.ones((2, 2)), 2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    weights=st.lists(st.integers(0, 10_000), min_size=0, max_size=300),
+    k=st.integers(1, 9),
+    equal_count=st.booleans(),
+    scale=st.sampled_from([1.0, 0.37]),  # whole numbers, and not
+)
+def test_refined_and_lpt_labels_equal_two_calls(
+    weights: list[int], k: int, equal_count: bool, scale: float
+) -> None:
+    """The lockstep planner's shared sort and LPT give exactly the labels of two calls."""
+    w = np.array(weights, dtype=np.float64) * scale
+    refined, lpt = refined_and_lpt_labels(w, k, equal_count=equal_count)
+    assert (
+        refined.tolist() == balance_labels(w, k, equal_count=equal_count, method="refined").tolist()
+    )
+    assert lpt.tolist() == balance_labels(w, k, equal_count=equal_count, method="lpt").tolist()

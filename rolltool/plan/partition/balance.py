@@ -50,7 +50,14 @@ from rolltool.plan.partition.kk import kk_sorted
 from rolltool.plan.partition.lpt import lpt_sorted
 from rolltool.plan.partition.refine import refine, refine_pairs
 
-__all__ = ["METHODS", "balance", "balance_labels", "lower_bound", "part_loads"]
+__all__ = [
+    "METHODS",
+    "balance",
+    "balance_labels",
+    "lower_bound",
+    "part_loads",
+    "refined_and_lpt_labels",
+]
 
 KK_AUTO_MERGES = 1024
 """``auto`` runs KK when KK needs at most this many merges (a few µs each, see ``kk.py``)."""
@@ -117,23 +124,34 @@ def _auto(ws: np.ndarray, k: int, equal_count: bool) -> np.ndarray:
     return out
 
 
-def _refined(ws: np.ndarray, k: int, equal_count: bool, floor: float | None = None) -> np.ndarray:
+def _refined(
+    ws: np.ndarray,
+    k: int,
+    equal_count: bool,
+    floor: float | None = None,
+    lpt: np.ndarray | None = None,
+) -> np.ndarray:
     """LPT and KK (when cheap), the lighter refined under a budget, and up to
     ``EXHAUSTIVE_UP_TO`` items both refined by the exhaustive pairwise search; the lightest.
 
     With a ``floor`` (a bound no split can beat) it stops at the first labelling that reaches
     it; without one it is ``auto`` as it was before issue 23, labelling for labelling.
+    ``lpt``: LPT's labels of ``ws`` if the caller has them (`refined_and_lpt_labels`).
     """
     with_kk = (len(ws) // k if equal_count else len(ws)) <= KK_AUTO_MERGES
     # The candidates are [LPT, KK] in that order, but the one likelier to reach the floor is
     # computed first: KK without equal counts (LPT when the largest item is the floor: it puts
     # that item alone), LPT with them (KK's blocks rarely reach it).
     first_kk = with_kk and not equal_count and floor is not None and floor > ws[0]
-    starts = [_kk(ws, k, equal_count) if first_kk else _lpt(ws, k, equal_count)]
+
+    def lpt_labels() -> np.ndarray:
+        return lpt if lpt is not None else _lpt(ws, k, equal_count)
+
+    starts = [_kk(ws, k, equal_count) if first_kk else lpt_labels()]
     if floor is not None and _max_load(ws, starts[0], k) <= floor:
         return starts[0]
     if first_kk:
-        starts.insert(0, _lpt(ws, k, equal_count))
+        starts.insert(0, lpt_labels())
     elif with_kk:
         starts.append(_kk(ws, k, equal_count))
     best = _lightest(ws, k, starts)
@@ -228,6 +246,27 @@ def balance_labels(
     labels = np.empty(n, dtype=np.int64)
     labels[order] = labels_sorted
     return labels
+
+
+def refined_and_lpt_labels(
+    weights: np.ndarray, k: int, *, equal_count: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
+    """``balance_labels`` by ``refined`` and by ``lpt``, the same labels as two calls, with one
+    sort and one LPT (``refined`` starts from LPT): the lockstep planner's two rank splits."""
+    w = _check(weights, k, "refined")
+    n, k = len(w), int(k)
+    if n == 0 or k == 1:
+        zero = np.zeros(n, dtype=np.int64)
+        return zero, zero.copy()
+    order = descending_order(w)
+    ws = w[order]
+    lpt_sorted_labels = _lpt(ws, k, equal_count)
+    out = []
+    for sorted_labels in (_refined(ws, k, equal_count, lpt=lpt_sorted_labels), lpt_sorted_labels):
+        labels = np.empty(n, dtype=np.int64)
+        labels[order] = sorted_labels
+        out.append(labels)
+    return out[0], out[1]
 
 
 def balance(

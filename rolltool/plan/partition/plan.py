@@ -40,7 +40,11 @@ import numpy as np
 
 from rolltool.errors import RolltoolError
 from rolltool.plan.partition import metrics
-from rolltool.plan.partition.balance import balance_labels, descending_order
+from rolltool.plan.partition.balance import (
+    balance_labels,
+    descending_order,
+    refined_and_lpt_labels,
+)
 from rolltool.plan.partition.binpack import ffd, pack_balanced, split_tokens
 from rolltool.plan.partition.metrics import ALIGNS
 from rolltool.plan.partition.polish import ROBUST_SCALES, polish
@@ -402,8 +406,9 @@ def _best_lockstep(
     if not equal_count:
         candidates.append(_lockstep_grid(cost, length, dp, cap, seen))
     if n <= CANDIDATES_UP_TO * dp:
-        for method in ("refined", "lpt"):  # one split over ranks, packed both ways
-            candidates += _rank_first_grids(cost, length, dp, cap, equal_count, method)
+        splits = refined_and_lpt_labels(cost, dp, equal_count=equal_count)
+        for rank in splits:  # one split over ranks, packed both ways
+            candidates += _rank_first_grids(cost, length, dp, cap, equal_count, rank=rank)
     elif equal_count:
         candidates.append(_rank_first_grid(cost, length, dp, cap, equal_count, method="refined"))
     if seen is not None:
@@ -536,13 +541,16 @@ def _rank_first_grids(
     equal_count: bool,
     method: str = "auto",
     packings: tuple[str, ...] = ("balanced", "ffd"),
+    rank: np.ndarray | None = None,
 ) -> list[tuple[Grid, int, int]]:
     """`_rank_first_grid`'s plan for each of `packings` ("balanced": balanced packing where it
-    fits, else FFD's; "ffd": FFD's), from one split over ranks and one FFD per rank."""
+    fits, else FFD's; "ffd": FFD's), from one split over ranks (``balance_labels`` by
+    ``method``, or the given ``rank`` labels) and one FFD per rank."""
     n = len(cost)
     if n == 0:
         return [([[] for _ in range(dp)], 0, 0) for _ in packings]
-    rank = balance_labels(cost, dp, equal_count=equal_count, method=method)
+    if rank is None:
+        rank = balance_labels(cost, dp, equal_count=equal_count, method=method)
     idx = [np.flatnonzero(rank == r) for r in range(dp)]
     orders = [ix[descending_order(length[ix])] for ix in idx]
     per_rank_tokens = [int(length[ix].sum()) for ix in idx]
