@@ -64,9 +64,19 @@ def _run(command: str, data: Path, out: Path, *extra: Any) -> Any:
     return cli("advantages", data, "-o", out, *extra)
 
 
-def _child(injector: Injector, *args: Any) -> subprocess.CompletedProcess[str]:
+def _child(
+    injector: Injector, *args: Any, hangup: Any = signal.SIG_DFL
+) -> subprocess.CompletedProcess[str]:
+    """Run ``rolltool ARGS`` in a child under `injector`, with SIGHUP's disposition `hangup`
+    (default: as a login shell starts a job, whatever this process inherited, e.g. from
+    ``nohup``, which ignores it)."""
     return subprocess.run(
-        child_command(*args), env=injector.env(), capture_output=True, text=True, timeout=120
+        child_command(*args),
+        env=injector.env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, hangup),
     )
 
 
@@ -141,6 +151,18 @@ def test_sigterm_sigint_and_sighup_clean_up_and_exit_143_130_and_129(
         assert f"Interrupted by {name}: no output was written" in run.stderr
         assert "Traceback" not in run.stderr and "Aborted" not in run.stderr
         assert _digest(out) == before and _visible(tmp_path) == ["out"]  # temp removed
+
+
+def test_sighup_ignored_under_nohup_stays_ignored(data: Path, tmp_path: Path) -> None:
+    """``nohup rolltool pack ...``: the hangup the job was started to survive does not stop it."""
+    out = tmp_path / "out"
+    run = _child(
+        Injector(at=3, sig=signal.SIGHUP, only="write_shard"),
+        "pack", data, "-o", out, *PACK, hangup=signal.SIG_IGN,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert "Interrupted" not in run.stderr
+    assert cli("verify", out).exit_code == 0
 
 
 def test_sigint_after_the_commit_says_the_output_is_complete(data: Path, tmp_path: Path) -> None:
