@@ -1,6 +1,6 @@
 """Benchmark: shared-prefix packing (issue 24) against the same rollouts packed unshared.
 
-    python benchmarks/shared_prefix.py [--rollouts 8] [--prompt 4096] [--response 1024]
+    python benchmarks/shared_prefix.py [--rollouts 8] [--prompt 4096] [--response 1024] [--synth]
                                        [--repeats 5] [--threads 1] [--hidden 64] [--layers 2]
                                        [--intermediate 4 x hidden] [--packed-groups 2]
 
@@ -23,6 +23,12 @@ attention in both layouts (sdpa per segment; unshared = no gathered prefix), los
 target weight x -log p. Median of --repeats, the layouts interleaved, after one warm-up each.
 The last column checks exactness: max |Δ log p| over every sample's targets, shared vs unshared
 (float32 here; the tests check 1e-10 in float64).
+
+``--synth`` first prints, for `rolltool synth --shared-prompts` data (`SYNTH_CASES`: the
+default env mix, math with 8 rollouts behind a 4k prompt, agent alone) packed ``--dp 8
+--share-prefix``, the tokens and attention pairs the pack's step records count unshared and
+stored, and the dense-7b TFLOPs they cost (no step time: these packs are too large for the tiny
+model on CPU).
 
 The ``packed`` rows run the same through the real pipeline: --packed-groups grpo groups
 written as a rollout Parquet file, ``rolltool pack --dp 1 --micro-batch-tokens 16384``
@@ -51,6 +57,7 @@ import transformers
 import rolltool
 from rolltool.bench.prefix_attention import hf_attention, prefix_tensors, row_prefix_tensors
 from rolltool.format.prefix import shared_next_token_targets, shared_view, target_source
+from rolltool.input.synth import SynthConfig, generate
 from rolltool.jobs.pack import run_pack
 from rolltool.plan.batches import StepConfig
 from rolltool.plan.config import PackConfig
@@ -177,7 +184,14 @@ def main() -> None:
         default=2,
         help="grpo groups run through rolltool pack and the reader (0: none)",
     )
+    ap.add_argument(
+        "--synth",
+        action="store_true",
+        help="also synth --shared-prompts data through pack --share-prefix (tokens and FLOPs)",
+    )
     args = ap.parse_args()
+    if args.synth:
+        synth_rows(make_workload("flops", model="dense-7b"))
     torch.set_num_threads(args.threads)
     transformers.AttentionInterface.register(NAME, hf_attention)
     intermediate = args.intermediate or 4 * args.hidden
@@ -287,6 +301,42 @@ def _chains_logp(model: Any, rows: list[dict[str, Any]]) -> dict[int, Any]:
             at = np.concatenate([np.arange(cu[s], cu[s + 1]) for s in chain[::-1]])
             out[i] = logp[torch.from_numpy(at[:-1])]
     return out
+
+
+SYNTH_CASES = {
+    "synth default mix": dict(groups=300, seed=5, batch_size=32),
+    "synth math, 8 x 4k prompt": dict(groups=40, seed=0, envs=("math",), group_size=8,
+                                      prompt_len=4096, batch_size=64),
+    "synth agent": dict(groups=60, seed=0, envs=("agent",), batch_size=16),
+}  # fmt: skip
+"""``--synth``: `rolltool synth --shared-prompts` configs, each packed ``--dp 8 --batch-size B
+--share-prefix``."""
+
+
+def synth_rows(w: Any) -> None:
+    """Per `SYNTH_CASES` entry: tokens unshared and stored, attention pairs and dense-7b training
+    TFLOPs (a per token, 2b per pair), summed over the pack's step records (``plan.shared``)."""
+    print("| data | tokens unshared | stored | attention pairs | 7B TFLOPs |")
+    print("|---|---:|---:|---:|---:|")
+    for name, case in SYNTH_CASES.items():
+        case = dict(case)
+        batch = case.pop("batch_size")
+        with tempfile.TemporaryDirectory() as tmp:
+            src = Path(tmp) / "in.parquet"
+            pq.write_table(generate(SynthConfig(shared_prompts=True, **case)), src)
+            config = PackConfig(dp=8, share_prefix=True, steps=StepConfig(batch_size=batch))
+            run_pack([str(src)], Path(tmp) / "out", config, force=True)
+            ds = rolltool.open_packed(Path(tmp) / "out")
+            rec = [st.plan.shared for st in ds.manifest.steps]
+        tok = sum(r.tokens for r in rec)
+        kept = sum(r.stored for r in rec)
+        pairs = sum(r.attention_pairs for r in rec)
+        shared = sum(r.attention_pairs_shared for r in rec)
+        flops = (w.a * tok + 2 * w.b * pairs) / 1e12, (w.a * kept + 2 * w.b * shared) / 1e12
+        print(f"| {name} | {tok:,} | {kept:,} ({tok / kept:.2f}x fewer) | {pairs / 1e9:.2f}G -> "
+              f"{shared / 1e9:.2f}G ({pairs / shared:.2f}x) | {flops[0]:,.0f} -> {flops[1]:,.0f} "
+              f"({flops[0] / flops[1]:.2f}x) |")  # fmt: skip
+    print()
 
 
 def tflops(w: Any, s: Any) -> float:

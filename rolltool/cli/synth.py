@@ -22,6 +22,12 @@ D = SynthConfig()
     opt("--max-len", int, D.max_len, "Longest sample, tokens."),
 )  # fmt: skip
 @section(
+    "Groups",
+    opt("--shared-prompts", bool, D.shared_prompts, "A group's rollouts share their prompt tokens (what pack --share-prefix computes once); off: every sample's tokens drawn on their own."),
+    opt("--group-size", int, None, "Rollouts per group in every env (default: math 16, code 8, agent 8)."),
+    opt("--prompt-len", int, None, "Every prompt (agent: system prompt) exactly this many tokens (default: each env's range)."),
+)  # fmt: skip
+@section(
     "Output",
     opt("-o --output", click.Path(dir_okay=False), None, "Parquet file to write.", required=True),
     force_option(),
@@ -29,7 +35,16 @@ D = SynthConfig()
 )
 @handle_errors
 def synth(
-    output: str, groups: int, seed: int, envs: str, max_len: int, force: bool, as_json: bool
+    output: str,
+    groups: int,
+    seed: int,
+    envs: str,
+    max_len: int,
+    shared_prompts: bool,
+    group_size: int | None,
+    prompt_len: int | None,
+    force: bool,
+    as_json: bool,
 ) -> None:
     """Write a deterministic multi-environment rollout dataset (math, code, agent)."""
     from rolltool.jobs.synth import run_synth
@@ -39,6 +54,9 @@ def synth(
         seed=seed,
         envs=tuple(e.strip() for e in envs.split(",") if e.strip()),
         max_len=max_len,
+        shared_prompts=shared_prompts,
+        group_size=group_size,
+        prompt_len=prompt_len,
     )
     report = run_synth(config, output, force=force)
     if as_json:

@@ -45,6 +45,18 @@ class SynthConfig:
     """Environments to draw groups from (names in ENVS)."""
     max_len: int = 32_768
     """Longest sample in tokens; the agent env's heavy tail is clipped here."""
+    shared_prompts: bool = False
+    """A group's rollouts start with the same prompt tokens (the agent env: the same system
+    prompt, each sample its first ``min(system, length / 3)`` tokens of it), as GRPO data does:
+    what ``pack --share-prefix`` computes once. Off, every sample's tokens are drawn on their own
+    (the default data of earlier versions, byte for byte); on, only the prompt tokens change."""
+    group_size: int | None = None
+    """Rollouts per group in every env (``None``: each env's own, math 16, code 8, agent 8)."""
+    prompt_len: int | None = None
+    """Every prompt exactly this many tokens (the agent env: its system prompt); a single-turn
+    response keeps its env's length distribution, clipped to ``[16, max_len - prompt_len]``
+    instead of the env's total-length range; an agent trajectory's body to
+    ``[600, max_len - prompt_len]``. ``None``: each env's own prompt lengths."""
 
     def __post_init__(self) -> None:
         if self.groups < 1:
@@ -53,6 +65,14 @@ class SynthConfig:
             raise RolltoolError(f"--seed must be 0 or more, got {self.seed}")
         if self.max_len < 256:
             raise RolltoolError(f"--max-len must be at least 256 tokens, got {self.max_len}")
+        if self.group_size is not None and self.group_size < 1:
+            raise RolltoolError(f"--group-size must be at least 1, got {self.group_size}")
+        if self.prompt_len is not None and not 1 <= self.prompt_len <= self.max_len - 600:
+            raise RolltoolError(
+                f"--prompt-len must be 1 to --max-len - 600 ({self.max_len - 600:,}), "
+                f"got {self.prompt_len:,}",
+                hint="raise --max-len: a sample needs room for its response",
+            )
         unknown = [e for e in self.envs if e not in ENVS]
         if unknown or not self.envs:
             raise RolltoolError(
@@ -83,11 +103,14 @@ def _single_turn(
     response_sigma: float,
     total: tuple[int, int],
     rewards: Callable[[np.random.Generator, int, int], np.ndarray],
-    max_len: int,
+    config: SynthConfig,
 ) -> _Plan:
     g = len(groups)
+    group_size = config.group_size or group_size
     n = g * group_size
-    hi = min(total[1], max_len)
+    if config.prompt_len is not None:
+        prompt, total = (config.prompt_len, config.prompt_len), (0, config.max_len)
+    hi = min(total[1], config.max_len)
     # A prompt leaves room for at least 16 response tokens, so no sample exceeds max_len.
     prompt_len = np.minimum(rng.integers(prompt[0], prompt[1] + 1, size=g), hi - 16)
     prompt_len = prompt_len.repeat(group_size)
@@ -120,20 +143,21 @@ def _fraction_rewards(rng: np.random.Generator, g: int, size: int) -> np.ndarray
     return rng.binomial(10, np.repeat(p[:, None], size, axis=1)) / 10.0
 
 
-def _math(rng: np.random.Generator, groups: np.ndarray, max_len: int) -> _Plan:
+def _math(rng: np.random.Generator, groups: np.ndarray, config: SynthConfig) -> _Plan:
     return _single_turn(
-        rng, groups, 16, (60, 400), 550.0, 0.55, (200, 2_000), _binary_rewards, max_len
+        rng, groups, 16, (60, 400), 550.0, 0.55, (200, 2_000), _binary_rewards, config
     )
 
 
-def _code(rng: np.random.Generator, groups: np.ndarray, max_len: int) -> _Plan:
+def _code(rng: np.random.Generator, groups: np.ndarray, config: SynthConfig) -> _Plan:
     return _single_turn(
-        rng, groups, 8, (300, 1_500), 2_400.0, 0.6, (1_000, 8_000), _fraction_rewards, max_len
+        rng, groups, 8, (300, 1_500), 2_400.0, 0.6, (1_000, 8_000), _fraction_rewards, config
     )
 
 
-def _agent(rng: np.random.Generator, groups: np.ndarray, max_len: int) -> _Plan:
-    group_size = 8
+def _agent(rng: np.random.Generator, groups: np.ndarray, config: SynthConfig) -> _Plan:
+    group_size = config.group_size or 8
+    max_len = config.max_len
     g = len(groups)
     reward = _binary_rewards(rng, g, group_size).reshape(-1)
     rows: dict[str, list] = {k: [] for k in ("group", "rollout", "branch", "reward", "gen")}
@@ -149,8 +173,12 @@ def _agent(rng: np.random.Generator, groups: np.ndarray, max_len: int) -> _Plan:
             n_branches = int(rng.choice([1, 2, 3, 4], p=[0.75, 0.12, 0.08, 0.05]))
             gen = 0
             for bi in range(n_branches):
-                length = int(np.clip(total / n_branches**0.5, 600, max_len))
-                prefix = min(int(system[gi]), length // 3)
+                if config.prompt_len is None:
+                    length = int(np.clip(total / n_branches**0.5, 600, max_len))
+                    prefix = min(int(system[gi]), length // 3)
+                else:
+                    prefix = config.prompt_len
+                    length = prefix + int(np.clip(total / n_branches**0.5, 600, max_len - prefix))
                 body = length - prefix
                 turns = int(rng.integers(2, 13))
                 cuts = np.sort(
@@ -179,7 +207,7 @@ def _agent(rng: np.random.Generator, groups: np.ndarray, max_len: int) -> _Plan:
     )
 
 
-ENVS: dict[str, Callable[[np.random.Generator, np.ndarray, int], _Plan]] = {
+ENVS: dict[str, Callable[[np.random.Generator, np.ndarray, SynthConfig], _Plan]] = {
     "math": _math,
     "code": _code,
     "agent": _agent,
@@ -196,7 +224,7 @@ def _plans(config: SynthConfig) -> tuple[list[str], list[_Plan], np.random.Gener
         groups = np.flatnonzero(env_of_group == i).astype(np.int64)
         if len(groups):
             names.append(env)
-            plans.append(ENVS[env](rng, groups, config.max_len))
+            plans.append(ENVS[env](rng, groups, config))
     return names, plans, rng
 
 
@@ -210,6 +238,21 @@ def synth_lengths(n: int, seed: int = 0, max_len: int = 32_768) -> np.ndarray:
         if len(lengths) >= n:
             return lengths[np.argsort(group, kind="stable")][:n].astype(np.int64)
         groups *= 2
+
+
+def _share_prompts(
+    ids: np.ndarray, offsets: np.ndarray, group: np.ndarray, prompt: np.ndarray
+) -> None:
+    """Give every sample (sorted by group) the first ``prompt[i]`` tokens of its group's sample
+    with the longest prompt, in place: a group's prompts are then prefixes of one another."""
+    if not len(group):
+        return
+    run = np.cumsum(np.r_[False, group[1:] != group[:-1]])  # [n] 0..G-1, the sample's group
+    longest = np.lexsort((-prompt, run))  # by group, then longest prompt first
+    head = np.r_[True, run[longest][1:] != run[longest][:-1]]
+    source = longest[head][run]  # [n] the sample whose prompt each one takes
+    within = np.arange(int(prompt.sum())) - np.repeat(np.cumsum(prompt) - prompt, prompt)
+    ids[np.repeat(offsets[:-1], prompt) + within] = ids[np.repeat(offsets[source], prompt) + within]
 
 
 def _list_array(offsets: np.ndarray, values: np.ndarray) -> pa.Array:
@@ -245,6 +288,8 @@ def generate(config: SynthConfig) -> pa.Table:
     # 0 where the policy did not sample the token.
     logp = -rng.exponential(0.35, size=total).astype(np.float32)
     logp = np.where(mask, np.round(logp * 256) / 256, 0).astype(np.float32)
+    if config.shared_prompts:
+        _share_prompts(ids, offsets, p.group[order], np.array([s[0] for s in seg_len]))
 
     group, rollout, branch = p.group[order], p.rollout[order], p.branch[order]
     env_names = np.array(names, dtype=object)[env[order]]

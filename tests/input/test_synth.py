@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -12,6 +13,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
+import rolltool
 from rolltool.errors import RolltoolError
 from rolltool.input.resolve import resolve_inputs
 from rolltool.input.synth import VOCAB_SIZE, SynthConfig, generate, synth_lengths
@@ -238,6 +240,72 @@ def test_config_validation() -> None:
         SynthConfig(envs=("math", "chess"))
     with pytest.raises(RolltoolError):
         SynthConfig(envs=())
+    with pytest.raises(RolltoolError, match="group-size"):
+        SynthConfig(group_size=0)
+    with pytest.raises(RolltoolError, match="prompt-len"):
+        SynthConfig(prompt_len=4096, max_len=4096)
+
+
+# ------------------------------------------------------------------------------------------
+# Shared prompts, group size and prompt length (what `pack --share-prefix` is measured on).
+
+
+def _first_untrained(table: pa.Table) -> np.ndarray:
+    """Per sample, the length of its leading run of loss_mask 0 (its prompt, or system prompt)."""
+    return np.array([int(np.argmax(m)) if m.any() else len(m) for m in _masks(table)])
+
+
+def test_shared_prompts_change_only_the_prompt_tokens(big: pa.Table) -> None:
+    shared = generate(dataclasses.replace(BIG, shared_prompts=True))
+    assert shared.drop_columns(["input_ids"]).equals(big.drop_columns(["input_ids"]))
+    prompt = _first_untrained(big)
+    plain = big["input_ids"].to_pylist()
+    ids = shared["input_ids"].to_pylist()
+    groups = big["group_id"].to_pylist()
+    changed = 0
+    by_group: dict[str, list[int]] = defaultdict(list)
+    for i, g in enumerate(groups):
+        by_group[g].append(i)
+        assert ids[i][prompt[i] :] == plain[i][prompt[i] :]  # responses untouched
+        changed += ids[i][: prompt[i]] != plain[i][: prompt[i]]
+    assert changed > len(ids) // 2
+    for members in by_group.values():
+        longest = max(members, key=lambda i: (prompt[i], -i))
+        for i in members:  # every prompt a prefix of the group's longest
+            assert ids[i][: prompt[i]] == ids[longest][: prompt[i]]
+    other = [j for g, m in by_group.items() for j in m[:1]]
+    heads = {tuple(ids[j][:16]) for j in other}
+    assert len(heads) == len(other)  # groups still differ from each other
+
+
+@pytest.mark.parametrize("envs", [("math",), ("code",), ("agent",)])
+def test_group_size_and_prompt_len(envs: tuple[str, ...]) -> None:
+    config = SynthConfig(groups=6, seed=2, envs=envs, max_len=8192, group_size=5, prompt_len=700)
+    table = generate(config)
+    rollouts = defaultdict(set)
+    for g, r in zip(table["group_id"].to_pylist(), table["rollout_id"].to_pylist(), strict=True):
+        rollouts[g].add(r)
+    assert len(rollouts) == 6 and all(len(r) == 5 for r in rollouts.values())
+    assert (_first_untrained(table) == 700).all()
+    lengths = _lengths(table)
+    assert lengths.max() <= 8192 and lengths.min() >= 700 + 16
+
+
+def test_shared_prompts_are_what_share_prefix_finds(run_cli, tmp_path: Path) -> None:
+    data = tmp_path / "s.parquet"
+    args = ["--groups", 6, "--envs", "math", "--group-size", 8, "--prompt-len", 1024]
+    assert run_cli("synth", "-o", data, *args, "--max-len", 4096, "--shared-prompts").exit_code == 0
+    out = tmp_path / "p"
+    pack = ["pack", data, "-o", out, "--dp", 2, "--batch-size", 16, "--share-prefix", "--json"]
+    result = run_cli(*pack)
+    assert result.exit_code == 0, result.output
+    assert run_cli("verify", out).exit_code == 0
+    table = pq.read_table(data)
+    unshared = int(_lengths(table).sum())
+    stored = sum(int(r.real_tokens) for step in rolltool.open_packed(out).manifest.steps
+                 for r in step.ranks)  # fmt: skip
+    # every group of 8 stores its 1,024-token prompt once, less one re-fed branch token each
+    assert unshared - stored == 6 * 7 * 1024 - 6 * 8 + 6
 
 
 # ------------------------------------------------------------------------------------------
@@ -256,6 +324,9 @@ def test_cli_writes_the_generated_table(run_cli, tmp_path: Path) -> None:
         "seed": 4,
         "envs": ["math", "code", "agent"],
         "max_len": 2048,
+        "shared_prompts": False,
+        "group_size": None,
+        "prompt_len": None,
     }
     assert sum(report["samples_per_env"].values()) == report["rows"]
     assert report["bytes"] == out.stat().st_size
