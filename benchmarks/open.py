@@ -15,6 +15,9 @@ the directory anew and reads every micro-batch of every rank:
   verify=hash        the same, each shard's sha256 checked on its first read
   torch W=0          ``DataLoader(ds.torch_dataset(rank), batch_size=None)`` for every rank
   torch W=k          the same with ``num_workers=k`` (workers started for every rank)
+  loader floor W=k   no rolltool in the loop: a ``DataLoader`` with k workers for every rank over
+                     a dataset yielding a one-int dict per row (each row's token count): what
+                     starting, feeding and stopping the workers costs alone
 
 Columns: Mtok/s over the pass (open included), the time from the pass's start (before opening)
 to rank 0's first row, and for the torch rows the time to the first row after resuming: a fresh
@@ -139,6 +142,32 @@ def torch_loader(out: Path, workers: int) -> Pass:
     return run
 
 
+def loader_floor(out: Path, workers: int) -> Pass:
+    from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+    ds = rolltool.open_packed(out)
+    lengths = [[len(row["input_ids"]) for _, _, row in ds.rank_iter(r)] for r in range(ds.dp)]
+
+    class Counts(IterableDataset[dict[str, int]]):
+        def __init__(self, counts: list[int]) -> None:
+            self.counts = counts
+
+        def __iter__(self) -> Any:
+            info = get_worker_info()
+            first, stride = (info.id, info.num_workers) if info is not None else (0, 1)
+            return ({"tokens": n} for n in self.counts[first::stride])
+
+    def run() -> tuple[float, int, int]:
+        start, first, rows, tokens = time.perf_counter(), 0.0, 0, 0
+        for counts in lengths:
+            for item in DataLoader(Counts(counts), batch_size=None, num_workers=workers):
+                first = first or time.perf_counter() - start
+                rows, tokens = rows + 1, tokens + item["tokens"]
+        return first, rows, tokens
+
+    return run
+
+
 def resume(out: Path, workers: int) -> Callable[[], float] | None:
     """Seconds from a fresh open to the first row after loading a state saved halfway."""
     half = len(rolltool.open_packed(out).rank_rows(0)) // 2
@@ -203,12 +232,13 @@ def main() -> None:
         "verify=hash": lambda: (numpy_views(out, "hash"), None),
         "torch W=0": lambda: (torch_loader(out, 0), resume(out, 0)),
         f"torch W={w}": lambda: (torch_loader(out, w), resume(out, w)),
+        f"loader floor W={w}": lambda: (loader_floor(out, w), None),
     }
     try:
         import torch  # noqa: F401
     except ImportError:
         print("(torch is not installed: no torch rows)")
-        makers = {k: v for k, v in makers.items() if not k.startswith("torch")}
+        makers = {k: v for k, v in makers.items() if not k.startswith(("torch", "loader"))}
     if args.only:
         makers = {k: v for k, v in makers.items() if any(k.startswith(o) for o in args.only)}
     variants = {k: make() for k, make in makers.items()}
@@ -221,13 +251,13 @@ def main() -> None:
             assert rows == n_rows, (name, rows, n_rows)
             results[name].append((tokens / secs / 1e6, first, resumed() if resumed else None))
     floor = statistics.median(r[0] for r in results.get("raw floor", [(float("nan"),)] * 1))
-    print(f"{'reader':16s} {'Mtok/s':>8s} {'x floor':>8s} {'first row ms':>13s} {'resume ms':>10s}")
+    print(f"{'reader':18s} {'Mtok/s':>8s} {'x floor':>8s} {'first row ms':>13s} {'resume ms':>10s}")
     for name, runs in results.items():
         mtok = statistics.median(r[0] for r in runs)
         first = statistics.median(r[1] for r in runs) * 1e3
         res = [r[2] for r in runs if r[2] is not None]
         shown = f"{statistics.median(res) * 1e3:10.1f}" if res else f"{'-':>10s}"
-        print(f"{name:16s} {mtok:8.1f} {mtok / floor:8.2f} {first:13.1f} {shown}")
+        print(f"{name:18s} {mtok:8.1f} {mtok / floor:8.2f} {first:13.1f} {shown}")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,10 @@ consumer contract). The modules of `rolltool.packed`, each importing only those 
     writer       PackedWriter (imports none of them)
 
 ``read_rows(..., torch=True)`` converts with `rolltool.packed.tensors.to_tensors`, imported
-only then (it imports torch; opening and reading NumPy rows never does).
+only then (it imports torch; opening and reading NumPy rows never does). ``sourced_rows`` also
+says where each row lies (`RowSource`): `rebuild_row` makes the same row in another process of
+the machine from it, mapping the shard there, if it is still the file checked (a DataLoader's
+main process: `rolltool.packed.torch_data.WorkerItem`).
 
 **Integrity.** The reader never serves a row it can tell is wrong; whatever it refuses is a
 `RolltoolError` naming the file, with the hint to run ``rolltool verify``. Always (cheap):
@@ -56,11 +59,13 @@ import functools
 import hashlib
 import mmap
 import os
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from glob import escape as glob_escape
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal, NamedTuple, get_args
 
 import numpy as np
 
@@ -178,6 +183,11 @@ def _shard_file(name: str) -> bool:
     return name.endswith(".safetensors")
 
 
+FileIdentity = tuple[int, int, int, int]
+"""A file as ``os.stat`` tells it apart: (st_dev, st_ino, st_size, st_mtime_ns). A shard
+rewritten or replaced in place of another has another (`RowSource`)."""
+
+
 class PrivateMap(mmap.mmap):
     """A shard mapped private (copy-on-write, ``mmap.ACCESS_COPY``): the reader's NumPy views
     of it are read-only, and a tensor may wrap it without a copy (`rolltool.packed.tensors`):
@@ -186,9 +196,17 @@ class PrivateMap(mmap.mmap):
     and safetensors' torch loader do)."""
 
     copy_on_write = True
+    path: str = ""
+    """The file mapped (absolute), set by `_map_file`."""
+    identity: FileIdentity = (0, 0, 0, 0)
+    """The file's `FileIdentity` when it was mapped (``fstat`` of the descriptor mapped)."""
 
 
-def _map_file(path: str | Path) -> mmap.mmap | None:
+def _identity(st: os.stat_result) -> FileIdentity:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _map_file(path: str | Path) -> PrivateMap | None:
     """The whole file memory-mapped (one open; the map outlives the descriptor) as a
     `PrivateMap`, or None when it cannot be (missing, unreadable, empty): the caller's reader
     says why. Cheaper than ``np.memmap`` (~0.1 ms a shard), whose subclass the reader never
@@ -198,11 +216,23 @@ def _map_file(path: str | Path) -> mmap.mmap | None:
     except OSError:
         return None
     try:
-        return PrivateMap(fd, 0, access=mmap.ACCESS_COPY)
+        mapped = PrivateMap(fd, 0, access=mmap.ACCESS_COPY)
+        mapped.path, mapped.identity = os.path.abspath(path), _identity(os.fstat(fd))
+        return mapped
     except (OSError, ValueError):
         return None
     finally:
         os.close(fd)
+
+
+def _private_map(a: np.ndarray) -> PrivateMap | None:
+    """The `PrivateMap` array `a` is a view of, or None (bytes read whole, `map_tensors`)."""
+    owner: object = a
+    while isinstance(owner, np.ndarray):
+        owner = owner.base
+    if isinstance(owner, memoryview):  # np.frombuffer's hold on the map
+        owner = owner.obj
+    return owner if isinstance(owner, PrivateMap) else None
 
 
 def _odd_path(rel: str) -> bool:
@@ -455,6 +485,93 @@ def counts_problem(counted: tuple[int, int, int], record: RankRecord) -> str | N
 
 
 @dataclass(frozen=True)
+class RowRecipe:
+    """How a row is made from its shard's arrays: the directory's layout and one GPU's view
+    (`PackedReader.row_recipe`). Picklable: a DataLoader worker's item carries it to the main
+    process (`RowSource`), whose `rebuild_row` makes the same row with it."""
+
+    hybrid_cp: int | None = None
+    """``--hybrid-cp``: the group's cp (`rolltool.format.hybrid.hybrid_fields`); else None."""
+    shared: bool = False
+    """``--share-prefix``: rows served with `rolltool.format.prefix.shared_view`."""
+    view: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None
+    """One GPU's view (`PackedReader.gpu_view`: a ``functools.partial``), None: the whole row."""
+
+    def make(self, arrays: dict[str, np.ndarray], r: int) -> dict[str, np.ndarray]:
+        """Row `r` of a shard's arrays (a view's RolltoolError is the caller's to place)."""
+        row = unpack_row(arrays, r)
+        if self.hybrid_cp is not None:
+            row |= hybrid_fields(arrays, r, self.hybrid_cp)
+        elif self.shared:  # prefixes stored once (`rolltool.format.prefix`)
+            row = shared_view(row, row_parent(arrays, r))
+        return row if self.view is None else self.view(row)
+
+
+class RowSource(NamedTuple):
+    """Where a row of a local shard lies and what makes it: enough for another process of the
+    machine to map the same file and make the same row (`rebuild_row`) without the checks,
+    which the process that made this ran on the file `identity` names. A NamedTuple: made for
+    every row, pickled for every DataLoader worker's item (~0.5 kB with it)."""
+
+    path: str  # the shard (absolute), as `_map_file` mapped it
+    identity: FileIdentity  # that file's, when mapped (and checked)
+    row: int  # its row in the shard
+    recipe: RowRecipe
+
+
+_REBUILT: OrderedDict[str, tuple[FileIdentity, dict[str, np.ndarray]]] = OrderedDict()
+"""This process's maps of the shards `rebuild_row` reads (their arrays by path), the most
+recent last; a DataLoader's workers interleave a few shards at a time."""
+_REBUILT_KEEP = 8
+_REBUILT_LOCK = threading.Lock()  # the DataLoader's pin-memory thread unpickles items too
+
+
+def rebuild_row(source: RowSource) -> dict[str, np.ndarray]:
+    """The row `source` names, made in this process as the process that checked it made it:
+    the shard mapped private here (the maps of the last few kept), the same views of it
+    (`_views`) and `RowRecipe.make`, no checks. A shard that is no longer the file checked
+    (another `FileIdentity`: replaced, rewritten, gone) is a `RolltoolError`, never other rows.
+
+    A shard mapped here is the file checked for as long as its map is kept: a file replaced
+    since leaves the map as it was (its old inode); only a write into the file itself reaches
+    a map, as for any reader of a memory-mapped file."""
+    with _REBUILT_LOCK:
+        kept = _REBUILT.get(source.path)
+        if kept is None or kept[0] != source.identity:
+            kept = (source.identity, _remap(source))
+            _REBUILT[source.path] = kept
+            while len(_REBUILT) > _REBUILT_KEEP:
+                _REBUILT.popitem(last=False)
+        else:
+            _REBUILT.move_to_end(source.path)
+    try:
+        return source.recipe.make(kept[1], source.row)
+    except RolltoolError as e:
+        raise _bad(source.path, f"row {source.row}: {e.message}") from None
+
+
+def _remap(source: RowSource) -> dict[str, np.ndarray]:
+    mapped = _map_file(source.path)
+    if mapped is None or mapped.identity != source.identity:
+        was = dict(zip(("device", "inode", "size", "mtime_ns"), source.identity, strict=True))
+        now = (
+            "it is gone or unreadable"
+            if mapped is None
+            else "; ".join(
+                f"{k} {was[k]} -> {v}"
+                for k, v in zip(was, mapped.identity, strict=True)
+                if was[k] != v
+            )
+        )
+        raise RolltoolError(
+            f"{source.path}: the shard changed on disk after a DataLoader worker read and "
+            f"checked it ({now}); its rows are not served",
+            hint="do not rewrite or replace a packed directory while a trainer reads it; " + _HINT,
+        )
+    return _views(mapped, header_of(mapped, source.path), source.path)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
 class RowRef:
     """Where one micro-batch (a packed row) of a rank lies: row `row` of shard `file`."""
 
@@ -669,23 +786,38 @@ class PackedReader:
         if torch:
             # below this module; imported here, not on top, because it imports torch
             from rolltool.packed.tensors import to_tensors
-        view = self.gpu_view(sp_rank=sp_rank, cp_rank=cp_rank)
-        path, arrays = None, None
+        for row, _ in self.sourced_rows(refs, sp_rank=sp_rank, cp_rank=cp_rank):
+            yield to_tensors(row) if to_tensors is not None else row
+
+    def sourced_rows(
+        self, refs: Iterable[RowRef], *, sp_rank: int | None = None, cp_rank: int | None = None
+    ) -> Iterator[tuple[dict[str, np.ndarray], RowSource | None]]:
+        """`read_rows`' NumPy rows, each with its `RowSource`: where another process finds it
+        (`rebuild_row`); None for a shard in no `PrivateMap` (read whole from object storage,
+        or through `map_tensors`)."""
+        recipe = self.row_recipe(sp_rank=sp_rank, cp_rank=cp_rank)
+        path, arrays, mapped = None, None, None
         for ref in refs:
             if ref.file.path != path:
                 path, arrays = ref.file.path, self._open_shard(ref.file)
+                mapped = _private_map(arrays["row_offsets"])
             assert arrays is not None
-            row = unpack_row(arrays, ref.row)
-            if self.split.hybrid:
-                row |= hybrid_fields(arrays, ref.row, self.split.cp)
-            elif self.shared:  # prefixes stored once (`rolltool.format.prefix`)
-                row = shared_view(row, row_parent(arrays, ref.row))
-            if view is not None:
-                try:
-                    row = view(row)
-                except RolltoolError as e:
-                    raise _bad(self._at(ref.file.path), f"row {ref.row}: {e.message}") from None
-            yield to_tensors(row) if to_tensors is not None else row
+            try:
+                row = recipe.make(arrays, ref.row)
+            except RolltoolError as e:
+                raise _bad(self._at(ref.file.path), f"row {ref.row}: {e.message}") from None
+            source = (
+                None if mapped is None else RowSource(mapped.path, mapped.identity, ref.row, recipe)
+            )
+            yield row, source
+
+    def row_recipe(self, *, sp_rank: int | None = None, cp_rank: int | None = None) -> RowRecipe:
+        """How this directory's rows are made, for one GPU's view (`gpu_view`)."""
+        return RowRecipe(
+            hybrid_cp=self.split.cp if self.split.hybrid else None,
+            shared=self.shared,
+            view=self.gpu_view(sp_rank=sp_rank, cp_rank=cp_rank),
+        )
 
     def gpu_view(
         self, *, sp_rank: int | None = None, cp_rank: int | None = None

@@ -29,11 +29,21 @@ nothing, stored arrays (``input_ids``, ``loss_mask``, ``logprobs``, ``sample_ind
 the map (a write to one copies the page written, never reaching the file) and derived arrays
 computed into fresh memory (`rolltool.packed.tensors.to_tensors`). With ``pin_memory=True`` (no
 workers) every array is copied once into one pinned buffer per row, ready for ``.to(device,
-non_blocking=True)``; `prefetch` issues the next row's transfer while the current one is used. In a worker the row's buffer is allocated in
-shared memory, so handing it to the main process copies nothing more (a DataLoader's
-``pin_memory=True`` then copies it once more into pinned memory: pinned pages cannot cross
-processes). Reading is cheap next to a training step, and passing tensors between processes
-costs more than it saves (docs/performance.md, "loading"): prefer ``num_workers=0``.
+non_blocking=True)``; `prefetch` issues the next row's transfer while the current one is used.
+
+**Workers.** A worker's item crosses to the main process by reference (`WorkerItem`): the
+worker maps and checks the shard and makes the item; the DataLoader's queue carries where its
+row lies (~0.5 kB); the main process maps the same file private itself (kept per process),
+refuses it if it is not the file the worker checked (device, inode, size, mtime) and makes the
+same tensors as a 0-worker read (`_rebuild`). No tensor goes through shared memory, whose
+fresh pages made two workers ~10x slower than none on the development VM; an item of a remote
+shard (read whole), or one changed in the worker, still does. A DataLoader's
+``pin_memory=True`` copies each item once into pinned memory (in its pin-memory thread, which
+then also makes the rows). Two workers still read ~4-7x slower than none on the 2-core
+development VM (docs/performance.md, "loading"): starting, feeding and stopping a 2-worker
+DataLoader costs about a whole 0-worker pass there, and the row is made twice (in the worker
+and again in the main process). Prefer ``num_workers=0`` unless the workers run a per-row
+transform worth a process.
 """
 
 from __future__ import annotations
@@ -42,9 +52,11 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch._utils import ExceptionWrapper
 from torch.utils.data import IterableDataset, get_worker_info
 
 from rolltool.errors import RolltoolError
+from rolltool.packed.core import RowSource, rebuild_row
 from rolltool.packed.tensors import to_tensors
 
 if TYPE_CHECKING:
@@ -71,6 +83,71 @@ class MicroBatch(dict[str, Any]):
         """A shallow copy as a dict copies (the DataLoader's ``default_convert`` copies every
         item: ``copy.copy`` of a dict subclass otherwise goes through ``__reduce_ex__``)."""
         return type(self)(self)
+
+
+class WorkerItem(MicroBatch):
+    """A DataLoader worker's `MicroBatch` of a local shard: plain tensors (no shared memory), and
+    a pickling that hands the main process where the row lies instead of its tensors.
+
+    The DataLoader's queue pickles every worker item (torch's ``ForkingPickler``, which moves a
+    tensor's storage into shared memory: fresh memory for every row, whose page faults made two
+    workers ~10x slower than none on the development VM). This item pickles as its
+    `rolltool.packed.core.RowSource` (~0.5 kB): the main process maps the same shard private
+    (kept per process) and makes the row as a 0-worker read does (`_rebuild`): the same
+    tensors, the stored arrays wrapped in the map, the derived ones computed again (~0.05-0.2 ms a
+    row; sent through the queue's pipe instead they cost the main process ~1.5-2.7 ms). A shard
+    that is no longer the file the worker checked is refused there. An item changed in the
+    worker after it was made (a key added or replaced, a tensor written: its ``_version``)
+    pickles as a plain `MicroBatch`, its tensors through shared memory."""
+
+    source: RowSource
+    made: tuple[tuple[str, Any, int], ...]
+    """(key, value, the tensor's ``_version`` or -1) of every entry, as made."""
+
+    @classmethod
+    def of(
+        cls, step: int, micro_batch: int, tensors: dict[str, Any], source: RowSource
+    ) -> WorkerItem:
+        item = cls(step=step, micro_batch=micro_batch)
+        item.update(tensors)
+        item.source = source
+        item.made = tuple((k, v, getattr(v, "_version", -1)) for k, v in item.items())
+        return item
+
+    def __copy__(self) -> WorkerItem:
+        new = type(self)(self)
+        new.source, new.made = self.source, self.made
+        return new
+
+    def _unchanged(self) -> bool:
+        if len(self) != len(self.made):
+            return False
+        return all(
+            key == k and value is v and getattr(value, "_version", -1) == version
+            for (key, value), (k, v, version) in zip(self.items(), self.made, strict=True)
+        )
+
+    def __reduce__(self) -> Any:
+        if not self._unchanged():
+            return MicroBatch, (dict(self),)
+        return _rebuild, (self.source, tuple(self), self["step"], self["micro_batch"])
+
+
+def _rebuild(source: RowSource, keys: tuple[str, ...], step: int, micro_batch: int) -> Any:
+    """A `WorkerItem` unpickled in the main process: its row made here, as a `MicroBatch`. A
+    `RolltoolError` (the shard changed since the worker checked it) comes back as torch's
+    ``ExceptionWrapper``, which the DataLoader re-raises in the main process as it does a
+    worker's error: raised here, inside the queue's unpickling, it would kill a DataLoader's
+    pin-memory thread ("Pin memory thread exited unexpectedly") instead."""
+    try:
+        row = rebuild_row(source)
+    except RolltoolError:
+        return ExceptionWrapper(where="in the main process, making a DataLoader worker's item")
+    item = MicroBatch(step=step, micro_batch=micro_batch)
+    item.update(to_tensors(row))
+    if tuple(item) != keys:  # pragma: no cover - one recipe makes both: a bug
+        raise AssertionError(f"rebuilt {tuple(item)}, the worker made {keys}")
+    return item
 
 
 def _refuse_batching(batch: Any, *, collate_fn_map: Any = None) -> Any:
@@ -149,11 +226,19 @@ class RankRows(IterableDataset[MicroBatch]):
         return self._rows(first, stride, shared=info is not None)
 
     def _rows(self, first: int, stride: int, *, shared: bool) -> Iterator[MicroBatch]:
+        """Stream rows first, first + stride, ...; `shared` (in a DataLoader worker): items
+        that cross to the main process, by reference (`WorkerItem`) when their shard is a
+        local map, else in shared memory (a remote shard, read whole)."""
         refs = self.ds.rank_rows(self.rank)[first::stride]
-        rows = self.ds.read_rows(refs, sp_rank=self.gpu["sp_rank"], cp_rank=self.gpu["cp_rank"])
-        for ref, row in zip(refs, rows, strict=True):
-            item = MicroBatch(step=ref.step, micro_batch=ref.micro_batch)
-            item.update(to_tensors(row, pin_memory=self.pin_memory, shared=shared))
+        gpu = self.gpu
+        rows = self.ds.sourced_rows(refs, sp_rank=gpu["sp_rank"], cp_rank=gpu["cp_rank"])
+        for ref, (row, source) in zip(refs, rows, strict=True):
+            item: MicroBatch
+            if shared and source is not None:
+                item = WorkerItem.of(ref.step, ref.micro_batch, to_tensors(row), source)
+            else:
+                item = MicroBatch(step=ref.step, micro_batch=ref.micro_batch)
+                item.update(to_tensors(row, pin_memory=self.pin_memory, shared=shared))
             self._next += stride  # before yielding: state_dict() now names the next row
             yield item
 
