@@ -198,12 +198,7 @@ def check_cp(torch: Any, backend: Backend, ds: PackedDataset, row: Row, setup: B
             if not qs:
                 continue
             out = _attend_blocks(torch, backend, setup, qs, ks, vs)
-            start = 0
-            for q, (s, pos) in zip(qs, where, strict=True):
-                got, start = out[start : start + len(q)], start + len(q)
-                real = pos < len(refs[s].out)
-                tally.add(torch, s, got[real], refs[s].out[pos[real]])
-                loss = loss + (got[real] * refs[s].go[pos[real]]).sum()  # padding: no gradient
+            loss = loss + _compared(torch, out, qs, where, refs, tally)
         if setup.backward and torch.is_tensor(loss):
             flat = [x for qkv in local for x in qkv]
             grads = _grads(torch, loss, flat)
@@ -242,12 +237,7 @@ def check_hybrid(torch: Any, backend: Backend, ds: PackedDataset, row: Row, setu
                 if not qs:
                     continue
                 out = _attend_blocks(torch, backend, setup, qs, ks, vs)
-                start = 0
-                for q, (s, pos) in zip(qs, where, strict=True):
-                    got, start = out[start : start + len(q)], start + len(q)
-                    real = pos < len(refs[s].out)
-                    tally.add(torch, s, got[real], refs[s].out[pos[real]])
-                    loss = loss + (got[real] * refs[s].go[pos[real]]).sum()
+                loss = loss + _compared(torch, out, qs, where, refs, tally)
         if setup.backward and torch.is_tensor(loss):
             grads = _grads(torch, loss, [x for qkv in local for x in qkv])
             for members in blocks.values():
@@ -260,6 +250,22 @@ def check_hybrid(torch: Any, backend: Backend, ds: PackedDataset, row: Row, setu
     if sorted(met) != sorted(refs):  # a sample missing from every GPU, or on two
         tally.worst = float("inf")
     return len(refs)
+
+
+def _compared(
+    torch: Any, out: Any, qs: list[Any], where: list[tuple[int, Any]], refs: Any, tally: Tally
+) -> Any:
+    """Each query block's rows of `out` (the blocks' outputs, concatenated) against its sample
+    alone at its positions (`where`), into `tally`; the loss whose gradient the backward check
+    compares: each output times the sample's upstream gradient there (padding: none)."""
+    loss: Any = 0.0
+    start = 0
+    for q, (s, pos) in zip(qs, where, strict=True):
+        got, start = out[start : start + len(q)], start + len(q)
+        real = pos < len(refs[s].out)
+        tally.add(torch, s, got[real], refs[s].out[pos[real]])
+        loss = loss + (got[real] * refs[s].go[pos[real]]).sum()
+    return loss
 
 
 def _plain_blocks(
