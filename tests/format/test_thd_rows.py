@@ -27,6 +27,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from pack_helpers import G, cli, pack, rollouts
+from te_thd import partitioned_indices
 from verify_helpers import kinds
 
 import rolltool
@@ -38,43 +39,16 @@ from rolltool.format.split import GroupSplit, cp_spans
 from rolltool.packed.core import layout_problem
 from rolltool.plan.config import PackConfig
 
-# -- TransformerEngine's THD partitioner, ported ----------------------------------------------
-
-
-def _te_binary_search(target: int, array: list[int], length: int) -> int:
-    """TE's ``binary_search`` (transformer_engine/common/fused_attn/thd_utils.cuh): the last i
-    in [0, length - 2] with array[i] <= target."""
-    left, right = 1, length - 1
-    while left < right:
-        mid = (left + right) // 2
-        if array[mid] <= target:
-            left = mid + 1
-        else:
-            right = mid
-    return left - 1
+# -- TransformerEngine's THD partitioner, ported (tests/te_thd.py) -----------------------------
 
 
 def te_partitioned_indices(
     cu_seqlens_padded: Any, total_tokens: int, world_size: int, rank: int
 ) -> np.ndarray:
-    """TransformerEngine's ``thd_get_partitioned_indices(cu_seqlens, total_tokens, world_size,
-    rank)``, CUDA only (``thd_partition_indices_kernel``), ported line by line to Python: the row
-    positions CP rank `rank` holds, in its local order. The kernel asserts that every entry of
-    ``cu_seqlens`` is a multiple of 2 x world_size (an AssertionError here)."""
-    cu = [int(x) for x in cu_seqlens_padded]
-    batch = len(cu) - 1
-    local = []
-    for seqlen in cu:  # the kernel's first loop, over every boundary (i <= batch)
-        assert seqlen % (world_size * 2) == 0, f"boundary {seqlen} % {2 * world_size} != 0"
-        local.append(seqlen // world_size)
-    out = []
-    for token_id in range(total_tokens // world_size):
-        seq_id = _te_binary_search(token_id, local, batch + 1)
-        seq_len = local[seq_id + 1] - local[seq_id]
-        index = token_id - local[seq_id]
-        offset = rank if index < seq_len // 2 else (world_size - 1) * 2 - rank
-        index += local[seq_id] * world_size + seq_len // 2 * offset
-        out.append(index)
+    """TransformerEngine's ``thd_get_partitioned_indices`` (`te_thd.partitioned_indices`): the
+    row positions CP rank `rank` holds, in its local order; a RuntimeError where TE's checks
+    fail (every boundary of ``cu_seqlens`` a multiple of 2 x world_size)."""
+    out = partitioned_indices([int(x) for x in cu_seqlens_padded], total_tokens, world_size, rank)
     return np.array(out, dtype=np.int64)
 
 
@@ -101,7 +75,7 @@ def test_the_te_port_is_the_zigzag_and_refuses_old_rows() -> None:
     # The rows the issue names: an empty micro-batch's row at --cp 2 (C = 2 padding tokens) and
     # a row of --row-len 201 x cp 2 (a sample of 12 padded tokens, then 390 of row-end padding).
     for cu in ([0, 2], [0, 12, 402]):
-        with pytest.raises(AssertionError):
+        with pytest.raises(RuntimeError, match="world_size \\* 2"):
             te_partitioned_indices(cu, cu[-1], 2, 0)
 
 

@@ -46,19 +46,7 @@ def require(module: str, why: str) -> None:
         )
 
 
-# -- TransformerEngine's THD partitioner, ported ----------------------------------------------
-
-
-def _binary_search(target: int, array: list[int], length: int) -> int:
-    """thd_utils.cu ``binary_search``: the segment of ``array`` (cu_seqlens) holding ``target``."""
-    left, right = 1, length - 1
-    while left < right:
-        mid = (left + right) // 2
-        if array[mid] <= target:
-            left = mid + 1
-        else:
-            right = mid
-    return left - 1
+# -- TransformerEngine's THD partitioner, ported (tests/te_thd.py) -----------------------------
 
 
 def thd_get_partitioned_indices(
@@ -66,41 +54,17 @@ def thd_get_partitioned_indices(
 ) -> Any:
     """``tex.thd_get_partitioned_indices(cu_seqlens_padded, total_tokens, world_size, rank)``:
     [total_tokens / world_size] int32, the row positions CP rank ``rank`` holds (each sequence's
-    chunks ``rank`` and ``2 * world_size - 1 - rank``). A failed ``NVTE_CHECK`` or device
-    ``assert`` of TE's is a RuntimeError here, as TE raises."""
+    chunks ``rank`` and ``2 * world_size - 1 - rank``); TE's host checks on the tensor here, the
+    rest in `te_thd.partitioned_indices`. A failed check is a RuntimeError, as TE raises."""
     import torch
+    from te_thd import partitioned_indices  # tests/: not on the gloo workers' path, nor needed
 
-    def check(ok: bool, what: str) -> None:
-        if not ok:
-            raise RuntimeError(f"TransformerEngine check failed: {what}")
-
-    # attention.cpp: the host checks
-    check(cu_seqlens.dtype == torch.int32, "cu_seqlens.scalar_type() == at::ScalarType::Int")
-    check(cu_seqlens.dim() == 1, "cu_seqlens.dim() == 1")
-    check(cu_seqlens.size(0) >= 2, "cu_seqlens.size(0) >= 2")
-    check(0 <= rank < world_size, "rank >= 0 && rank < world_size")
-    check(world_size > 0, "world_size > 0")
-    check(
-        total_tokens > 0 and total_tokens % (world_size * 2) == 0,
-        f"total_tokens > 0 && total_tokens % (world_size * 2) == 0 ({total_tokens}, {world_size})",
-    )
-    batch = cu_seqlens.size(0) - 1
-    output = torch.empty(total_tokens // world_size, dtype=torch.int32)
-    # thd_partition_indices_kernel: the shared cu_seqlens / world_size
-    cu_seqlens_s = []
-    for i in range(batch + 1):
-        seqlen = int(cu_seqlens[i])
-        check(seqlen % (world_size * 2) == 0, f"seqlen % (world_size * 2) == 0 ({seqlen})")
-        cu_seqlens_s.append(seqlen // world_size)
-    # one thread per output token
-    for token_id in range(total_tokens // world_size):
-        seq_id = _binary_search(token_id, cu_seqlens_s, batch + 1)
-        seq_len = cu_seqlens_s[seq_id + 1] - cu_seqlens_s[seq_id]
-        index = token_id - cu_seqlens_s[seq_id]
-        offset = rank if index < seq_len // 2 else (world_size - 1) * 2 - rank
-        index += cu_seqlens_s[seq_id] * world_size + seq_len // 2 * offset
-        output[token_id] = index
-    return output
+    if cu_seqlens.dtype != torch.int32:
+        raise RuntimeError("TransformerEngine check failed: cu_seqlens.scalar_type() == Int")
+    if cu_seqlens.dim() != 1:
+        raise RuntimeError("TransformerEngine check failed: cu_seqlens.dim() == 1")
+    out = partitioned_indices(cu_seqlens.tolist(), total_tokens, world_size, rank)
+    return torch.tensor(out, dtype=torch.int32)
 
 
 # -- flash-attn's varlen forward, a float32 torch stand-in ------------------------------------
