@@ -21,7 +21,10 @@ Per step (`plan_shared_step`):
    on one micro-batch of one rank; an unshared sample is a unit of its own. A tree whose stored
    tokens exceed the budget is cut into subsets of its samples, in layout order (so samples
    under one nested prefix stay together), each as many as fit, each with its own copy of its
-   chain (`_cut`).
+   chain (`_cut`). Trees are coarse, so the step is also planned with every tree cut to half
+   and to a quarter of the budget (`CUT_PARTS`), and the cheapest lockstep cost is kept (a copy
+   of a chain is counted in it; a finer cut must gain `CUT_GAIN`, and one more micro-batch
+   ``WIDER_GAIN``, to be kept).
 3. **Cost.** A unit costs what is computed: ``c`` per sample, ``a`` per stored token and
    ``b · (end² − start²)`` per segment (its queries over its whole context, prefix keys
    included: a sample alone is ``b · L²``); its tokens are what is stored.
@@ -51,6 +54,8 @@ from rolltool.format import SharedRecord, SharedTokens
 from rolltool.format.layout import PackedRows, SampleTokens
 from rolltool.format.prefix import NO_PARENT, shared_rows
 from rolltool.plan.partition import StepPlan
+from rolltool.plan.partition.metrics import ideal, lockstep_cost
+from rolltool.plan.partition.plan import WIDER_GAIN
 from rolltool.plan.prefix import PrefixForest, SharedLayout, SharingStats, lay_out
 from rolltool.plan.workload import Workload
 
@@ -331,14 +336,39 @@ def plan_shared_step(
         groups.append(
             _Group(g, pos, members, lengths[pos], advantage[pos], forests.get(g), share_min)
         )
-    units = [p for gr in groups for tree in gr.trees() for p in _cut(gr, tree, max_tokens)]
-    cost = np.array([layout_cost(u.layout, workload) for u in units])
-    tokens = np.array([u.tokens for u in units], dtype=np.int64)
-    bins, m, min_m, ffd_m = _place(cost, tokens, dp, max_tokens)
     by_group = {gr.code: gr for gr in groups}
-    laid = [[_merged(by_group, [units[u] for u in b]) for b in row] for row in bins]
-    plan = _step_plan(laid, dp, m, min_m, ffd_m, max_tokens, workload)
-    return plan, _shared_plan(laid, members, env, env_names)
+    best: tuple[float, StepPlan, list[list[list[_Part]]]] | None = None
+    tried: list[tuple[int, ...]] = []
+    for parts in CUT_PARTS:
+        cap = max_tokens // parts
+        units = [p for gr in groups for tree in gr.trees() for p in _cut(gr, tree, cap)]
+        key = [tuple(u.positions.tolist()) for u in units]
+        if key == tried:  # no tree was over this cut: the same units as the last one
+            continue
+        tried = key
+        cost = np.array([layout_cost(u.layout, workload) for u in units])
+        tokens = np.array([u.tokens for u in units], dtype=np.int64)
+        bins, m, min_m, ffd_m = _place(cost, tokens, dp, max_tokens)
+        laid = [[_merged(by_group, [units[u] for u in b]) for b in row] for row in bins]
+        plan = _step_plan(laid, dp, m, min_m, ffd_m, max_tokens, workload)
+        score = lockstep_cost(plan.costs)
+        if best is not None:
+            extra = plan.num_micro_batches - best[1].num_micro_batches
+            score += WIDER_GAIN * ideal(best[1].costs) * extra
+        if best is None or score < best[0] * (1 - CUT_GAIN):
+            best = (lockstep_cost(plan.costs), plan, laid)
+    assert best is not None
+    return best[1], _shared_plan(best[2], members, env, env_names)
+
+
+CUT_PARTS = (1, 2, 4)
+"""Trees are cut into parts of at most ``budget / d`` stored tokens for each d here (1: only
+trees over the budget are cut), each cut planned, the lightest lockstep cost kept: trees are
+coarse units, and a cut copies its prefix chain (counted in the cost) but lets the micro-batches
+even out."""
+
+CUT_GAIN = 1e-3
+"""A finer cut must lower the step's lockstep cost by this much (relative) to be kept."""
 
 
 def _merged(groups: Mapping[int, _Group], units: Sequence[_Part]) -> list[_Part]:

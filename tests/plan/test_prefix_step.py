@@ -123,10 +123,11 @@ def test_a_shared_plan_places_every_sample_under_the_cap(seed: int, dp: int) -> 
                 np.testing.assert_array_equal(got, tokens[i])
     whole = [lay_out(f.forest) for f in forests.values()]
     ideal = sum(layout_cost(lay, w) for lay in whole)
-    if cap >= max(int(lay.cu_seqlens[-1]) for lay in whole):  # no tree is cut: costs add up
+    if shared.record.stored == sum(int(lay.cu_seqlens[-1]) for lay in whole):  # no tree cut
         assert plan.costs.sum() == pytest.approx(ideal, rel=1e-12)
-    else:  # a cut tree computes its prefix again
+    else:  # a cut tree (over the budget, or cut for balance) computes its prefix again
         assert plan.costs.sum() >= ideal * (1 - 1e-12)
+        assert shared.record.stored > sum(int(lay.cu_seqlens[-1]) for lay in whole)
 
 
 def test_evening_lowers_the_costliest_micro_batch_within_the_cap() -> None:
@@ -237,3 +238,40 @@ def test_a_pass_with_the_advantages_is_kept_whole() -> None:
         rb = restrict(gb, np.arange(len(adv)), adv, 3)
         differ += int(lay_out(rb).cu_seqlens[-1]) > int(lay_out(f).cu_seqlens[-1])
     assert differ > 0  # without them the pass can miss prefixes: the case is exercised
+
+
+def test_trees_are_cut_for_balance_only_where_the_step_gets_cheaper(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two big trees and nothing else on 4 ranks: whole, two ranks idle; cut into parts (each
+    with its own prompt copy, counted in the cost), all four busy and the step cheaper. The
+    chosen plan is the cheapest of the cuts tried (whole-tree placement alone: CUT_PARTS (1,))."""
+    import rolltool.plan.prefix_step as ps
+    from rolltool.plan.partition.metrics import lockstep_cost
+
+    rng = np.random.default_rng(7)
+    members, codes, forests, tokens = [], [], {}, []
+    for gi in range(2):
+        prompt = rng.integers(1, 50, 40)
+        ids = [np.r_[prompt, rng.integers(1, 50, 60)] for _ in range(8)]
+        mask = [np.r_[np.zeros(40), np.ones(60)].astype(np.int8) for _ in ids]
+        g = GroupTokens(ids, mask, [np.zeros(len(x)) for x in ids])
+        start = len(members)
+        f = detect(g, 3)
+        members += range(start, start + 8)
+        codes += [gi] * 8
+        tokens += ids
+        forests[gi] = GroupForest(np.arange(start, start + 8), f, first_trained(f, mask))
+    lengths = np.array([len(t) for t in tokens])
+    args = (np.array(members), lengths, np.array(codes), np.zeros(16, np.float32),
+            np.zeros(16, np.int64), ["math"], forests)  # fmt: skip
+    kw = dict(dp=4, max_tokens=1000, workload=make_workload("flops"), share_min=3)
+    plan, shared = plan_shared_step(*args, **kw)
+    monkeypatch.setattr(ps, "CUT_PARTS", (1,))
+    whole, whole_shared = plan_shared_step(*args, **kw)
+    assert (whole.costs.sum(axis=1) == 0).sum() == 2  # whole trees: two ranks idle
+    assert (plan.costs.sum(axis=1) > 0).all()
+    assert lockstep_cost(plan.costs) < lockstep_cost(whole.costs)
+    assert shared.record.stored > whole_shared.record.stored  # the prompt copied per part
+    placed = np.concatenate([mb for row in plan.micro_batches for mb in row])
+    assert sorted(placed.tolist()) == list(range(16)) and plan.tokens.max() <= 1000
