@@ -22,9 +22,10 @@ Per step (`plan_shared_step`):
    tokens exceed the budget is cut into subsets of its samples, in layout order (so samples
    under one nested prefix stay together), each as many as fit, each with its own copy of its
    chain (`_cut`). Trees are coarse, so the step is also planned with every tree cut to half
-   and to a quarter of the budget (`CUT_PARTS`), and the cheapest lockstep cost is kept (a copy
-   of a chain is counted in it; a finer cut must gain `CUT_GAIN`, and one more micro-batch
-   ``WIDER_GAIN``, to be kept).
+   and to a quarter of the budget (`CUT_PARTS`), each set of units placed by step 4 and by
+   the lockstep planner over the units (`_placements`), and the cheapest lockstep cost is kept
+   (a copy of a chain is counted in it; a finer cut or the other placement must gain
+   `CUT_GAIN`, and one more micro-batch ``WIDER_GAIN``, to be kept).
 3. **Cost.** A unit costs what is computed: ``c`` per sample, ``a`` per stored token and
    ``b · (end² − start²)`` per segment (its queries over its whole context, prefix keys
    included: a sample alone is ``b · L²``); its tokens are what is stored.
@@ -53,7 +54,7 @@ from rolltool.errors import RolltoolError
 from rolltool.format import SharedRecord, SharedTokens
 from rolltool.format.layout import PackedRows, SampleTokens
 from rolltool.format.prefix import NO_PARENT, shared_rows
-from rolltool.plan.partition import StepPlan
+from rolltool.plan.partition import StepPlan, plan_units
 from rolltool.plan.partition.metrics import ideal, lockstep_cost
 from rolltool.plan.partition.plan import WIDER_GAIN
 from rolltool.plan.prefix import PrefixForest, SharedLayout, SharingStats, lay_out
@@ -348,15 +349,15 @@ def plan_shared_step(
         tried = key
         cost = np.array([layout_cost(u.layout, workload) for u in units])
         tokens = np.array([u.tokens for u in units], dtype=np.int64)
-        bins, m, min_m, ffd_m = _place(cost, tokens, dp, max_tokens)
-        laid = [[_merged(by_group, [units[u] for u in b]) for b in row] for row in bins]
-        plan = _step_plan(laid, dp, m, min_m, ffd_m, max_tokens, workload)
-        score = lockstep_cost(plan.costs)
-        if best is not None:
-            extra = plan.num_micro_batches - best[1].num_micro_batches
-            score += WIDER_GAIN * ideal(best[1].costs) * extra
-        if best is None or score < best[0] * (1 - CUT_GAIN):
-            best = (lockstep_cost(plan.costs), plan, laid)
+        for bins, m, min_m, ffd_m in _placements(units, cost, tokens, dp, max_tokens, workload):
+            laid = [[_merged(by_group, [units[u] for u in b]) for b in row] for row in bins]
+            plan = _step_plan(laid, dp, m, min_m, ffd_m, max_tokens, workload)
+            score = lockstep_cost(plan.costs)
+            if best is not None:
+                extra = plan.num_micro_batches - best[1].num_micro_batches
+                score += WIDER_GAIN * ideal(best[1].costs) * extra
+            if best is None or score < best[0] * (1 - CUT_GAIN):
+                best = (lockstep_cost(plan.costs), plan, laid)
     assert best is not None
     return best[1], _shared_plan(best[2], members, env, env_names)
 
@@ -369,6 +370,28 @@ even out."""
 
 CUT_GAIN = 1e-3
 """A finer cut must lower the step's lockstep cost by this much (relative) to be kept."""
+
+
+def _placements(
+    units: Sequence[_Part],
+    cost: np.ndarray,
+    tokens: np.ndarray,
+    dp: int,
+    cap: int,
+    workload: Workload,
+) -> Iterator[tuple[list[list[list[int]]], int, int, int]]:
+    """The units' placements to compare, each (grid of unit lists, M, token bound, FFD's M):
+    this module's (`_place`), then the lockstep planner's over the units as priced items
+    (`rolltool.plan.partition.plan_units`: its candidates, refill and polish)."""
+    yield _place(cost, tokens, dp, cap)
+    if not len(units):
+        return
+    quad = np.array([workload.b * float((u.layout.end.astype(np.float64) ** 2
+                                         - u.layout.start.astype(np.float64) ** 2).sum())
+                     for u in units])  # fmt: skip
+    grid, ffd_m, min_m = plan_units(cost, tokens, quad, dp=dp, max_tokens=cap)
+    m = len(grid[0]) if grid else 0
+    yield [[b.tolist() for b in row] for row in grid], m, min_m, ffd_m
 
 
 def _merged(groups: Mapping[int, _Group], units: Sequence[_Part]) -> list[_Part]:

@@ -275,3 +275,40 @@ def test_trees_are_cut_for_balance_only_where_the_step_gets_cheaper(
     assert shared.record.stored > whole_shared.record.stored  # the prompt copied per part
     placed = np.concatenate([mb for row in plan.micro_batches for mb in row])
     assert sorted(placed.tolist()) == list(range(16)) and plan.tokens.max() <= 1000
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_kept_plan_is_never_costlier_than_whole_trees_placed_greedily(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Of the cuts x placers tried, the kept plan's lockstep cost is at most the first
+    candidate's (whole trees, this module's placer), unless it saves micro-batches."""
+    import rolltool.plan.prefix_step as ps
+    from rolltool.plan.partition.metrics import lockstep_cost
+
+    rng = np.random.default_rng(300 + seed)
+    members, codes, forests, tokens = [], [], {}, []
+    for gi in range(int(rng.integers(3, 12))):
+        g = _group(rng, int(rng.integers(2, 9)))
+        start = len(members)
+        f = detect(g, 3)
+        members += range(start, start + len(g.input_ids))
+        codes += [gi] * len(g.input_ids)
+        tokens += list(g.input_ids)
+        forests[gi] = GroupForest(np.arange(start, start + len(g.input_ids)), f,
+                                  first_trained(f, g.loss_mask))  # fmt: skip
+    n = len(members)
+    lengths = np.array([len(t) for t in tokens])
+    args = (np.array(members), lengths, np.array(codes), np.zeros(n, np.float32),
+            np.zeros(n, np.int64), ["math"], forests)  # fmt: skip
+    kw = dict(dp=int(rng.integers(2, 5)), max_tokens=int(lengths.max()) + int(rng.integers(0, 60)),
+              workload=make_workload("flops"), share_min=3)  # fmt: skip
+    kept, _ = plan_shared_step(*args, **kw)
+    monkeypatch.setattr(ps, "CUT_PARTS", (1,))
+    monkeypatch.setattr(ps, "_placements", lambda units, cost, tokens, dp, cap, w: iter(
+        [ps._place(cost, tokens, dp, cap)]))  # fmt: skip
+    first, _ = plan_shared_step(*args, **kw)
+    if kept.num_micro_batches >= first.num_micro_batches:
+        assert lockstep_cost(kept.costs) <= lockstep_cost(first.costs) * (1 + 1e-12)
+    placed = np.concatenate([mb for row in kept.micro_batches for mb in row])
+    assert sorted(placed.tolist()) == list(range(n)) and kept.tokens.max() <= kw["max_tokens"]

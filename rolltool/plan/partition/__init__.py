@@ -18,7 +18,7 @@ from rolltool.plan.partition.balance import (
     part_loads,
     split_labels,
 )
-from rolltool.plan.partition.plan import ALIGNS, StepPlan, plan_step
+from rolltool.plan.partition.plan import ALIGNS, StepPlan, plan_step, plan_units
 
 __all__ = [
     "ALIGNS",
@@ -29,5 +29,6 @@ __all__ = [
     "lower_bound",
     "part_loads",
     "plan_step",
+    "plan_units",
     "split_labels",
 ]

@@ -62,7 +62,7 @@ from rolltool.plan.partition.slots import (
 )
 from rolltool.plan.workload import Workload, make_workload
 
-__all__ = ["ALIGNS", "StepPlan", "plan_step"]
+__all__ = ["ALIGNS", "StepPlan", "plan_step", "plan_units"]
 
 
 WIDER_GAIN = 1e-3
@@ -185,6 +185,22 @@ def plan_step(
         grid, ffd_m, min_m = _total_grid(cost, length, dp, cap, equal_count)
     return _build(grid, length, cost, max_tokens=cap, micro_batch_size=None, ffd_m=ffd_m,
                   min_m=min_m, short=[], **settings)  # fmt: skip
+
+
+def plan_units(
+    cost: np.ndarray, tokens: np.ndarray, quad: np.ndarray, *, dp: int, max_tokens: int
+) -> tuple[list[list[np.ndarray]], int, int]:
+    """`plan_step`'s lockstep plan of items priced by the caller: ``cost`` [n] what each costs
+    (``quad`` [n] its L² part, for the polish's misfit models), ``tokens`` [n] what it holds
+    under the cap (each <= ``max_tokens``). For units whose cost is not a function of their
+    length: a shared-prefix tree (`rolltool.plan.prefix_step`). Returns the ``[dp][M]`` grid of
+    item indices, FFD's micro-batch count and the token bound."""
+    length = np.asarray(tokens, dtype=np.int64)
+    price = np.asarray(cost, dtype=np.float64)
+    seen: list[Grid] = []
+    grid, ffd_m, min_m = _best_lockstep(price, length, dp, max_tokens, False, seen)
+    grid = _polished(grid, seen, length, price, np.asarray(quad, dtype=np.float64), max_tokens)
+    return grid, ffd_m, min_m
 
 
 def _check_args(
