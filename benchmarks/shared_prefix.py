@@ -27,8 +27,8 @@ The last column checks exactness: max |Δ log p| over every sample's targets, sh
 ``--synth`` first prints, for `rolltool synth --shared-prompts` data (`SYNTH_CASES`: the
 default env mix, math with 8 rollouts behind a 4k prompt, agent alone) packed ``--dp 8
 --share-prefix``, the tokens and attention pairs the pack's step records count unshared and
-stored, and the dense-7b TFLOPs they cost (no step time: these packs are too large for the tiny
-model on CPU).
+stored, the dense-7b TFLOPs they cost, and the step time the plans give on the planning model
+(no measured step time: these packs are too large for the tiny model on CPU).
 
 The ``packed`` rows run the same through the real pipeline: --packed-groups grpo groups
 written as a rollout Parquet file, ``rolltool pack --dp 1 --micro-batch-tokens 16384``
@@ -41,7 +41,10 @@ packs (found through the chains).
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -315,18 +318,26 @@ SYNTH_CASES = {
 
 def synth_rows(w: Any) -> None:
     """Per `SYNTH_CASES` entry: tokens unshared and stored, attention pairs and dense-7b training
-    TFLOPs (a per token, 2b per pair), summed over the pack's step records (``plan.shared``)."""
-    print("| data | tokens unshared | stored | attention pairs | 7B TFLOPs |")
-    print("|---|---:|---:|---:|---:|")
+    TFLOPs (a per token, 2b per pair), summed over the pack's step records (``plan.shared``),
+    and the step time the plans give (Σ_j max_r of computed cost, ``rolltool stats --json``
+    ``step_cost`` summed over the steps) of the same data packed unshared and shared."""
+    print("| data | tokens unshared | stored | attention pairs | 7B TFLOPs | step time (model) |")
+    print("|---|---:|---:|---:|---:|---:|")
     for name, case in SYNTH_CASES.items():
         case = dict(case)
         batch = case.pop("batch_size")
+        times = {}
         with tempfile.TemporaryDirectory() as tmp:
             src = Path(tmp) / "in.parquet"
             pq.write_table(generate(SynthConfig(shared_prompts=True, **case)), src)
-            config = PackConfig(dp=8, share_prefix=True, steps=StepConfig(batch_size=batch))
-            run_pack([str(src)], Path(tmp) / "out", config, force=True)
-            ds = rolltool.open_packed(Path(tmp) / "out")
+            for share in (False, True):
+                out = Path(tmp) / f"out-{share}"
+                config = PackConfig(dp=8, share_prefix=share, steps=StepConfig(batch_size=batch))
+                run_pack([str(src)], out, config, force=True)
+                report = subprocess.run([sys.executable, "-m", "rolltool", "stats", str(out),
+                                         "--json"], capture_output=True, text=True, check=True)  # fmt: skip
+                times[share] = sum(st["step_cost"] for st in json.loads(report.stdout)["steps"])
+            ds = rolltool.open_packed(Path(tmp) / "out-True")
             rec = [st.plan.shared for st in ds.manifest.steps]
         tok = sum(r.tokens for r in rec)
         kept = sum(r.stored for r in rec)
@@ -335,7 +346,8 @@ def synth_rows(w: Any) -> None:
         flops = (w.a * tok + 2 * w.b * pairs) / 1e12, (w.a * kept + 2 * w.b * shared) / 1e12
         print(f"| {name} | {tok:,} | {kept:,} ({tok / kept:.2f}x fewer) | {pairs / 1e9:.2f}G -> "
               f"{shared / 1e9:.2f}G ({pairs / shared:.2f}x) | {flops[0]:,.0f} -> {flops[1]:,.0f} "
-              f"({flops[0] / flops[1]:.2f}x) |")  # fmt: skip
+              f"({flops[0] / flops[1]:.2f}x) | {times[False]:.3e} -> {times[True]:.3e} "
+              f"({times[False] / times[True]:.2f}x) |")  # fmt: skip
     print()
 
 

@@ -22,10 +22,10 @@ Per step (`plan_shared_step`):
    tokens exceed the budget is cut into subsets of its samples, in layout order (so samples
    under one nested prefix stay together), each as many as fit, each with its own copy of its
    chain (`_cut`). Trees are coarse, so the step is also planned with every tree cut to half
-   and to a quarter of the budget (`CUT_PARTS`), each set of units placed by step 4 and by
-   the lockstep planner over the units (`_placements`), and the cheapest lockstep cost is kept
-   (a copy of a chain is counted in it; a finer cut or the other placement must gain
-   `CUT_GAIN`, and one more micro-batch ``WIDER_GAIN``, to be kept).
+   and to a quarter of the budget, and into single samples (`CUT_AT`), each set of units
+   placed by step 4 and by the lockstep planner over the units (`_placements`), and the
+   cheapest lockstep cost is kept (a copy of a chain is counted in it; a finer cut or the
+   other placement must gain `CUT_GAIN`, and one more micro-batch ``WIDER_GAIN``, to be kept).
 3. **Cost.** A unit costs what is computed: ``c`` per sample, ``a`` per stored token and
    ``b · (end² − start²)`` per segment (its queries over its whole context, prefix keys
    included: a sample alone is ``b · L²``); its tokens are what is stored.
@@ -340,8 +340,8 @@ def plan_shared_step(
     by_group = {gr.code: gr for gr in groups}
     best: tuple[float, StepPlan, list[list[list[_Part]]]] | None = None
     tried: list[tuple[int, ...]] = []
-    for parts in CUT_PARTS:
-        cap = max_tokens // parts
+    for fraction in CUT_AT:
+        cap = int(max_tokens * fraction)
         units = [p for gr in groups for tree in gr.trees() for p in _cut(gr, tree, cap)]
         key = [tuple(u.positions.tolist()) for u in units]
         if key == tried:  # no tree was over this cut: the same units as the last one
@@ -362,11 +362,13 @@ def plan_shared_step(
     return best[1], _shared_plan(best[2], members, env, env_names)
 
 
-CUT_PARTS = (1, 2, 4)
-"""Trees are cut into parts of at most ``budget / d`` stored tokens for each d here (1: only
-trees over the budget are cut), each cut planned, the lightest lockstep cost kept: trees are
-coarse units, and a cut copies its prefix chain (counted in the cost) but lets the micro-batches
-even out."""
+CUT_AT = (1.0, 0.5, 0.25, 0.0)
+"""Trees are cut into parts of at most this fraction of the budget in stored tokens, each cut
+planned, the lightest lockstep cost kept: trees are coarse units, and a cut copies its prefix
+chain (counted in the cost) but lets the micro-batches even out. 1.0: only trees over the budget
+are cut; 0.0: every sample its own unit, the unshared placement (a micro-batch's samples of one
+group are still laid out together, `_merged`), so sharing never plans a step slower than not
+sharing would (a step of 3 groups over 8 ranks)."""
 
 CUT_GAIN = 1e-3
 """A finer cut must lower the step's lockstep cost by this much (relative) to be kept."""

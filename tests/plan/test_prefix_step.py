@@ -245,7 +245,7 @@ def test_trees_are_cut_for_balance_only_where_the_step_gets_cheaper(
 ) -> None:
     """Two big trees and nothing else on 4 ranks: whole, two ranks idle; cut into parts (each
     with its own prompt copy, counted in the cost), all four busy and the step cheaper. The
-    chosen plan is the cheapest of the cuts tried (whole-tree placement alone: CUT_PARTS (1,))."""
+    chosen plan is the cheapest of the cuts tried (whole-tree placement alone: CUT_AT (1.0,))."""
     import rolltool.plan.prefix_step as ps
     from rolltool.plan.partition.metrics import lockstep_cost
 
@@ -267,7 +267,7 @@ def test_trees_are_cut_for_balance_only_where_the_step_gets_cheaper(
             np.zeros(16, np.int64), ["math"], forests)  # fmt: skip
     kw = dict(dp=4, max_tokens=1000, workload=make_workload("flops"), share_min=3)
     plan, shared = plan_shared_step(*args, **kw)
-    monkeypatch.setattr(ps, "CUT_PARTS", (1,))
+    monkeypatch.setattr(ps, "CUT_AT", (1.0,))
     whole, whole_shared = plan_shared_step(*args, **kw)
     assert (whole.costs.sum(axis=1) == 0).sum() == 2  # whole trees: two ranks idle
     assert (plan.costs.sum(axis=1) > 0).all()
@@ -304,7 +304,7 @@ def test_the_kept_plan_is_never_costlier_than_whole_trees_placed_greedily(
     kw = dict(dp=int(rng.integers(2, 5)), max_tokens=int(lengths.max()) + int(rng.integers(0, 60)),
               workload=make_workload("flops"), share_min=3)  # fmt: skip
     kept, _ = plan_shared_step(*args, **kw)
-    monkeypatch.setattr(ps, "CUT_PARTS", (1,))
+    monkeypatch.setattr(ps, "CUT_AT", (1.0,))
     monkeypatch.setattr(ps, "_placements", lambda units, cost, tokens, dp, cap, w: iter(
         [ps._place(cost, tokens, dp, cap)]))  # fmt: skip
     first, _ = plan_shared_step(*args, **kw)
