@@ -367,8 +367,8 @@ CUT_AT = (1.0, 0.5, 0.25, 0.0)
 planned, the lightest lockstep cost kept: trees are coarse units, and a cut copies its prefix
 chain (counted in the cost) but lets the micro-batches even out. 1.0: only trees over the budget
 are cut; 0.0: every sample its own unit, the unshared placement (a micro-batch's samples of one
-group are still laid out together, `_merged`), so sharing never plans a step slower than not
-sharing would (a step of 3 groups over 8 ranks)."""
+group are still laid out together, `_merged`), so sharing never plans a step more than
+`CUT_GAIN` slower than not sharing would (a step of 3 groups over 8 ranks)."""
 
 CUT_GAIN = 1e-3
 """A finer cut must lower the step's lockstep cost by this much (relative) to be kept."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from rolltool.plan.partition import plan_step
 from rolltool.plan.prefix import GroupTokens, detect, lay_out
 from rolltool.plan.prefix_step import (
     GroupForest,
@@ -282,7 +283,8 @@ def test_the_kept_plan_is_never_costlier_than_whole_trees_placed_greedily(
     seed: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Of the cuts x placers tried, the kept plan's lockstep cost is at most the first
-    candidate's (whole trees, this module's placer), unless it saves micro-batches."""
+    candidate's (whole trees, this module's placer) and within CUT_GAIN of the unshared plan's
+    (`plan_step` over the samples), unless it saves micro-batches."""
     import rolltool.plan.prefix_step as ps
     from rolltool.plan.partition.metrics import lockstep_cost
 
@@ -304,6 +306,9 @@ def test_the_kept_plan_is_never_costlier_than_whole_trees_placed_greedily(
     kw = dict(dp=int(rng.integers(2, 5)), max_tokens=int(lengths.max()) + int(rng.integers(0, 60)),
               workload=make_workload("flops"), share_min=3)  # fmt: skip
     kept, _ = plan_shared_step(*args, **kw)
+    unshared = plan_step(lengths, dp=kw["dp"], max_tokens=kw["max_tokens"], workload=kw["workload"])
+    if kept.num_micro_batches >= unshared.num_micro_batches:  # sharing never plans it slower
+        assert lockstep_cost(kept.costs) <= lockstep_cost(unshared.costs) * (1 + ps.CUT_GAIN)
     monkeypatch.setattr(ps, "CUT_AT", (1.0,))
     monkeypatch.setattr(ps, "_placements", lambda units, cost, tokens, dp, cap, w: iter(
         [ps._place(cost, tokens, dp, cap)]))  # fmt: skip
