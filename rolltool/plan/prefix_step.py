@@ -339,10 +339,11 @@ def plan_shared_step(
         )
     by_group = {gr.code: gr for gr in groups}
     best: tuple[float, StepPlan, list[list[list[_Part]]]] | None = None
-    tried: list[tuple[int, ...]] = []
+    tried: list[tuple[int, ...]] | None = None
+    trees = [(gr, tree) for gr in groups for tree in gr.trees()]
     for fraction in CUT_AT:
         cap = int(max_tokens * fraction)
-        units = [p for gr in groups for tree in gr.trees() for p in _cut(gr, tree, cap)]
+        units = [p for gr, tree in trees for p in _cut(gr, tree, cap)]
         key = [tuple(u.positions.tolist()) for u in units]
         if key == tried:  # no tree was over this cut: the same units as the last one
             continue

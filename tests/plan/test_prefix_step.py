@@ -317,3 +317,13 @@ def test_the_kept_plan_is_never_costlier_than_whole_trees_placed_greedily(
         assert lockstep_cost(kept.costs) <= lockstep_cost(first.costs) * (1 + 1e-12)
     placed = np.concatenate([mb for row in kept.micro_batches for mb in row])
     assert sorted(placed.tolist()) == list(range(n)) and kept.tokens.max() <= kw["max_tokens"]
+
+
+def test_an_empty_step_plans_no_micro_batch() -> None:
+    """A mini-batch can train nothing (``--mini-batches`` beyond a last batch's samples)."""
+    none = np.zeros(0, np.int64)
+    plan, shared = plan_shared_step(
+        none, none, none, np.zeros(0, np.float32), none, ["math"], {}, dp=2, max_tokens=64,
+        workload=make_workload("flops"), share_min=3,
+    )  # fmt: skip
+    assert plan.num_micro_batches == 0 and shared.record.stored == 0
