@@ -521,7 +521,10 @@ class RowSource(NamedTuple):
 
 _REBUILT: OrderedDict[str, tuple[FileIdentity, dict[str, np.ndarray]]] = OrderedDict()
 """This process's maps of the shards `rebuild_row` reads (their arrays by path), the most
-recent last; a DataLoader's workers interleave a few shards at a time."""
+recent last; a DataLoader's workers interleave a few shards at a time. A map of a file since
+deleted or replaced is dropped when the next shard is mapped (`_drop_stale`), so at most
+``_REBUILT_KEEP`` deleted shards stay held on disk, and only until the process maps another;
+`release_rebuilt_maps` lets them all go at once."""
 _REBUILT_KEEP = 8
 _REBUILT_LOCK = threading.Lock()  # the DataLoader's pin-memory thread unpickles items too
 
@@ -538,6 +541,7 @@ def rebuild_row(source: RowSource) -> dict[str, np.ndarray]:
     with _REBUILT_LOCK:
         kept = _REBUILT.get(source.path)
         if kept is None or kept[0] != source.identity:
+            _drop_stale()
             kept = (source.identity, _remap(source))
             _REBUILT[source.path] = kept
             while len(_REBUILT) > _REBUILT_KEEP:
@@ -548,6 +552,25 @@ def rebuild_row(source: RowSource) -> dict[str, np.ndarray]:
         return source.recipe.make(kept[1], source.row)
     except RolltoolError as e:
         raise _bad(source.path, f"row {source.row}: {e.message}") from None
+
+
+def _drop_stale() -> None:
+    """Forget the kept maps whose file is gone or is another file now (caller holds the lock)."""
+    for path, (identity, _) in list(_REBUILT.items()):
+        try:
+            now = _identity(os.stat(path))
+        except OSError:
+            now = None
+        if now != identity:
+            del _REBUILT[path]
+
+
+def release_rebuilt_maps() -> None:
+    """Let go of every shard map `rebuild_row` keeps in this process (a trainer that deletes a
+    packed directory it read with DataLoader workers, and wants its disk space back before it
+    reads another: tensors still held keep their own shard mapped)."""
+    with _REBUILT_LOCK:
+        _REBUILT.clear()
 
 
 def _remap(source: RowSource) -> dict[str, np.ndarray]:

@@ -48,9 +48,12 @@ transform worth a process.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterable, Iterator
+from multiprocessing.reduction import ForkingPickler
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch._utils import ExceptionWrapper
 from torch.utils.data import IterableDataset, get_worker_info
@@ -97,12 +100,15 @@ class WorkerItem(MicroBatch):
     tensors, the stored arrays wrapped in the map, the derived ones computed again (~0.05-0.2 ms a
     row; sent through the queue's pipe instead they cost the main process ~1.5-2.7 ms). A shard
     that is no longer the file the worker checked is refused there. An item changed in the
-    worker after it was made (a key added or replaced, a tensor written: its ``_version``)
-    pickles as a plain `MicroBatch`, its tensors through shared memory."""
+    worker after it was made (a key added or replaced, a tensor written by torch or through
+    ``.numpy()``/``.data``: each tensor's crc32, ~0.17 ms a row of 1.2 MB, is taken when the
+    item is made and compared when it is sent) crosses as a plain `MicroBatch`, its tensors
+    through shared memory. Only the multiprocessing queue's pickler (``ForkingPickler``) sends
+    it by reference; ``torch.save``, ``copy.deepcopy`` and any other pickling get its tensors."""
 
     source: RowSource
     made: tuple[tuple[str, Any, int], ...]
-    """(key, value, the tensor's ``_version`` or -1) of every entry, as made."""
+    """(key, value, the tensor's crc32 or -1) of every entry, as made."""
 
     @classmethod
     def of(
@@ -111,7 +117,7 @@ class WorkerItem(MicroBatch):
         item = cls(step=step, micro_batch=micro_batch)
         item.update(tensors)
         item.source = source
-        item.made = tuple((k, v, getattr(v, "_version", -1)) for k, v in item.items())
+        item.made = tuple((k, v, _crc(v)) for k, v in item.items())
         return item
 
     def __copy__(self) -> WorkerItem:
@@ -119,34 +125,55 @@ class WorkerItem(MicroBatch):
         new.source, new.made = self.source, self.made
         return new
 
-    def _unchanged(self) -> bool:
+    def unchanged(self) -> bool:
+        """Whether every entry is the one made, with the bytes it was made with."""
         if len(self) != len(self.made):
             return False
         return all(
-            key == k and value is v and getattr(value, "_version", -1) == version
-            for (key, value), (k, v, version) in zip(self.items(), self.made, strict=True)
+            key == k and value is v and _crc(value) == crc
+            for (key, value), (k, v, crc) in zip(self.items(), self.made, strict=True)
         )
 
     def __reduce__(self) -> Any:
-        if not self._unchanged():
-            return MicroBatch, (dict(self),)
-        return _rebuild, (self.source, tuple(self), self["step"], self["micro_batch"])
+        return MicroBatch, (dict(self),)
+
+
+def _crc(value: Any) -> int:
+    """crc32 of a tensor's bytes (-1 for anything else): what a write through any path
+    changes, where ``_version`` misses writes through ``.numpy()`` or ``.data``."""
+    if not isinstance(value, torch.Tensor):
+        return -1
+    array = value.detach().numpy()
+    if not array.flags.c_contiguous:
+        array = np.ascontiguousarray(array)
+    return zlib.crc32(array.data)
+
+
+def _reduce_for_queue(item: WorkerItem) -> Any:
+    """How the DataLoader's queue (``ForkingPickler``) sends a `WorkerItem`: by reference when
+    it is as made, else as a plain `MicroBatch` (its tensors through shared memory)."""
+    if not item.unchanged():
+        return MicroBatch, (dict(item),)
+    return _rebuild, (item.source, tuple(item), item["step"], item["micro_batch"])
+
+
+ForkingPickler.register(WorkerItem, _reduce_for_queue)
 
 
 def _rebuild(source: RowSource, keys: tuple[str, ...], step: int, micro_batch: int) -> Any:
-    """A `WorkerItem` unpickled in the main process: its row made here, as a `MicroBatch`. A
-    `RolltoolError` (the shard changed since the worker checked it) comes back as torch's
-    ``ExceptionWrapper``, which the DataLoader re-raises in the main process as it does a
-    worker's error: raised here, inside the queue's unpickling, it would kill a DataLoader's
-    pin-memory thread ("Pin memory thread exited unexpectedly") instead."""
+    """A `WorkerItem` unpickled in the main process: its row made here, as a `MicroBatch`. An
+    error (a `RolltoolError`: the shard changed since the worker checked it; or any other)
+    comes back as torch's ``ExceptionWrapper``, which the DataLoader re-raises in the main
+    process as it does a worker's error: raised here, inside the queue's unpickling, it would
+    kill a DataLoader's pin-memory thread ("Pin memory thread exited unexpectedly") instead."""
     try:
         row = rebuild_row(source)
-    except RolltoolError:
+        item = MicroBatch(step=step, micro_batch=micro_batch)
+        item.update(to_tensors(row))
+        if tuple(item) != keys:  # pragma: no cover - one recipe makes both: a bug
+            raise AssertionError(f"rebuilt {tuple(item)}, the worker made {keys}")
+    except Exception:
         return ExceptionWrapper(where="in the main process, making a DataLoader worker's item")
-    item = MicroBatch(step=step, micro_batch=micro_batch)
-    item.update(to_tensors(row))
-    if tuple(item) != keys:  # pragma: no cover - one recipe makes both: a bug
-        raise AssertionError(f"rebuilt {tuple(item)}, the worker made {keys}")
     return item
 
 

@@ -197,6 +197,10 @@ def test_an_item_changed_in_the_worker_crosses_with_its_changes(
     ds = rolltool.open_packed(packs["cp2"])
     changes = {
         "written": lambda x: x["loss_weight"].mul_(2),
+        # writes that torch's _version does not see (review of bb03e25): the crc32 does
+        "written through numpy": lambda x: x["loss_weight"].numpy().__imul__(2),
+        "written through .data": lambda x: x["advantages"].data.add_(1),
+        "a stored array written": lambda x: x["input_ids"].numpy().__setitem__(0, 7),
         "replaced": lambda x: x.update(input_ids=x["input_ids"] + 1),
         "added": lambda x: x.update(extra=torch.ones(3)),
     }
@@ -239,3 +243,75 @@ def test_a_remote_shard_crosses_through_shared_memory(
     got = _load(remote.torch_dataset(1, cp_rank=1), 2)
     _assert_same(got, _load(local.torch_dataset(1, cp_rank=1), 0))
     assert not rebuilt and all(x["input_ids"].is_shared() for x in got)
+
+
+def test_other_picklers_get_the_tensors_not_a_reference(
+    packs: dict[str, Path], monkeypatch: pytest.MonkeyPatch, rebuilt: list[int], tmp_path: Path
+) -> None:
+    """``torch.save`` or ``copy.deepcopy`` of a worker's item keeps its data: only the
+    DataLoader queue's ForkingPickler sends a reference (review of bb03e25: a saved item was a
+    pointer to a shard, and loaded after the pack was gone it was an ExceptionWrapper)."""
+    import copy
+
+    shutil.copytree(packs["cp2"], tmp_path / "cp2")
+    ds = rolltool.open_packed(tmp_path / "cp2")
+    item = _worker_item(ds, monkeypatch, cp_rank=0)
+    want = torch_data.MicroBatch({k: v.clone() if torch.is_tensor(v) else v
+                                  for k, v in item.items()})  # fmt: skip
+    torch.save(item, tmp_path / "item.pt")
+    _assert_same([copy.deepcopy(item)], [want])
+    del ds, item
+    shutil.rmtree(tmp_path / "cp2")  # the saved item needs no shard
+    _assert_same([torch.load(tmp_path / "item.pt", weights_only=False)], [want])
+    assert not rebuilt
+
+
+def test_an_error_making_the_row_comes_back_to_be_raised(
+    packs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Any error while the main process makes a row (not only a changed shard) is handed back
+    as torch's ExceptionWrapper, for the DataLoader to raise: raised inside the queue's
+    unpickling it would kill a pin-memory thread."""
+    ds = rolltool.open_packed(packs["cp2"])
+    item = _worker_item(ds, monkeypatch, cp_rank=0)
+    sent = ForkingPickler.dumps(item)
+
+    def broken(source: Any) -> Any:
+        raise MemoryError("no room for the row")
+
+    monkeypatch.setattr(torch_data, "rebuild_row", broken)
+    got = pickle.loads(sent)
+    assert type(got).__name__ == "ExceptionWrapper"
+    with pytest.raises(MemoryError, match="no room for the row"):
+        got.reraise()
+
+
+def _held_deleted(folder: Path) -> list[str]:
+    """This process's maps of files under `folder` that are deleted."""
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    return [m for m in maps if str(folder) in m and m.endswith("(deleted)")]
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="Linux /proc")
+def test_maps_of_deleted_shards_are_let_go(
+    packs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The main process's kept maps (review of bb03e25: a trainer that deletes each pack it
+    read kept up to 8 deleted shards on disk): dropped when the next shard is mapped, all at
+    once by release_rebuilt_maps."""
+    from rolltool.packed import core
+
+    core.release_rebuilt_maps()
+    for name in ("a", "b"):
+        shutil.copytree(packs["plain"], tmp_path / name)
+    items = _load(rolltool.open_packed(tmp_path / "a").torch_dataset(0), 2)
+    assert items and core._REBUILT
+    del items
+    shutil.rmtree(tmp_path / "a")
+    assert _held_deleted(tmp_path / "a")  # still mapped, the files gone
+    item = _worker_item(rolltool.open_packed(tmp_path / "b"), monkeypatch)
+    pickle.loads(ForkingPickler.dumps(item))  # the main process maps one shard of b
+    assert not _held_deleted(tmp_path / "a")
+    assert [str(tmp_path / "b") in path for path in core._REBUILT] == [True]
+    core.release_rebuilt_maps()
+    assert not core._REBUILT
