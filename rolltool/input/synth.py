@@ -56,7 +56,8 @@ class SynthConfig:
     """Every prompt exactly this many tokens (the agent env: its system prompt); a single-turn
     response keeps its env's length distribution, clipped to ``[16, max_len - prompt_len]``
     instead of the env's total-length range; an agent trajectory's body to
-    ``[600, max_len - prompt_len]``. ``None``: each env's own prompt lengths."""
+    ``[600, max_len - prompt_len]`` (so at most ``max_len - 600`` with the agent env, else
+    ``max_len - 16``). ``None``: each env's own prompt lengths."""
 
     def __post_init__(self) -> None:
         if self.groups < 1:
@@ -67,11 +68,19 @@ class SynthConfig:
             raise RolltoolError(f"--max-len must be at least 256 tokens, got {self.max_len}")
         if self.group_size is not None and self.group_size < 1:
             raise RolltoolError(f"--group-size must be at least 1, got {self.group_size}")
-        if self.prompt_len is not None and not 1 <= self.prompt_len <= self.max_len - 600:
+        room = 600 if "agent" in self.envs else 16  # an agent body, a single-turn response
+        if self.prompt_len is not None and self.max_len - room < 1:
             raise RolltoolError(
-                f"--prompt-len must be 1 to --max-len - 600 ({self.max_len - 600:,}), "
-                f"got {self.prompt_len:,}",
-                hint="raise --max-len: a sample needs room for its response",
+                f"--prompt-len needs --max-len {room + 1:,} or more"
+                f"{' with the agent env' if room == 600 else ''}, got {self.max_len:,}",
+                hint="raise --max-len",
+            )
+        if self.prompt_len is not None and not 1 <= self.prompt_len <= self.max_len - room:
+            raise RolltoolError(
+                f"--prompt-len {self.prompt_len:,} leaves no room for a response under --max-len "
+                f"{self.max_len:,}: it must be 1 to {self.max_len - room:,} (--max-len - {room}"
+                f"{', the agent env' if room == 600 else ''})",
+                hint="raise --max-len, or lower --prompt-len",
             )
         unknown = [e for e in self.envs if e not in ENVS]
         if unknown or not self.envs:

@@ -242,8 +242,13 @@ def test_config_validation() -> None:
         SynthConfig(envs=())
     with pytest.raises(RolltoolError, match="group-size"):
         SynthConfig(group_size=0)
-    with pytest.raises(RolltoolError, match="prompt-len"):
+    with pytest.raises(RolltoolError, match=r"prompt-len 4,096 leaves no room .* 1 to 3,496"):
         SynthConfig(prompt_len=4096, max_len=4096)
+    with pytest.raises(RolltoolError, match=r"1 to 284 \(--max-len - 16\)"):
+        SynthConfig(envs=("math",), max_len=300, prompt_len=290)  # no agent: room for 16
+    with pytest.raises(RolltoolError, match="needs --max-len 601 or more with the agent env"):
+        SynthConfig(max_len=600, prompt_len=1)
+    assert SynthConfig(envs=("math",), max_len=300, prompt_len=284).prompt_len == 284
 
 
 # ------------------------------------------------------------------------------------------
