@@ -37,6 +37,25 @@ def _group(rng: np.random.Generator, n: int) -> GroupTokens:
     return GroupTokens(ids, mask, [np.zeros(len(x)) for x in ids])
 
 
+def _step_of(
+    groups: list[GroupTokens],
+) -> tuple[list[int], list[int], dict[int, GroupForest], list[np.ndarray]]:
+    """A step of these groups, in order: (members, group codes, forests, tokens per sample)."""
+    members: list[int] = []
+    codes: list[int] = []
+    forests: dict[int, GroupForest] = {}
+    tokens: list[np.ndarray] = []
+    for gi, g in enumerate(groups):
+        start = len(members)
+        f = detect(g, 3)
+        members += range(start, start + len(g.input_ids))
+        codes += [gi] * len(g.input_ids)
+        tokens += list(g.input_ids)
+        forests[gi] = GroupForest(np.arange(start, start + len(g.input_ids)), f,
+                                  first_trained(f, g.loss_mask))  # fmt: skip
+    return members, codes, forests, tokens
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_restrict_keeps_every_sample_and_the_rules(seed: int) -> None:
     rng = np.random.default_rng(seed)
@@ -81,16 +100,8 @@ def test_differing_advantages_end_a_prefix_before_its_first_trained_token() -> N
 @pytest.mark.parametrize("dp", [1, 3])
 def test_a_shared_plan_places_every_sample_under_the_cap(seed: int, dp: int) -> None:
     rng = np.random.default_rng(100 + seed)
-    groups = [_group(rng, int(rng.integers(2, 8))) for _ in range(5)]
-    members, codes, forests, tokens = [], [], {}, []
-    for gi, g in enumerate(groups):
-        start = len(members)
-        f = detect(g, 3)
-        members += range(start, start + len(g.input_ids))
-        codes += [gi] * len(g.input_ids)
-        tokens += list(g.input_ids)
-        forests[gi] = GroupForest(np.arange(start, start + len(g.input_ids)), f,
-                                  first_trained(f, g.loss_mask))  # fmt: skip
+    members, codes, forests, tokens = _step_of([_group(rng, int(rng.integers(2, 8)))
+                                                for _ in range(5)])  # fmt: skip
     lengths = np.array([len(t) for t in tokens])
     cap = int(lengths.max()) + int(rng.integers(0, 40))
     w = make_workload("flops")
@@ -289,16 +300,8 @@ def test_the_kept_plan_is_never_costlier_than_whole_trees_placed_greedily(
     from rolltool.plan.partition.metrics import lockstep_cost
 
     rng = np.random.default_rng(300 + seed)
-    members, codes, forests, tokens = [], [], {}, []
-    for gi in range(int(rng.integers(3, 12))):
-        g = _group(rng, int(rng.integers(2, 9)))
-        start = len(members)
-        f = detect(g, 3)
-        members += range(start, start + len(g.input_ids))
-        codes += [gi] * len(g.input_ids)
-        tokens += list(g.input_ids)
-        forests[gi] = GroupForest(np.arange(start, start + len(g.input_ids)), f,
-                                  first_trained(f, g.loss_mask))  # fmt: skip
+    members, codes, forests, tokens = _step_of([_group(rng, int(rng.integers(2, 9)))
+                                                for _ in range(int(rng.integers(3, 12)))])  # fmt: skip
     n = len(members)
     lengths = np.array([len(t) for t in tokens])
     args = (np.array(members), lengths, np.array(codes), np.zeros(n, np.float32),
