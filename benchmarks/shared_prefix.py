@@ -28,7 +28,8 @@ The last column checks exactness: max |Δ log p| over every sample's targets, sh
 default env mix, math with 8 rollouts behind a 4k prompt, agent alone) packed ``--dp 8
 --share-prefix``, the tokens and attention pairs the pack's step records count unshared and
 stored, the dense-7b TFLOPs they cost, and the step time the plans give on the planning model
-(no measured step time: these packs are too large for the tiny model on CPU).
+(these packs are too large for the tiny model on CPU); then, measured, 2 synth math groups of 8
+rollouts behind a 4k prompt through pack and the reader, replayed as the ``packed`` rows are.
 
 The ``packed`` rows run the same through the real pipeline: --packed-groups grpo groups
 written as a rollout Parquet file, ``rolltool pack --dp 1 --micro-batch-tokens 16384``
@@ -221,6 +222,18 @@ def main() -> None:
                 f"{sec:.3f} ({base_s / sec:.2f}x)",
                 f"{r['delta'] if k == 'shared' else 0:.1e} |",
             ]))  # fmt: skip
+    if args.synth:  # synth's own data through the pipeline, replayed (measured)
+        with tempfile.TemporaryDirectory() as tmp:
+            src = Path(tmp) / "synth.parquet"
+            config = SynthConfig(groups=2, seed=0, envs=("math",), group_size=8, prompt_len=4096,
+                                 max_len=8192, shared_prompts=True)  # fmt: skip
+            pq.write_table(generate(config), src)
+            r = packed_file(src, model, args.repeats, Path(tmp))
+        base, base_s = r["tokens"]["unshared"], r["seconds"]["unshared"]
+        for k in ("unshared", "shared"):
+            print(f"| packed (synth math, 2 groups x 8 behind 4k) | {k} | {r['tokens'][k]:,} "
+                  f"({base / r['tokens'][k]:.2f}x) | | | | {r['seconds'][k]:.3f} "
+                  f"({base_s / r['seconds'][k]:.2f}x) | {r['delta'] if k == 'shared' else 0:.1e} |")  # fmt: skip
     if args.packed_groups:
         groups = [grpo(args.rollouts, args.prompt, args.response, rng)
                   for _ in range(args.packed_groups)]  # fmt: skip
@@ -235,6 +248,12 @@ def main() -> None:
 
 def packed(groups: list[GroupTokens], model: Any, repeats: int, root: Path) -> dict[str, Any]:
     """The groups through ``rolltool pack`` shared and unshared, each pack's rows replayed."""
+    _write_groups(groups, root / "in.parquet")
+    return packed_file(root / "in.parquet", model, repeats, root)
+
+
+def _write_groups(groups: list[GroupTokens], path: Path) -> None:
+    """The groups as a rollout Parquet file (group g, rollout i; rewards alternate)."""
     cols: dict[str, list[Any]] = {k: [] for k in ("group_id", "rollout_id", "sample_id", "env",
                                                   "reward", "input_ids", "loss_mask", "logprobs")}  # fmt: skip
     for gi, g in enumerate(groups):
@@ -247,12 +266,19 @@ def packed(groups: list[GroupTokens], model: Any, repeats: int, root: Path) -> d
             cols["input_ids"].append(np.asarray(ids, dtype=np.int32).tolist())
             cols["loss_mask"].append((np.asarray(mask) != 0).tolist())
             cols["logprobs"].append(np.zeros(len(ids), dtype=np.float32).tolist())
-    pq.write_table(pa.table(cols), root / "in.parquet")
+    pq.write_table(pa.table(cols), path)
+
+
+def packed_file(src: Path, model: Any, repeats: int, root: Path) -> dict[str, Any]:
+    """A rollout file through ``rolltool pack --dp 1 --micro-batch-tokens 16384`` shared and
+    unshared (one step of all its rollouts), each pack's rows replayed (token ids folded into
+    the tiny model's vocabulary: what it computes does not depend on their values)."""
+    rollouts = len(set(pq.read_table(src, columns=["rollout_id"])["rollout_id"].to_pylist()))
     out: dict[str, Any] = {"rows": {}, "seconds": {}, "tokens": {}, "logp": {}}
     for name, share in (("unshared", False), ("shared", True)):
         config = PackConfig(dp=1, share_prefix=share, micro_batch_tokens=16384,
-                            steps=StepConfig(batch_size=len(cols["rollout_id"])))  # fmt: skip
-        run_pack([str(root / "in.parquet")], root / name, config, force=True)
+                            steps=StepConfig(batch_size=rollouts))  # fmt: skip
+        run_pack([str(src)], root / name, config, force=True)
         ds = rolltool.open_packed(root / name)
         rows = [r if share else shared_view(r, np.full(len(r["sample_index"]), -1))
                 for r in ds.micro_batches(0, 0)]  # fmt: skip
@@ -276,11 +302,12 @@ def packed(groups: list[GroupTokens], model: Any, repeats: int, root: Path) -> d
 def _packed_step(model: Any, row: dict[str, Any]) -> Any:
     """Forward + backward of one reader row; its per-stored-token target log-probs."""
     model.zero_grad(set_to_none=True)
-    ids = torch.from_numpy(np.array(row["input_ids"], dtype=np.int64))[None]
+    ids = torch.from_numpy(np.array(row["input_ids"], dtype=np.int64) % VOCAB)[None]
     pos = torch.from_numpy(np.array(row["position_ids"], dtype=np.int64))[None]
     logits = model(input_ids=ids, position_ids=pos, prefix_index=row_prefix_tensors(row),
                    use_cache=False).logits[0]  # fmt: skip
     target = torch.from_numpy(np.array(row["target_ids"], dtype=np.int64))
+    target = torch.where(target >= 0, target % VOCAB, target)
     logp = logits.log_softmax(-1).gather(1, target.clamp(min=0)[:, None])[:, 0]
     weight = torch.from_numpy(np.array(row["target_loss_weight"]))
     (weight * -logp).sum().backward()
