@@ -229,21 +229,22 @@ def main() -> None:
                                  max_len=8192, shared_prompts=True)  # fmt: skip
             pq.write_table(generate(config), src)
             r = packed_file(src, model, args.repeats, Path(tmp))
-        base, base_s = r["tokens"]["unshared"], r["seconds"]["unshared"]
-        for k in ("unshared", "shared"):
-            print(f"| packed (synth math, 2 groups x 8 behind 4k) | {k} | {r['tokens'][k]:,} "
-                  f"({base / r['tokens'][k]:.2f}x) | | | | {r['seconds'][k]:.3f} "
-                  f"({base_s / r['seconds'][k]:.2f}x) | {r['delta'] if k == 'shared' else 0:.1e} |")  # fmt: skip
+        _print_packed("packed (synth math, 2 groups x 8 behind 4k)", r)
     if args.packed_groups:
         groups = [grpo(args.rollouts, args.prompt, args.response, rng)
                   for _ in range(args.packed_groups)]  # fmt: skip
         with tempfile.TemporaryDirectory() as tmp:
             r = packed(groups, model, args.repeats, Path(tmp))
-        base, base_s = r["tokens"]["unshared"], r["seconds"]["unshared"]
-        for k in ("unshared", "shared"):
-            print(f"| packed ({args.packed_groups} x grpo) | {k} | {r['tokens'][k]:,} "
-                  f"({base / r['tokens'][k]:.2f}x) | | | | {r['seconds'][k]:.3f} "
-                  f"({base_s / r['seconds'][k]:.2f}x) | {r['delta'] if k == 'shared' else 0:.1e} |")  # fmt: skip
+        _print_packed(f"packed ({args.packed_groups} x grpo)", r)
+
+
+def _print_packed(label: str, r: dict[str, Any]) -> None:
+    """The table rows of a `packed_file` result: tokens and step time, unshared then shared."""
+    base, base_s = r["tokens"]["unshared"], r["seconds"]["unshared"]
+    for k in ("unshared", "shared"):
+        print(f"| {label} | {k} | {r['tokens'][k]:,} ({base / r['tokens'][k]:.2f}x) | | | | "
+              f"{r['seconds'][k]:.3f} ({base_s / r['seconds'][k]:.2f}x) | "
+              f"{r['delta'] if k == 'shared' else 0:.1e} |")  # fmt: skip
 
 
 def packed(groups: list[GroupTokens], model: Any, repeats: int, root: Path) -> dict[str, Any]:
