@@ -56,7 +56,7 @@ from rolltool.format.layout import PackedRows, SampleTokens
 from rolltool.format.prefix import NO_PARENT, shared_rows
 from rolltool.plan.partition import StepPlan, plan_units
 from rolltool.plan.partition.metrics import ideal, lockstep_cost
-from rolltool.plan.partition.plan import WIDER_GAIN
+from rolltool.plan.partition.plan import WIDER_GAIN, checked_plan
 from rolltool.plan.prefix import PrefixForest, SharedLayout, SharingStats, lay_out
 from rolltool.plan.workload import Workload
 
@@ -352,7 +352,7 @@ def plan_shared_step(
         tokens = np.array([u.tokens for u in units], dtype=np.int64)
         for bins, m, min_m, ffd_m in _placements(units, cost, tokens, dp, max_tokens, workload):
             laid = [[_merged(by_group, [units[u] for u in b]) for b in row] for row in bins]
-            plan = _step_plan(laid, dp, m, min_m, ffd_m, max_tokens, workload)
+            plan = _step_plan(laid, len(members), dp, m, min_m, ffd_m, max_tokens, workload)
             score = lockstep_cost(plan.costs)
             if best is not None:
                 extra = plan.num_micro_batches - best[1].num_micro_batches
@@ -544,6 +544,7 @@ def _ffd_count(tokens: np.ndarray, dp: int, cap: int) -> int:
 
 def _step_plan(
     laid: list[list[list[_Part]]],
+    n: int,
     dp: int,
     m: int,
     min_m: int,
@@ -551,8 +552,10 @@ def _step_plan(
     cap: int,
     workload: Workload,
 ) -> StepPlan:
-    """The `StepPlan` of laid-out micro-batches: positions in row order, stored tokens and
-    computed cost; every micro-batch under the cap and every position once, checked."""
+    """The `StepPlan` of laid-out micro-batches over the step's `n` positions: positions in row
+    order, stored tokens and computed cost; every micro-batch under the cap and every position
+    once, checked
+    (`rolltool.plan.partition.plan.checked_plan`)."""
     grid = [
         [np.concatenate([p.positions for p in mb]) if mb else np.zeros(0, np.int64) for mb in row]
         for row in laid
@@ -564,24 +567,8 @@ def _step_plan(
         [[sum(layout_cost(p.layout, workload) for p in mb) for mb in row] for row in laid],
         dtype=np.float64,
     ).reshape(dp, m)
-    if m and int(tokens.max()) > cap:
-        raise AssertionError(f"bug: a shared micro-batch holds {int(tokens.max())} > {cap} tokens")
-    seen = np.concatenate([g for row in grid for g in row]) if m else np.zeros(0, np.int64)
-    if len(np.unique(seen)) != len(seen):
-        raise AssertionError("bug: a sample appears twice in a shared plan")
-    empty = np.array([[len(g) == 0 for g in row] for row in grid], dtype=bool).reshape(dp, m)
-    return StepPlan(
-        micro_batches=grid,
-        costs=costs,
-        tokens=tokens,
-        empty=empty,
-        num_micro_batches=m,
-        ffd_micro_batches=ffd_m,
-        min_micro_batches=min_m,
-        max_tokens=cap,
-        micro_batch_size=None,
-        workload=workload,
-    )
+    return checked_plan(grid, tokens, costs, n, max_tokens=cap, micro_batch_size=None,
+                        ffd_micro_batches=ffd_m, min_micro_batches=min_m, workload=workload)  # fmt: skip
 
 
 def _shared_plan(

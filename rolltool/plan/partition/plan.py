@@ -62,7 +62,7 @@ from rolltool.plan.partition.slots import (
 )
 from rolltool.plan.workload import Workload, make_workload
 
-__all__ = ["ALIGNS", "StepPlan", "plan_step", "plan_units"]
+__all__ = ["ALIGNS", "StepPlan", "checked_plan", "plan_step", "plan_units"]
 
 
 WIDER_GAIN = 1e-3
@@ -658,36 +658,41 @@ def _build(
     equal_count: bool,
     workload: Workload,
 ) -> StepPlan:
-    """Assemble the StepPlan and check its invariants (they are promises, not hopes)."""
+    """Assemble the StepPlan of per-sample `length` and `cost` (`checked_plan`)."""
     dp = len(grid)
     m = len(grid[0]) if dp else 0
     costs = np.zeros((dp, m))
     tokens = np.zeros((dp, m), dtype=np.int64)
-    seen = np.zeros(len(length), dtype=np.int64)
+    for r, row in enumerate(grid):
+        for j, mb in enumerate(row[:m]):
+            tokens[r, j] = int(length[mb].sum())
+            costs[r, j] = float(cost[mb].sum())
+    return checked_plan(grid, tokens, costs, len(length), max_tokens=max_tokens,
+                        micro_batch_size=micro_batch_size, ffd_micro_batches=ffd_m,
+                        min_micro_batches=min_m, short=short, align=align,
+                        equal_count=equal_count, workload=workload)  # fmt: skip
+
+
+def checked_plan(
+    grid: Grid, tokens: np.ndarray, costs: np.ndarray, n: int, **fields: Any
+) -> StepPlan:
+    """The StepPlan of `grid` (``[dp][M]`` arrays over items 0..n-1) with its ``[dp, M]``
+    `tokens` and `costs`, its invariants checked (they are promises, not hopes): every rank M
+    micro-batches, every item exactly once, none over ``fields["max_tokens"]``. `fields`: the
+    rest of StepPlan's fields (``empty`` and ``num_micro_batches`` come from the grid)."""
+    dp = len(grid)
+    m = len(grid[0]) if dp else 0
+    seen = np.zeros(n, dtype=np.int64)
     for r, row in enumerate(grid):
         if len(row) != m:
             raise AssertionError(f"bug: rank {r} has {len(row)} micro-batches, rank 0 has {m}")
-        for j, mb in enumerate(row):
-            tokens[r, j] = int(length[mb].sum())
-            costs[r, j] = float(cost[mb].sum())
+        for mb in row:
             seen[mb] += 1
-    if len(length) and not (seen == 1).all():
+    if n and not (seen == 1).all():
         raise AssertionError("bug: a sample is missing from the plan or appears twice")
-    if max_tokens is not None and m and int(tokens.max()) > max_tokens:
-        raise AssertionError(f"bug: a micro-batch holds {int(tokens.max())} > {max_tokens} tokens")
+    cap = fields.get("max_tokens")
+    if cap is not None and m and int(tokens.max()) > cap:
+        raise AssertionError(f"bug: a micro-batch holds {int(tokens.max())} > {cap} tokens")
     empty = np.array([[len(mb) == 0 for mb in row] for row in grid], dtype=bool).reshape(dp, m)
-    return StepPlan(
-        micro_batches=grid,
-        costs=costs,
-        tokens=tokens,
-        empty=empty,
-        num_micro_batches=m,
-        ffd_micro_batches=ffd_m,
-        min_micro_batches=min_m,
-        max_tokens=max_tokens,
-        micro_batch_size=micro_batch_size,
-        short=short,
-        align=align,
-        equal_count=equal_count,
-        workload=workload,
-    )
+    return StepPlan(micro_batches=grid, costs=costs, tokens=tokens, empty=empty,
+                    num_micro_batches=m, **fields)  # fmt: skip
