@@ -357,6 +357,9 @@ def test_cli_envs_subset(run_cli, tmp_path: Path) -> None:
         (["--groups", "0"], "--groups"),
         (["--max-len", "10"], "--max-len"),
         (["--seed", "-1"], "--seed"),
+        (["--group-size", "0"], "--group-size"),
+        (["--max-len", "1000", "--prompt-len", "500"], "--prompt-len 500 leaves no room"),
+        (["--max-len", "600", "--prompt-len", "1"], "needs --max-len 601"),
     ],
 )
 def test_cli_bad_options(run_cli, tmp_path: Path, args: list[str], needle: str) -> None:
