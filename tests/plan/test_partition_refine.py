@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rolltool.plan.partition import balance_labels, plan_step
-from rolltool.plan.partition.refine import refine, refine_pairs
+from rolltool.plan.partition.refine import refine, refine_pairs, stuck
 from rolltool.plan.workload import Workload
 
 # ---------------------------------------------------------------- slow, obvious reference
@@ -163,3 +163,35 @@ def test_balancing_two_other_parts_unsticks_the_heaviest() -> None:
     assert max_load(ws, refine(ws, start, 3, others=False, **kw), 3) == 38
     assert max_load(ws, refine(ws, start, 3, **kw), 3) == 36
     assert max_load(ws, refine_pairs(ws, start, 3, **kw), 3) == 36
+
+
+def has_step(w: np.ndarray, labels: np.ndarray, k: int, equal_count: bool) -> bool:
+    """Some swap or move between two parts lowers their maximum (by brute force)."""
+    loads, sizes = np.bincount(labels, weights=w, minlength=k), np.bincount(labels, minlength=k)
+    for a in range(k):
+        for b in range(k):
+            g = loads[a] - loads[b]
+            xs, ys = w[labels == a], w[labels == b]
+            d = xs[:, None] - ys[None, :]
+            if ((d > 0) & (d < g)).any():
+                return True
+            if (not equal_count or sizes[a] > sizes[b]) and ((xs > 0) & (xs < g)).any():
+                return True
+    return False
+
+
+def test_stuck_is_exact_where_it_answers() -> None:
+    rng = np.random.default_rng(5)
+    answers = {True: 0, False: 0}
+    for trial in range(600):
+        n, k, eq = int(rng.integers(1, 60)), int(rng.integers(2, 7)), bool(trial % 2)
+        w = np.sort(rng.integers(0, int(rng.choice([3, 10, 1000])), n).astype(np.float64))[::-1]
+        labels = np.arange(n) % k if eq else rng.integers(0, k, n)
+        if trial % 3:  # mostly states a search left: stuck or nearly
+            labels = refine_pairs(w, labels, k, equal_count=eq, max_steps=trial % 7 + 1,
+                                  max_work=10**9)  # fmt: skip
+        loads = np.bincount(labels, weights=w, minlength=k)
+        got = stuck(w, labels, loads, equal_count=eq)
+        assert got == (not has_step(w, labels, k, eq))
+        answers[got] += 1
+    assert min(answers.values()) >= 100

@@ -86,29 +86,6 @@ def kk_sorted(ws: np.ndarray, k: int, equal_count: bool = False) -> np.ndarray:
     return part_of_slot[parent]
 
 
-def _merge(
-    na: tuple[float, ...],
-    ia: tuple[int, ...],
-    nb: tuple[float, ...],
-    ib: tuple[int, ...],
-    k: int,
-    los: list[int],
-    his: list[int],
-) -> tuple[float, tuple[float, ...], tuple[int, ...]]:
-    """Merge partition a with b (slot t of a with slot k-1-t of b): (key, sums, representatives).
-
-    Sums are negated (ascending = heaviest first); key = -spread. A representative is an item
-    index, -1 for an empty slot; merged slots keep the larger index and link the pair.
-    """
-    rb = ib[::-1]
-    nc = list(map(add, na, nb[::-1]))
-    los += ia
-    his += rb
-    get = itemgetter(*sorted(range(k), key=nc.__getitem__))
-    ns: tuple[float, ...] = get(nc)
-    return ns[0] - ns[-1], ns, get(list(map(max, ia, rb)))
-
-
 def _kk_blocks(nw: list[float], k: int, los: list[int], his: list[int]) -> tuple[int, ...]:
     """Equal counts: start from blocks of k consecutive items; every merge is a general one.
 
@@ -174,10 +151,11 @@ def _push_block(
 ) -> int:
     """Push singletons i, i+1 and the next ones that KK would put in the same partition's empty
     slots one by one (a *block*, see the module docstring) as one partition; returns the next
-    singleton. Needs ``nw[i] <= nw[i + 1] < 0`` and both at most the heap's top key ``hk``."""
+    singleton. Needs ``nw[i] <= nw[i + 1] < 0`` and both at most the heap's top key ``hk``
+    (``nw`` ends with a NaN, which ends a block)."""
     x = nw[i]
     j = i + 2
-    end = min(len(nw), i + k)
+    end = min(len(nw) - 1, i + k)
     while j < end and x < nw[j] < 0.0 and nw[j] <= hk:
         j += 1
     m = j - i
@@ -192,25 +170,32 @@ def _push_block(
 
 
 def _kk_free(nw: list[float], k: int, los: list[int], his: list[int]) -> tuple[int, ...]:
-    """No count constraint: start from singletons (see the module docstring)."""
+    """No count constraint: start from singletons (see the module docstring).
+
+    The merges are written out in the loop (no call per merge), and a NaN after the last
+    singleton ends every comparison with it (no bounds checks).
+    """
     n = len(nw)
+    nw = [*nw, float("nan")]  # compares false: "no singleton left"
     zeros = (0.0,) * (k - 1)
     empty = (-1,) * (k - 1)
     heap: list[tuple[float, int, tuple[float, ...], tuple[int, ...]]] = []
     pop, push = heapq.heappop, heapq.heappush
+    slots = range(k)
     i = 0  # next singleton: key (nw[i], i), older than every partition (seq >= n)
     seq = n
     while (n - i) + len(heap) > 1:
         hk = heap[0][0] if heap else _INF
-        if i < n and nw[i] <= hk:  # the first is singleton i
-            x = nw[i]
-            if i + 1 < n and nw[i + 1] <= hk:  # ... and the second singleton i + 1
-                if k > 2 and nw[i + 1] < 0.0:  # a block: i, i+1 and the next ones that fit
+        x = nw[i]
+        if x <= hk:  # the first is singleton i
+            y = nw[i + 1]
+            if y <= hk:  # ... and the second singleton i + 1
+                if k > 2 and y < 0.0:  # a block: i, i+1 and the next ones that fit
                     i = _push_block(nw, i, hk, k, heap, seq)
                     seq += 1
                     continue
                 na, ia = (x, *zeros), (i, *empty)
-                nb, ib = (nw[i + 1], *zeros), (i + 1, *empty)
+                nb, ib = (y, *zeros), (i + 1, *empty)
                 i += 2
             else:  # singleton i, then the heap's top
                 na, ia = (x, *zeros), (i, *empty)
@@ -218,22 +203,26 @@ def _kk_free(nw: list[float], k: int, los: list[int], his: list[int]) -> tuple[i
                 i += 1
         else:
             _, _, na, ia = pop(heap)
-            hk = heap[0][0] if heap else _INF
-            if i < n and nw[i] <= hk:  # a partition, then singleton i: into its lightest slot
-                v = na[-1] + nw[i]
+            if x <= (heap[0][0] if heap else _INF):  # a partition, then singleton i: into
+                v = na[-1] + x  # its lightest slot
                 p = bisect_right(na, v, 0, k - 1)
                 last = ia[-1]
                 los.append(last)
                 his.append(i)
                 s = (*na[:p], v, *na[p:-1])
-                ids = (*ia[:p], max(last, i), *ia[p:-1])
-                push(heap, (s[0] - s[-1], seq, s, ids))
+                push(heap, (s[0] - s[-1], seq, s, (*ia[:p], max(last, i), *ia[p:-1])))
                 seq += 1
                 i += 1
                 continue
             _, _, nb, ib = pop(heap)
-        key, s, ids = _merge(na, ia, nb, ib, k, los, his)
-        push(heap, (key, seq, s, ids))
+        # merge: slot t of a with slot k-1-t of b; merged slots keep the larger representative
+        rb = ib[::-1]
+        nc = list(map(add, na, nb[::-1]))
+        los += ia
+        his += rb
+        get = itemgetter(*sorted(slots, key=nc.__getitem__))
+        s = get(nc)
+        push(heap, (s[0] - s[-1], seq, s, get(list(map(max, ia, rb)))))
         seq += 1
     if heap:
         return heap[0][3]
