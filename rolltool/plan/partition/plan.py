@@ -360,7 +360,7 @@ def _polish_grid(
     dp, m, n = len(grid), len(grid[0]), len(length)
     labels = polish(grid_labels(grid, n), length, cost, quad, dp=dp, m=m, cap=cap,
                     max_rounds=POLISH_ROUNDS, max_work=POLISH_WORK)  # fmt: skip
-    bins = members(labels, np.arange(n), dp * m)
+    bins = members(labels, None, dp * m)
     bin_cost = np.bincount(labels, weights=cost, minlength=dp * m)
     return slots_to_grid(bins, bin_cost, np.arange(dp * m).reshape(m, dp))
 
@@ -571,19 +571,25 @@ def _rank_first_grids(
         return [([[] for _ in range(dp)], 0, 0) for _ in packings]
     if rank is None:
         rank = balance_labels(cost, dp, equal_count=equal_count, method=method)
-    idx = [np.flatnonzero(rank == r) for r in range(dp)]
-    orders = [ix[descending_order(length[ix])] for ix in idx]
-    per_rank_tokens = [int(length[ix].sum()) for ix in idx]
+    # each rank's samples longest first, ties by index: the global order filtered by rank
+    order = descending_order(length)
+    keys = rank[order].astype(np.int16) if dp <= np.iinfo(np.int16).max else rank[order]
+    by_rank = order[np.argsort(keys, kind="stable")]  # a radix sort on int16
+    ends = np.cumsum(np.bincount(rank, minlength=dp)).tolist()
+    orders = [by_rank[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]
+    per_rank_tokens = [int(length[o].sum()) for o in orders]
     min_m = max(1, max(-(-t // cap) for t in per_rank_tokens))
     ffds = [ffd(length[o], cap) for o in orders]
     ffd_m = max(1, max(b for _, b in ffds))
+    by_rank_cost = cost[by_rank]
 
     def grid_of(m: int, packed: list[np.ndarray]) -> tuple[Grid, int, int]:
-        grid: Grid = []
-        for o, labels in zip(orders, packed, strict=True):
-            bins = members(labels, o, m)
-            bin_cost = np.bincount(labels, weights=cost[o], minlength=m)
-            grid.append([bins[int(b)] for b in np.argsort(-bin_cost, kind="stable")])
+        # every rank's bins at once: bin r·m + label, each rank's bins costliest first
+        labels = np.concatenate(packed) + np.repeat(np.arange(dp) * m, np.diff([0, *ends]))
+        bins = members(labels, by_rank, dp * m)
+        bin_cost = np.bincount(labels, weights=by_rank_cost, minlength=dp * m).reshape(dp, m)
+        ranked = np.argsort(-bin_cost, axis=1, kind="stable").tolist()
+        grid = [[bins[r * m + b] for b in row] for r, row in enumerate(ranked)]
         return grid, ffd_m, min_m
 
     plans = []
@@ -662,11 +668,10 @@ def _build(
     dp = len(grid)
     m = len(grid[0]) if dp else 0
     costs = np.zeros((dp, m))
-    tokens = np.zeros((dp, m), dtype=np.int64)
     for r, row in enumerate(grid):
         for j, mb in enumerate(row[:m]):
-            tokens[r, j] = int(length[mb].sum())
-            costs[r, j] = float(cost[mb].sum())
+            costs[r, j] = float(cost[mb].sum())  # NumPy's sum, as recorded since format v1
+    tokens = metrics.grid_costs([row[:m] for row in grid], length).astype(np.int64)  # whole: exact
     return checked_plan(grid, tokens, costs, len(length), max_tokens=max_tokens,
                         micro_batch_size=micro_batch_size, ffd_micro_batches=ffd_m,
                         min_micro_batches=min_m, short=short, align=align,
@@ -682,17 +687,16 @@ def checked_plan(
     rest of StepPlan's fields (``empty`` and ``num_micro_batches`` come from the grid)."""
     dp = len(grid)
     m = len(grid[0]) if dp else 0
-    seen = np.zeros(n, dtype=np.int64)
     for r, row in enumerate(grid):
         if len(row) != m:
             raise AssertionError(f"bug: rank {r} has {len(row)} micro-batches, rank 0 has {m}")
-        for mb in row:
-            seen[mb] += 1
-    if n and not (seen == 1).all():
+    flat = [mb for row in grid for mb in row]
+    every = np.concatenate(flat).astype(np.int64, copy=False) if flat else np.empty(0, np.int64)
+    if n and not (len(every) == n and (np.bincount(every, minlength=n) == 1).all()):
         raise AssertionError("bug: a sample is missing from the plan or appears twice")
     cap = fields.get("max_tokens")
     if cap is not None and m and int(tokens.max()) > cap:
         raise AssertionError(f"bug: a micro-batch holds {int(tokens.max())} > {cap} tokens")
-    empty = np.array([[len(mb) == 0 for mb in row] for row in grid], dtype=bool).reshape(dp, m)
+    empty = np.array([len(mb) == 0 for mb in flat], dtype=bool).reshape(dp, m)
     return StepPlan(micro_batches=grid, costs=costs, tokens=tokens, empty=empty,
                     num_micro_batches=m, **fields)  # fmt: skip

@@ -69,9 +69,16 @@ ROBUST_TOLERANCE = 5e-4
 a model off by 2x in its L² term costs far more than 0.05% on the planning model."""
 
 
-def members(labels: np.ndarray, order: np.ndarray, nb: int) -> list[np.ndarray]:
-    """Sample indices of each bin, ascending: ``labels[i]`` is the bin of sample ``order[i]``."""
-    by_bin = order[np.lexsort((order, labels))]
+def members(labels: np.ndarray, order: np.ndarray | None, nb: int) -> list[np.ndarray]:
+    """Sample indices of each bin, ascending: ``labels[i]`` is the bin of sample ``order[i]``
+    (``order=None``: of sample ``i``)."""
+    if order is None:  # samples in index order: a stable sort of the labels alone (radix on int16)
+        keys = labels.astype(np.int16) if nb <= np.iinfo(np.int16).max else labels
+        by_bin = np.argsort(keys, kind="stable")
+    elif len(order):  # (bin, sample) as one int64 key, unique: any sort orders it alike
+        by_bin = order[np.argsort(labels * (int(order.max()) + 1) + order)]
+    else:
+        by_bin = order
     ends = np.cumsum(np.bincount(labels, minlength=nb)).tolist()
     return [by_bin[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]  # np.split, faster
 
@@ -98,14 +105,16 @@ def slots_to_grid(bins: Sequence[np.ndarray], bin_cost: np.ndarray, slots: np.nd
     heavy_first = np.argsort(-slot_costs, axis=1, kind="stable")
     slots = np.take_along_axis(slots, heavy_first, axis=1)
     slot_costs = np.take_along_axis(slot_costs, heavy_first, axis=1)
-    totals = np.zeros(dp)
     grid: Grid = [[np.empty(0, dtype=np.int64)] * m for _ in range(dp)]
     spread = slot_costs[:, 0] - slot_costs[:, -1] if m else np.empty(0)
+    # Python floats and a stable sort of dp of them: the same sums and order as NumPy's, faster
+    totals = [0.0] * dp
+    cost_rows, slot_rows = slot_costs.tolist(), slots.tolist()
     for j in np.argsort(-spread, kind="stable").tolist():
-        ranks = np.argsort(totals, kind="stable")
-        totals[ranks] += slot_costs[j]
-        for s in range(dp):
-            grid[int(ranks[s])][j] = bins[int(slots[j, s])]
+        ranks = sorted(range(dp), key=totals.__getitem__)
+        for r, c, b in zip(ranks, cost_rows[j], slot_rows[j], strict=True):
+            totals[r] += c
+            grid[r][j] = bins[b]
     return grid
 
 
@@ -113,9 +122,13 @@ def grid_labels(grid: Grid, n: int) -> np.ndarray:
     """``[n]`` int64: bin number ``j·dp + r`` of each sample of the grid."""
     dp = len(grid)
     labels = np.empty(n, dtype=np.int64)
-    for r, row in enumerate(grid):
-        for j, mb in enumerate(row):
-            labels[mb] = j * dp + r
+    flat = [mb for row in grid for mb in row]  # rank-major: cell r·M + j
+    if flat:
+        m = len(grid[0])
+        cell = np.arange(len(flat))
+        sizes = np.fromiter((len(mb) for mb in flat), dtype=np.int64, count=len(flat))
+        where = np.concatenate(flat).astype(np.int64, copy=False)
+        labels[where] = np.repeat(cell % m * dp + cell // m, sizes)
     return labels
 
 
@@ -142,7 +155,7 @@ def refill(grid: Grid, length: np.ndarray, cost: np.ndarray, cap: int, fillers: 
     t = np.bincount(labels[keep], weights=length[keep], minlength=nb)
     if not _put_back(short, length, cost, cap, labels, c, t, dp):
         return None
-    bins = members(labels, np.arange(n), nb)
+    bins = members(labels, None, nb)
     return slots_to_grid(bins, c, np.arange(nb).reshape(m, dp))
 
 
