@@ -30,7 +30,7 @@ def plan_record(
     """The manifest's summary of a step plan (settings and report, no index arrays), with a
     ``--hybrid-cp`` step's per-GPU figures (`rolltool.plan.hybrid_step.hybrid_record`) or a
     ``--share-prefix`` step's sharing (`rolltool.plan.prefix_step`)."""
-    d = plan.to_dict()
+    d = plan.to_dict(workload=False)  # recorded as a record, not as JSON
     d["workload"] = None if plan.workload is None else plan.workload.record()
     d["short"] = tuple(tuple(rc) for rc in d["short"])
     d["samples_per_rank"] = tuple(d["samples_per_rank"])
@@ -93,5 +93,8 @@ def step_counts(
         | set(ro.env[overlong].tolist())
     )
     out: dict[int | None, dict[str, Any]] = {None: counts(np.ones(len(members), bool), None)}
+    if len(env_ids) == 1 and (group_env[step.groups] == env_ids[0]).all():
+        out[env_ids[0]] = dict(out[None])  # one env holds every sample and group: the same counts
+        return out
     out.update({e: counts(ro.env[members] == e, e) for e in env_ids})
     return out

@@ -133,14 +133,15 @@ class StepPlan:
             rep[f"lockstep_overhead_{name}"] = metrics.lockstep_overhead(x)
         return rep
 
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-able summary for the manifest (settings and report, no index arrays)."""
+    def to_dict(self, workload: bool = True) -> dict[str, Any]:
+        """A JSON-able summary for the manifest (settings and report, no index arrays);
+        ``workload=False`` leaves the workload out (its key holds ``None``)."""
         return {
             "align": self.align,
             "equal_count": self.equal_count,
             "max_tokens": self.max_tokens,
             "micro_batch_size": self.micro_batch_size,
-            "workload": None if self.workload is None else self.workload.to_dict(),
+            "workload": None if self.workload is None or not workload else self.workload.to_dict(),
             "short": [list(rc) for rc in self.short],
             **self.report,
         }
