@@ -35,7 +35,7 @@ How it is fast (plain Python; per merge a few C-level list operations, no NumPy)
 from __future__ import annotations
 
 import heapq
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from operator import add, itemgetter
 
 import numpy as np
@@ -154,10 +154,10 @@ def _push_block(
     singleton. Needs ``nw[i] <= nw[i + 1] < 0`` and both at most the heap's top key ``hk``
     (``nw`` ends with a NaN, which ends a block)."""
     x = nw[i]
-    j = i + 2
-    end = min(len(nw) - 1, i + k)
-    while j < end and x < nw[j] < 0.0 and nw[j] <= hk:
-        j += 1
+    j = min(len(nw) - 1, i + k)
+    if j > i + 2:  # nw ascends: each condition on item j, once false, stays false
+        j = i + 2 if nw[i + 2] == x else min(bisect_left(nw, 0.0, i + 2, j),
+                                              bisect_right(nw, hk, i + 2, j))  # fmt: skip
     m = j - i
     if m == k:
         s = tuple(nw[i:j])

@@ -104,6 +104,13 @@ def _lpt_heap(
     heapq.heapify(heap)
     out: list[int] = []
     put, replace, pop = out.append, heapq.heapreplace, heapq.heappop
+    if cap.base > len(ws):  # no part can fill: no counts to keep (a third of the time)
+        for x in ws[start:].tolist():
+            load, p = heap[0]
+            put(p)
+            replace(heap, (load + x, p))
+        labels[start:] = out
+        return
     count = counts.tolist()
     base, extras = cap.base, cap.extras
     for x in ws[start:].tolist():
