@@ -113,13 +113,16 @@ def _auto(ws: np.ndarray, k: int, equal_count: bool) -> np.ndarray:
         if _max_load(ws, dealt, k) <= floor:
             return dealt
     out = _refined(ws, k, equal_count, floor)
+    top = _max_load(ws, out, k)
+    if floor is not None and top <= floor:
+        return out
     bound = max(lower_bound(ws, k, equal_count=equal_count), floor or 0.0)
-    if len(ws) <= EXHAUSTIVE_UP_TO and _max_load(ws, out, k) > bound:  # exchanges of 2 for 2
+    if len(ws) <= EXHAUSTIVE_UP_TO and top > bound:  # exchanges of 2 for 2
         more = refine_subsets(ws, out, k, equal_count=equal_count, max_steps=len(ws) + k,
                               max_work=SUBSET_WORK, floor=bound)  # fmt: skip
-        if _max_load(ws, more, k) < _max_load(ws, out, k):
-            out = more
-    if dealt is not None and _max_load(ws, dealt, k) < _max_load(ws, out, k):
+        if _max_load(ws, more, k) < top:
+            out, top = more, _max_load(ws, more, k)
+    if dealt is not None and _max_load(ws, dealt, k) < top:
         return dealt
     return out
 

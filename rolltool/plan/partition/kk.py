@@ -17,8 +17,9 @@ textbook heap-of-lists implementation (the tests compare the two).
 How it is fast (plain Python; per merge a few C-level list operations, no NumPy):
 
 * Slots hold no item lists. A slot is named after one of its items (its *representative*); a
-  merge of slots x and y keeps ``max(x, y)`` and records the link ``min -> max``. The parts are
-  read off the links once at the end (NumPy pointer jumping): O(n·k) work in all.
+  merge of slots x and y keeps x's name (partition a's), or ``max(x, y)`` where a's slot may be
+  empty (-1), and records the link from the other name. The parts are read off the links once
+  at the end (NumPy pointer jumping): O(n·k) work in all.
 * Sums are stored negated, so a partition is an ascending tuple (heaviest slot first) and the
   merged slot order is ``sorted(range(k), key=...)``, applied with one ``itemgetter``.
 * Items waiting alone (singletons) are not in the heap: they come off the sorted weights in order
@@ -57,8 +58,8 @@ def kk_sorted(ws: np.ndarray, k: int, equal_count: bool = False) -> np.ndarray:
     if k == 1:
         return np.zeros(n, dtype=np.int64)
     nw: list[float] = (-np.asarray(ws, dtype=np.float64)).tolist()  # ascending
-    los: list[int] = []  # link x -> y for each pair of merged slots (x, y) with both >= 0:
-    his: list[int] = []  # los gets one of them, his the other; resolved once at the end
+    los: list[int] = []  # link los[j] -> his[j] for each pair of merged slots: the slot
+    his: list[int] = []  # named los[j] (-1: an empty one, no link) joins his[j]'s
     if equal_count:
         root = _kk_blocks(nw, k, los, his)
     else:
@@ -66,14 +67,9 @@ def kk_sorted(ws: np.ndarray, k: int, equal_count: bool = False) -> np.ndarray:
     # follow links to each item's representative (pointer jumping: O(log depth) passes)
     parent = np.arange(n, dtype=np.int64)
     if los:
-        a = np.array(los, dtype=np.int64)
-        b = np.array(his, dtype=np.int64)
-        if equal_count:  # child -> parent, no empty slots
-            parent[a] = b
-        else:  # slot pairs in either order, -1 for empty; the larger index is the parent
-            lo, hi = np.minimum(a, b), np.maximum(a, b)
-            keep = lo >= 0
-            parent[lo[keep]] = hi[keep]
+        child = np.array(los, dtype=np.int64)
+        keep = child >= 0
+        parent[child[keep]] = np.array(his, dtype=np.int64)[keep]
         while True:
             up = parent[parent]
             if np.array_equal(up, parent):
@@ -169,6 +165,18 @@ def _push_block(
     return j
 
 
+def _add_to_lightest(
+    na: tuple[float, ...], ia: tuple[int, ...], x: float, i: int, los: list[int], his: list[int]
+) -> tuple[tuple[float, ...], tuple[int, ...]]:
+    """Partition a with singleton i (negated weight x) in its lightest slot: one ``bisect``
+    (the other slots keep their order). i is the newest item: it names the slot."""
+    v = na[-1] + x
+    p = bisect_right(na, v, 0, len(na) - 1)
+    los.append(ia[-1])
+    his.append(i)
+    return (*na[:p], v, *na[p:-1]), (*ia[:p], i, *ia[p:-1])
+
+
 def _kk_free(nw: list[float], k: int, los: list[int], his: list[int]) -> tuple[int, ...]:
     """No count constraint: start from singletons (see the module docstring).
 
@@ -203,27 +211,27 @@ def _kk_free(nw: list[float], k: int, los: list[int], his: list[int]) -> tuple[i
                 i += 1
         else:
             _, _, na, ia = pop(heap)
-            if x <= (heap[0][0] if heap else _INF):  # a partition, then singleton i: into
-                v = na[-1] + x  # its lightest slot
-                p = bisect_right(na, v, 0, k - 1)
-                last = ia[-1]
-                los.append(last)
-                his.append(i)
-                s = (*na[:p], v, *na[p:-1])
-                push(heap, (s[0] - s[-1], seq, s, (*ia[:p], max(last, i), *ia[p:-1])))
+            if x <= (heap[0][0] if heap else _INF):  # a partition, then singleton i
+                s, names = _add_to_lightest(na, ia, x, i, los, his)
+                push(heap, (s[0] - s[-1], seq, s, names))
                 seq += 1
                 i += 1
                 continue
             _, _, nb, ib = pop(heap)
-        # merge: slot t of a with slot k-1-t of b; merged slots keep the larger representative
+        # merge: slot t of a with slot k-1-t of b; a merged slot keeps a's name, or b's where
+        # a's slot is empty (then the larger name, -1 being empty, links the smaller)
         rb = ib[::-1]
         nc = list(map(add, na, nb[::-1]))
-        los += ia
-        his += rb
         get = itemgetter(*sorted(slots, key=nc.__getitem__))
         s = get(nc)
-        push(heap, (s[0] - s[-1], seq, s, get(list(map(max, ia, rb)))))
+        if -1 in ia:
+            names = list(map(max, ia, rb))
+            los += map(min, ia, rb)
+            his += names
+        else:  # a full partition (most merges): no name to choose
+            names = ia
+            los += rb
+            his += ia
+        push(heap, (s[0] - s[-1], seq, s, get(names)))
         seq += 1
-    if heap:
-        return heap[0][3]
-    return (n - 1, *empty)  # a single item
+    return heap[0][3] if heap else (n - 1, *empty)  # else a single item
