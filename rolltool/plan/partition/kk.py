@@ -225,7 +225,7 @@ def _kk_free(nw: list[float], k: int, los: list[int], his: list[int]) -> tuple[i
         get = itemgetter(*sorted(slots, key=nc.__getitem__))
         s = get(nc)
         if -1 in ia:
-            names = list(map(max, ia, rb))
+            names: list[int] | tuple[int, ...] = list(map(max, ia, rb))
             los += map(min, ia, rb)
             his += names
         else:  # a full partition (most merges): no name to choose
