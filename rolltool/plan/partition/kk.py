@@ -212,8 +212,8 @@ def _kk_free(nw: list[float], k: int, los: list[int], his: list[int]) -> tuple[i
         else:
             _, _, na, ia = pop(heap)
             if x <= (heap[0][0] if heap else _INF):  # a partition, then singleton i
-                s, names = _add_to_lightest(na, ia, x, i, los, his)
-                push(heap, (s[0] - s[-1], seq, s, names))
+                s, ids = _add_to_lightest(na, ia, x, i, los, his)
+                push(heap, (s[0] - s[-1], seq, s, ids))
                 seq += 1
                 i += 1
                 continue
