@@ -118,8 +118,8 @@ def _members(
     """The items of each of ``parts`` (``order[start[p]:start[p] + sizes[p]]``, heaviest first)
     concatenated, and the position in ``parts`` each came from."""
     ln = sizes[parts]
-    group = np.repeat(np.arange(len(parts), dtype=np.int64), ln)
-    first = np.repeat(start[parts] - (np.cumsum(ln) - ln), ln)
+    group = np.arange(len(parts), dtype=np.int64).repeat(ln)
+    first = (start[parts] - (ln.cumsum() - ln)).repeat(ln)
     return order[first + np.arange(int(ln.sum()))], group
 
 
@@ -146,8 +146,8 @@ def _best_swaps(
     xi, xg = _members(order, start, sizes, src)
     yi, yg = _members(order, start, sizes, dst)
     ln = sizes[dst]
-    step = np.repeat(np.maximum(ln // QUERIES, 1), ln)
-    keep = (np.arange(len(yi)) - np.repeat(np.cumsum(ln) - ln, ln)) % step == 0
+    step = np.maximum(ln // QUERIES, 1).repeat(ln)
+    keep = (np.arange(len(yi)) - (ln.cumsum() - ln).repeat(ln)) % step == 0
     yi, yg = yi[keep], yg[keep]
     if len(xi) == 0:
         return xs, ys
@@ -196,7 +196,7 @@ def _nearer(
     """Candidates ``j - 1`` and ``j`` (positions in the suppliers' items) for each query: keep
     in ``gap``/``at`` the one with x - y nearest ``want`` (0 < x - y < 2·want, same transfer)."""
     for c in (j - 1, j):
-        cc = np.clip(c, 0, len(xw) - 1)
+        cc = np.minimum(np.maximum(c, 0), len(xw) - 1)  # (np.clip costs 5x as much)
         d = xw[cc] - yw
         miss = np.abs(d - want)
         miss = np.where((xg[cc] == yg) & (d > 0) & (miss < want), miss, np.inf)
