@@ -24,6 +24,7 @@ closes short; step 2 = group 4 (16), then the input runs dry: partial, dropped u
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -284,9 +285,12 @@ def _check_exact(step: Step, config: StepConfig) -> None:
 
 def _leftover(steps: list[Step], q: _Queues) -> np.ndarray:
     """Queued groups that no kept step took, dropped or skipped (sorted group codes)."""
-    placed = [np.concatenate([s.groups, s.dropped, s.skipped]) for s in steps]
-    in_queues = np.array([g for e in q.queues for g in q.queues[e]], dtype=np.int64)
-    return np.setdiff1d(in_queues, np.concatenate(placed) if placed else np.zeros(0, np.int64))
+    parts = [x for s in steps for x in (s.groups, s.dropped, s.skipped)]
+    placed = np.concatenate([np.zeros(0, np.int64), *parts]).astype(np.int64, copy=False)
+    in_queues = np.fromiter(itertools.chain.from_iterable(q.queues.values()), dtype=np.int64)
+    taken = np.zeros(int(max(in_queues.max(initial=-1), placed.max(initial=-1))) + 1, dtype=bool)
+    taken[placed] = True  # a mask over group codes: setdiff1d's two sorts of every group, skipped
+    return np.unique(in_queues[~taken[in_queues]])
 
 
 def assemble(groups: Groups, env_names: list[str], config: StepConfig) -> Assembly:
