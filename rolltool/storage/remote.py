@@ -42,6 +42,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import socket
 import tempfile
 import threading
@@ -269,20 +270,58 @@ class RemoteRun:
             self.loc.delete(self.claim.name)
 
 
+STAGE_PREFIX = "rolltool-stage-"
+"""Local staging folders are ``<tmp>/rolltool-stage-<pid>-<random>``: the pid lets a later run
+delete the folder of a run that was killed before it could (`sweep_dead_stages`)."""
+
+
 @contextmanager
 def staged(run: RemoteRun) -> Iterator[Path]:
     """Claim the prefix, yield a local folder (to create) where files are staged before
     `RemoteRun.upload`; when the block ends without an exception, commit the manifest the
-    folder then holds; on one, abort."""
+    folder then holds; on one, abort. Staging folders that killed runs left are deleted first."""
     run.start()
     try:
-        with tempfile.TemporaryDirectory(prefix="rolltool-stage-") as stage:
+        sweep_dead_stages(Path(tempfile.gettempdir()))
+        with tempfile.TemporaryDirectory(prefix=f"{STAGE_PREFIX}{os.getpid()}-") as stage:
             work = Path(stage) / "packed"
             yield work
             run.commit((work / MANIFEST).read_bytes())
     except BaseException:
         run.abort()
         raise
+
+
+def sweep_dead_stages(tmp: Path) -> list[Path]:
+    """Delete this user's staging folders under `tmp` whose run is gone (a SIGKILL or the OOM
+    killer leaves its folder, which can hold a pack's shards not yet uploaded); returns them.
+
+    A folder is kept unless its name carries a pid (`STAGE_PREFIX`) that no process has now:
+    folders of live runs, of other users and of rolltool before 0.2 (no pid) stay. A reused pid
+    keeps a dead run's folder until that process ends too (never the reverse)."""
+    gone = []
+    for path in tmp.glob(f"{STAGE_PREFIX}*-*"):
+        pid, sep, _ = path.name.removeprefix(STAGE_PREFIX).partition("-")
+        if not (sep and pid.isdigit()) or _alive(int(pid)):
+            continue
+        with contextlib.suppress(OSError):
+            if path.is_dir() and not path.is_symlink() and path.stat().st_uid == os.getuid():
+                shutil.rmtree(path)
+                gone.append(path)
+    return gone
+
+
+def _alive(pid: int) -> bool:
+    """A process with this pid exists now (of any user)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except (OverflowError, OSError):
+        return True  # not a pid this system can have: keep the folder
+    return True
 
 
 # -- one file on object storage (``advantages``/``synth`` -o s3://.../x.parquet) ---------------

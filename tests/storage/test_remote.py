@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -179,11 +180,38 @@ def test_a_killed_run_leaves_no_manifest_and_the_next_cleans_up_by_run_id(
     monkeypatch.setattr(remote, "STALE_S", 0.0)
     assert remote.repair(locate(far.uri())) == [*sorted(set(left) - {claims[0]}), *claims]
     assert far.files() == {}
-    killed = subprocess.run(list(map(str, argv)), env=env, capture_output=True, timeout=120)
+    tmp = tmp_path / "tmp"  # the child's local staging folder goes here (TMPDIR)
+    tmp.mkdir()
+    killed = subprocess.run(list(map(str, argv)), env={**env, "TMPDIR": str(tmp)},
+                            capture_output=True, timeout=120)  # fmt: skip
     assert killed.returncode == -signal.SIGKILL
+    (stage,) = tmp.glob(f"{remote.STAGE_PREFIX}*")  # a SIGKILL leaves it behind
+    pid = stage.name.removeprefix(remote.STAGE_PREFIX).partition("-")[0]
+    assert stage.is_dir() and pid.isdigit() and int(pid) != os.getpid()  # the child's pid
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
     again = _pack(run_cli, data, far.uri())  # no --force: leftovers are no output
     assert again.exit_code == 0, again.output
     assert far.files() == _files(ref)
+    assert not stage.exists()  # the next run deleted the dead run's staging folder
+    assert list(tmp.iterdir()) == []
+
+
+def test_only_staging_folders_of_dead_runs_are_swept(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    dead, live = int(done.stdout), os.getpid()
+    prefix = remote.STAGE_PREFIX
+    folders = {name: tmp_path / name for name in (
+        f"{prefix}{dead}-abc", f"{prefix}{live}-abc", f"{prefix}abcdefgh", f"{prefix}x-{dead}",
+        f"other-{dead}-abc")}  # fmt: skip
+    for path in folders.values():
+        (path / "packed").mkdir(parents=True)
+    a_file = tmp_path / f"{prefix}{dead}-file"
+    a_file.write_text("not a folder")
+    assert remote.sweep_dead_stages(tmp_path) == [folders[f"{prefix}{dead}-abc"]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [*(n for n in folders if n != f"{prefix}{dead}-abc"), a_file.name]
+    )
 
 
 def _beat(loc: Any, name: str) -> float | None:
