@@ -235,6 +235,19 @@ def _private_map(a: np.ndarray) -> PrivateMap | None:
     return owner if isinstance(owner, PrivateMap) else None
 
 
+def _writable(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Writable views of a `PrivateMap`'s read-only arrays (after the checks): what
+    `rolltool.packed.tensors.to_tensors` wraps a stored array in (a write copies the page
+    written, never reaching the file), made once a shard instead of once for each array of
+    each row (~1 us each: the map found through the array's bases, a view made)."""
+    out = {}
+    for key, a in arrays.items():
+        view = a.view()
+        view.flags.writeable = True
+        out[key] = view
+    return out
+
+
 def _odd_path(rel: str) -> bool:
     """A relative path `Path` would spell otherwise than as written (``//``, ``.`` parts, a
     leading or trailing slash): a shard listed in a manifest never has one."""
@@ -809,21 +822,31 @@ class PackedReader:
         if torch:
             # below this module; imported here, not on top, because it imports torch
             from rolltool.packed.tensors import to_tensors
-        for row, _ in self.sourced_rows(refs, sp_rank=sp_rank, cp_rank=cp_rank):
+        rows = self.sourced_rows(refs, sp_rank=sp_rank, cp_rank=cp_rank, for_tensors=torch)
+        for row, _ in rows:
             yield to_tensors(row) if to_tensors is not None else row
 
     def sourced_rows(
-        self, refs: Iterable[RowRef], *, sp_rank: int | None = None, cp_rank: int | None = None
+        self,
+        refs: Iterable[RowRef],
+        *,
+        sp_rank: int | None = None,
+        cp_rank: int | None = None,
+        for_tensors: bool = False,
     ) -> Iterator[tuple[dict[str, np.ndarray], RowSource | None]]:
         """`read_rows`' NumPy rows, each with its `RowSource`: where another process finds it
         (`rebuild_row`); None for a shard in no `PrivateMap` (read whole from object storage,
-        or through `map_tensors`)."""
+        or through `map_tensors`). ``for_tensors``: rows about to be wrapped as tensors
+        (`rolltool.packed.tensors.to_tensors`), their stored arrays writable views of the
+        private map (`_writable`)."""
         recipe = self.row_recipe(sp_rank=sp_rank, cp_rank=cp_rank)
         path, arrays, mapped = None, None, None
         for ref in refs:
             if ref.file.path != path:
                 path, arrays = ref.file.path, self._open_shard(ref.file)
                 mapped = _private_map(arrays["row_offsets"])
+                if for_tensors and mapped is not None:
+                    arrays = _writable(arrays)
             assert arrays is not None
             try:
                 row = recipe.make(arrays, ref.row)

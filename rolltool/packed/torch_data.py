@@ -258,7 +258,9 @@ class RankRows(IterableDataset[MicroBatch]):
         local map, else in shared memory (a remote shard, read whole)."""
         refs = self.ds.rank_rows(self.rank)[first::stride]
         gpu = self.gpu
-        rows = self.ds.sourced_rows(refs, sp_rank=gpu["sp_rank"], cp_rank=gpu["cp_rank"])
+        rows = self.ds.sourced_rows(
+            refs, sp_rank=gpu["sp_rank"], cp_rank=gpu["cp_rank"], for_tensors=True
+        )
         for ref, (row, source) in zip(refs, rows, strict=True):
             item: MicroBatch
             if shared and source is not None:
