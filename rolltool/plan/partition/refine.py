@@ -38,9 +38,10 @@ LOOK_COST = 2048
 """``refine_pairs`` charges a look at one part this many matrix cells besides its matrix (about
 20 µs of NumPy calls, as long as 2,000 cells take)."""
 
-STUCK_PAIRS = 1 << 14
+STUCK_PAIRS = 1 << 11
 """``stuck`` looks at this many pairs of items at most (where parts are near-balanced there are
-few: 1,024 FLOPs costs into 8 parts by KK, ~30 µs where trying every part took ~0.7 ms)."""
+few: at most 227 for 1,024 FLOPs costs into 8 parts by KK, ~30 µs where trying every part took
+~0.7 ms; 4,000-90,000 where it fails, 1,024-4,096 synth lengths into 64 parts)."""
 
 
 def refine_pairs(
@@ -188,6 +189,7 @@ def refine(
     members = np.split(order, bounds)
     loads = np.bincount(labels, weights=w, minlength=k)
     partners = PARTNERS
+    prove = True  # try ``stuck`` (until it fails once)
     for _ in range(max_steps):
         h = int(np.argmax(loads))
         if loads[h] <= floor:
@@ -198,8 +200,10 @@ def refine(
             break
         max_work -= len(members[h]) + sum(len(members[p]) for p in light)
         step = _best_step(w, members, loads, h, light, equal_count)
-        if step is None and stuck(w, _labels(members, n), loads, equal_count=equal_count):
-            break  # no part has a step: every search below would find none
+        if step is None and prove:  # once: where some part has a step, the parts keep moving
+            if stuck(w, _labels(members, n), loads, equal_count=equal_count):
+                break  # no part has a step: every search below would find none
+            prove = False
         if step is None and partners < k - 1:  # stuck with the lightest few: try every part
             partners = k - 1
             continue
