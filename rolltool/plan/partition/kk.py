@@ -188,7 +188,7 @@ def _kk_free(nw: list[float], k: int, los: list[int], his: list[int]) -> tuple[i
     zeros = (0.0,) * (k - 1)
     empty = (-1,) * (k - 1)
     heap: list[tuple[float, int, tuple[float, ...], tuple[int, ...]]] = []
-    pop, push = heapq.heappop, heapq.heappush
+    pop, push, replace = heapq.heappop, heapq.heappush, heapq.heapreplace
     slots = range(k)
     i = 0  # next singleton: key (nw[i], i), older than every partition (seq >= n)
     seq = n
@@ -202,13 +202,9 @@ def _kk_free(nw: list[float], k: int, los: list[int], his: list[int]) -> tuple[i
                     i = _push_block(nw, i, hk, k, heap, seq)
                     seq += 1
                     continue
-                na, ia = (x, *zeros), (i, *empty)
-                nb, ib = (y, *zeros), (i + 1, *empty)
-                i += 2
-            else:  # singleton i, then the heap's top
-                na, ia = (x, *zeros), (i, *empty)
-                _, _, nb, ib = pop(heap)
-                i += 1
+                push(heap, (y, i + 1, (y, *zeros), (i + 1, *empty)))  # now the heap's top
+            na, ia = (x, *zeros), (i, *empty)
+            i += 2 if y <= hk else 1
         else:
             _, _, na, ia = pop(heap)
             if x <= (heap[0][0] if heap else _INF):  # a partition, then singleton i
@@ -217,7 +213,7 @@ def _kk_free(nw: list[float], k: int, los: list[int], his: list[int]) -> tuple[i
                 seq += 1
                 i += 1
                 continue
-            _, _, nb, ib = pop(heap)
+        _, _, nb, ib = heap[0]  # b: replaced by the merged partition (one heap sift, not two)
         # merge: slot t of a with slot k-1-t of b; a merged slot keeps a's name, or b's where
         # a's slot is empty (then the larger name, -1 being empty, links the smaller)
         rb = ib[::-1]
@@ -232,6 +228,6 @@ def _kk_free(nw: list[float], k: int, los: list[int], his: list[int]) -> tuple[i
             names = ia
             los += rb
             his += ia
-        push(heap, (s[0] - s[-1], seq, s, get(names)))
+        replace(heap, (s[0] - s[-1], seq, s, get(names)))
         seq += 1
     return heap[0][3] if heap else (n - 1, *empty)  # else a single item
