@@ -174,7 +174,8 @@ def refine(
     others: bool = True,
     floor: float = 0.0,
 ) -> np.ndarray:
-    """Improve ``labels`` (``[n]`` int64 part of each item); returns new labels.
+    """Improve ``labels`` (``[n]`` int64 part of each item of ``w``, sorted heaviest first:
+    ``stuck`` relies on it); returns new labels.
 
     Stops after ``max_steps`` steps or once the steps have looked at ``max_work`` items in all
     (a deterministic time budget), and once the heaviest part weighs ``floor`` (a lower bound)
