@@ -346,8 +346,10 @@ def _values_in_range(arrays: dict[str, np.ndarray]) -> bool:
 
 
 def _padding_weighs(arrays: dict[str, np.ndarray]) -> bool:
+    """Whether a padding segment has a weight or an advantage other than 0 (a float's truth is
+    ``!= 0``: NaN counts, -0.0 does not)."""
     pad = arrays["sample_index"] == PAD_SAMPLE
-    return bool(np.any(arrays["seg_weight"][pad] != 0) or np.any(arrays["seg_advantage"][pad] != 0))
+    return bool(arrays["seg_weight"][pad].any() or arrays["seg_advantage"][pad].any())
 
 
 def layout_problem(
@@ -463,10 +465,10 @@ def lengths_problem(arrays: dict[str, np.ndarray], lengths: np.ndarray) -> str |
     i = index[real]
     if int(i.max()) >= len(lengths):
         return f"sample_index {int(i.max())} is not a sample of the input ({len(lengths)} samples)"
-    off = np.flatnonzero(lens[real] != lengths[i])
-    if not len(off):
+    wrong = lens[real] != lengths[i]
+    if not wrong.any():
         return None
-    k = int(np.flatnonzero(real)[off[0]])
+    k = int(np.flatnonzero(real)[np.flatnonzero(wrong)[0]])
     row = int(np.searchsorted(arrays["row_segments"], k, side="right")) - 1
     return (
         f"row {row}: sample {int(index[k])} holds {int(lens[k])} tokens, "
