@@ -619,6 +619,11 @@ class RowRef:
     row: int
 
 
+def sha256_of(data: Any) -> str:
+    """The hex sha256 of a shard's bytes (a `PrivateMap` or bytes read from a remote)."""
+    return hashlib.sha256(data).hexdigest()
+
+
 ALLOCATOR_PRIME_BYTES = 4 << 20
 """`prime_allocator`'s block: over glibc's first mmap threshold (128 kB), under its cap (32 MB)."""
 
@@ -939,11 +944,9 @@ class PackedReader:
         if head.size != record.bytes:
             raise _bad(where, f"{head.size} bytes, the manifest says {record.bytes}")
         if self.verify == "hash" and f.path not in self._hashed:
-            digest = (
-                file_record(self.path / f.path).sha256
-                if self._remote is None
-                else hashlib.sha256(mapped).hexdigest()
-            )
+            # the bytes served: the map (not the path, which a replaced file would point away
+            # from) or what was read; a file that cannot be mapped is read by path below too
+            digest = file_record(self.path / f.path).sha256 if mapped is None else sha256_of(mapped)
             if digest != record.sha256:
                 raise _bad(where, "sha256 differs from the manifest's (the file changed)")
             self._hashed.add(f.path)

@@ -214,20 +214,45 @@ def test_a_flipped_byte_in_range_is_refused_by_hash(out: Path) -> None:
 
 
 def test_hash_mode_hashes_each_shard_once(pristine: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    hashed: list[Path] = []
-    real = core.file_record
+    hashed: list[str] = []
+    real = core.sha256_of
 
-    def spy(path: Path) -> Any:
-        hashed.append(path)
-        return real(path)
+    def spy(data: Any) -> str:
+        hashed.append(data.path)  # local shards are hashed as mapped
+        return real(data)
 
-    monkeypatch.setattr(core, "file_record", spy)
+    monkeypatch.setattr(core, "sha256_of", spy)
     ds = rolltool.open_packed(pristine, verify="hash")
     for _ in range(2):
         assert sum(1 for _ in ds.rank_iter(1)) == len(ds.rank_rows(1))
-    assert sorted(hashed) == sorted({pristine / r.file.path for r in ds.rank_rows(1)})
+    assert sorted(hashed) == sorted({str((pristine / r.file.path).absolute())
+                                     for r in ds.rank_rows(1)})  # fmt: skip
     rolltool.open_packed(pristine).micro_batches(0, 1)
     assert len(hashed) == len(set(hashed))  # the default mode hashes nothing
+
+
+def test_hash_mode_hashes_the_bytes_it_serves_not_the_path(
+    out: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the shard is mapped, then replaced by a good copy under its name: the hash must be of the
+    # mapped (flipped) bytes that the rows are read from, not of the file the path now names
+    step, rank, f = _refs(out)[-1]
+    good = out / "good.copy"
+    shutil.copyfile(out / f.path, good)
+    with safe_open(out / f.path, framework="numpy") as st:
+        token = int(st.get_tensor("input_ids")[3])
+    _poke(out / f.path, "input_ids", 3, token ^ 1)  # a valid token id: only a hash sees it
+    real = core._map_file
+
+    def map_then_replace(path: Any) -> Any:
+        mapped = real(path)
+        if good.exists():
+            good.replace(out / f.path)
+        return mapped
+
+    monkeypatch.setattr(core, "_map_file", map_then_replace)
+    with pytest.raises(RolltoolError, match=f"{f.path}: sha256 differs"):
+        rolltool.open_packed(out, verify="hash").micro_batches(step, rank)
 
 
 def test_any_flipped_byte_is_refused_by_hash_and_never_a_traceback(out: Path) -> None:
