@@ -20,7 +20,8 @@ Sections (each in fresh processes, on the same synth input, medians of --repeats
             log-normal lengths, one env): seconds, the process's peak RSS, and per sample what
             planning adds over the light columns at its peak and what the returned plan keeps
             (RSS); --plan-trees A B ... runs it on other checkouts too (e.g. a `git worktree`
-            of an older commit), interleaved, to compare before/after in one run
+            of an older commit), interleaved, to compare before/after in one run; the last
+            column hashes every step's rows and outline: equal on two trees = the same plan
   ray       (--ray) the pack with --engine ray starting its own local cluster, against
             --workers 1; (--ray-nodes) the same job attached to a simulated 2-node cluster
             (ray.cluster_utils.Cluster, 1 CPU per node), overheads included as measured
@@ -146,11 +147,19 @@ else:
     kw = {"workers": int(sys.argv[2])}
 plan = schedule(ro, config, config.workload(), **kw)
 dt, cpu_s = time.perf_counter() - t0, cpu() - c0
+try:  # which plan: every step's rows and outline (equal hashes = the same plan on two trees)
+    import hashlib
+    h = hashlib.sha256(plan.rows.tobytes() + plan.row_starts.tobytes())
+    for o in plan.outlines:
+        h.update(o.sizes.tobytes())
+    digest = h.hexdigest()[:16]
+except AttributeError:  # a tree before the flat plan
+    digest = "-"
 gc.collect()
 kept = rss() - before
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
 print(json.dumps({"seconds": dt, "cpu": cpu_s, "steps": len(plan.steps), "light_mb": light, "peak_mb": peak,
-                  "kept_bytes": kept, "n": n}))
+                  "kept_bytes": kept, "n": n, "hash": digest}))
 """
 
 
@@ -162,7 +171,7 @@ def plan(sizes: list[int], repeats: int, trees: list[str]) -> None:
     and imports), per sample."""
     print("\n## plan: schedule() on synthetic light columns (dp 8, 1,024 rollouts per step)")
     print(f"{'tree':<12}{'samples':>12}{'workers':>8}{'steps':>7}{'seconds':>9}{'cpu s':>7}{'light MB':>10}"
-          f"{'peak MB':>9}{'+peak B/s':>10}{'kept B/s':>9}{'B/s':>6}")  # fmt: skip
+          f"{'peak MB':>9}{'+peak B/s':>10}{'kept B/s':>9}{'B/s':>6}  plan hash")  # fmt: skip
     for n in sizes:
         for w in (1, 2):
             runs: dict[str, list[dict]] = {t: [] for t in trees}
@@ -173,11 +182,12 @@ def plan(sizes: list[int], repeats: int, trees: list[str]) -> None:
                         _run([sys.executable, "-c", PLAN, str(n), str(w)], env, cwd=t)[2]
                     )
             for t, rs in runs.items():
-                r = {k: statistics.median(x[k] for x in rs) for k in rs[0]}
+                r = {k: statistics.median(x[k] for x in rs) for k in rs[0] if k != "hash"}
                 print(f"{Path(t).name or 'this':<12}{n:>12,}{w:>8}{r['steps']:>7,.0f}"
                       f"{r['seconds']:>9.1f}{r['cpu']:>7.1f}{r['light_mb']:>10,.0f}{r['peak_mb']:>9,.0f}"
                       f"{(r['peak_mb'] - r['light_mb']) * 2**20 / n:>10,.0f}"
-                      f"{r['kept_bytes'] / n:>9,.0f}{(r['peak_mb'] - 90) * 2**20 / n:>6,.0f}")  # fmt: skip
+                      f"{r['kept_bytes'] / n:>9,.0f}{(r['peak_mb'] - 90) * 2**20 / n:>6,.0f}"
+                      f"  {rs[0]['hash']}")  # fmt: skip
 
 
 SCAN = """
