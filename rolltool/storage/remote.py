@@ -57,6 +57,11 @@ from rolltool.errors import RolltoolError
 from rolltool.format import MANIFEST, SAMPLES, SHARD_PATTERN, listed_files
 from rolltool.storage.fs import Location, split_query
 
+try:
+    import fcntl
+except ImportError:  # not POSIX: staging folders of killed runs are not swept
+    fcntl = None  # type: ignore[assignment]
+
 CLAIM_PREFIX = ".rolltool-tmp-"
 """A run's claim is ``<prefix>/.rolltool-tmp-<run id>.json``."""
 HEARTBEAT_S = 30.0
@@ -271,8 +276,14 @@ class RemoteRun:
 
 
 STAGE_PREFIX = "rolltool-stage-"
-"""Local staging folders are ``<tmp>/rolltool-stage-<pid>-<random>``: the pid lets a later run
-delete the folder of a run that was killed before it could (`sweep_dead_stages`)."""
+"""Local staging folders are ``<tmp>/rolltool-stage-<pid>-<random>``, each holding `STAGE_LOCK`
+for as long as its run lives, so a later run can delete the folder of a run that was killed
+before it could (`sweep_dead_stages`)."""
+
+STAGE_LOCK = ".lock"
+"""The file in a staging folder its run holds an exclusive ``flock`` on. A lock, not the pid in
+the name: processes in another pid namespace (containers sharing /tmp) or on another host (a
+shared TMPDIR) have pids this process cannot see, but their locks it can."""
 
 
 @contextmanager
@@ -284,44 +295,54 @@ def staged(run: RemoteRun) -> Iterator[Path]:
     try:
         sweep_dead_stages(Path(tempfile.gettempdir()))
         with tempfile.TemporaryDirectory(prefix=f"{STAGE_PREFIX}{os.getpid()}-") as stage:
-            work = Path(stage) / "packed"
-            yield work
-            run.commit((work / MANIFEST).read_bytes())
+            with _held(Path(stage) / STAGE_LOCK):
+                work = Path(stage) / "packed"
+                yield work
+                run.commit((work / MANIFEST).read_bytes())
     except BaseException:
         run.abort()
         raise
+
+
+@contextmanager
+def _held(lock: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on `lock` for the block: made under another name, locked,
+    then renamed, so a sweep never finds it unlocked while its run lives (nothing where the
+    system has no ``fcntl``: such folders are never swept)."""
+    making = lock.with_name(lock.name + ".new")
+    fd = os.open(making, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        if fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        os.rename(making, lock)
+        yield
+    finally:
+        os.close(fd)
 
 
 def sweep_dead_stages(tmp: Path) -> list[Path]:
     """Delete this user's staging folders under `tmp` whose run is gone (a SIGKILL or the OOM
     killer leaves its folder, which can hold a pack's shards not yet uploaded); returns them.
 
-    A folder is kept unless its name carries a pid (`STAGE_PREFIX`) that no process has now:
-    folders of live runs, of other users and of rolltool before 0.2 (no pid) stay. A reused pid
-    keeps a dead run's folder until that process ends too (never the reverse)."""
+    A folder goes only when its `STAGE_LOCK` exists and nobody holds it: a live run holds it
+    (in any pid namespace, on any host sharing the folder where ``flock`` works across hosts),
+    and a folder without one (being made this instant, or by rolltool before 0.2) stays, as do
+    other users' folders and symlinks."""
+    if fcntl is None:
+        return []
     gone = []
-    for path in tmp.glob(f"{STAGE_PREFIX}*-*"):
-        pid, sep, _ = path.name.removeprefix(STAGE_PREFIX).partition("-")
-        if not (sep and pid.isdigit()) or _alive(int(pid)):
-            continue
+    for path in tmp.glob(f"{STAGE_PREFIX}*"):
         with contextlib.suppress(OSError):
-            if path.is_dir() and not path.is_symlink() and path.stat().st_uid == os.getuid():
+            if path.is_symlink() or not path.is_dir() or path.stat().st_uid != os.getuid():
+                continue
+            fd = os.open(path / STAGE_LOCK, os.O_RDWR | os.O_NOFOLLOW)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: a live run's
                 shutil.rmtree(path)
                 gone.append(path)
+            finally:
+                os.close(fd)
     return gone
-
-
-def _alive(pid: int) -> bool:
-    """A process with this pid exists now (of any user)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    except (OverflowError, OSError):
-        return True  # not a pid this system can have: keep the folder
-    return True
 
 
 # -- one file on object storage (``advantages``/``synth`` -o s3://.../x.parquet) ---------------

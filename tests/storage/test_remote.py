@@ -196,22 +196,35 @@ def test_a_killed_run_leaves_no_manifest_and_the_next_cleans_up_by_run_id(
     assert list(tmp.iterdir()) == []
 
 
-def test_only_staging_folders_of_dead_runs_are_swept(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True)  # fmt: skip
-    dead, live = int(done.stdout), os.getpid()
-    prefix = remote.STAGE_PREFIX
-    folders = {name: tmp_path / name for name in (
-        f"{prefix}{dead}-abc", f"{prefix}{live}-abc", f"{prefix}abcdefgh", f"{prefix}x-{dead}",
-        f"other-{dead}-abc")}  # fmt: skip
-    for path in folders.values():
-        (path / "packed").mkdir(parents=True)
-    a_file = tmp_path / f"{prefix}{dead}-file"
-    a_file.write_text("not a folder")
-    assert remote.sweep_dead_stages(tmp_path) == [folders[f"{prefix}{dead}-abc"]]
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        [*(n for n in folders if n != f"{prefix}{dead}-abc"), a_file.name]
-    )
+def test_only_staging_folders_nobody_holds_are_swept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prefix, lock = remote.STAGE_PREFIX, remote.STAGE_LOCK
+    names = ["dead-1", "live-2", "nolock-3", "link-4"]
+    folders = {n: tmp_path / f"{prefix}{n}" for n in names}
+    for n in names[:-1]:
+        (folders[n] / "packed").mkdir(parents=True)
+        if n != "nolock-3":
+            (folders[n] / lock).touch()
+    folders["link-4"].symlink_to(folders["dead-1"])
+    (tmp_path / f"{prefix}file-5").write_text("not a folder")
+    # a live run in another process (another pid namespace would do the same): it holds the lock
+    code = ("import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR); "
+            "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)")  # fmt: skip
+    holder = subprocess.Popen([sys.executable, "-c", code, str(folders["live-2"] / lock)],
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        with monkeypatch.context() as mp:  # as another user: none of these folders is theirs
+            mp.setattr(os, "getuid", lambda: os.geteuid() + 1)
+            assert remote.sweep_dead_stages(tmp_path) == []
+        assert remote.sweep_dead_stages(tmp_path) == [folders["dead-1"]]
+    finally:
+        holder.kill()
+        holder.wait()
+    left = [f"{prefix}{n}" for n in ("live-2", "nolock-3", "link-4", "file-5")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(left)
+    assert remote.sweep_dead_stages(tmp_path) == [folders["live-2"]]  # its holder is gone now
 
 
 def _beat(loc: Any, name: str) -> float | None:
