@@ -195,3 +195,19 @@ def test_stuck_is_exact_where_it_answers() -> None:
         assert got == (not has_step(w, labels, k, eq))
         answers[got] += 1
     assert min(answers.values()) >= 100
+
+
+def test_stuck_says_false_where_it_cannot_prove() -> None:
+    # unsorted weights (its pair windows need them heaviest first: this one raised in np.repeat),
+    # and a stuck state with more (item, part) moves than STUCK_PAIRS (it built a 4,096 x 512
+    # matrix to say True): False, never an error; refine on unsorted weights runs on
+    w = np.array([9.0, 8.0, 16.0, 5.0, 12.0, 15.0, 8.0, 13.0, 3.0])
+    labels = np.array([1, 0, 0, 0, 0, 1, 1, 1, 0])
+    assert not stuck(w, labels, np.bincount(labels, weights=w, minlength=2), equal_count=False)
+    out = refine(w, labels, 2, equal_count=False, max_steps=64, max_work=1 << 14)
+    assert np.bincount(out, weights=w, minlength=2).max() <= 45.0  # 89 over 2: 44.5 at best
+    k = 512
+    many = np.array([12300.0] * (k - 1) + [3.0] * 4096)  # sorted; the 3s fill the lightest part
+    parts = np.concatenate([np.arange(1, k), np.zeros(4096, dtype=np.int64)])
+    loads = np.bincount(parts, weights=many, minlength=k)
+    assert not stuck(many, parts, loads, equal_count=False)

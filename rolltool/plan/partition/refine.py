@@ -229,11 +229,14 @@ def stuck(w: np.ndarray, labels: np.ndarray, loads: np.ndarray, *, equal_count: 
     """True when it is proven that no swap or move between two parts lowers their maximum: for
     no parts a, b (L_a > L_b) an item x of a and y of b, or y = 0 for a move (with equal counts
     only to a part with fewer items), have 0 < x - y < L_a - L_b. ``w`` sorted heaviest first.
-    False when there is such a step, or when more than ``STUCK_PAIRS`` pairs would be looked at.
+    False when there is such a step, when more than ``STUCK_PAIRS`` pairs or (item, part) moves
+    would be looked at, or when ``w`` is not sorted (never a wrong True: the caller searches on).
 
     Only pairs with x - y below the spread G = max load - min load can qualify, so each y is
     checked against the items in (y, y + 2G] (contiguous in sorted order; the factor 2 leaves
     room for rounding, the exact test is on the pairs): near-balanced parts leave few pairs."""
+    if len(w) > 1 and (w[1:] > w[:-1]).any():
+        return False  # not sorted heaviest first: the pair windows below would be wrong
     spread = float(loads.max() - loads.min())
     neg = -w
     first = np.searchsorted(neg, neg)  # the first item of y's run of equal weights
@@ -248,6 +251,8 @@ def stuck(w: np.ndarray, labels: np.ndarray, loads: np.ndarray, *, equal_count: 
         if (w[x] - w[y] < loads[labels[x]] - loads[labels[y]]).any():
             return False
     small = np.flatnonzero((w > 0) & (w < spread))  # the only items a move can take
+    if len(small) * len(loads) > STUCK_PAIRS:
+        return False  # too many (item, part) moves to look at
     if len(small):
         allowed = np.ones((len(loads), len(loads)), dtype=bool)
         if equal_count:
