@@ -1,13 +1,14 @@
-"""Lockstep polish: lower slots' costliest micro-batches by moving or swapping one sample.
+"""Lockstep polish: lower slots' costliest micro-batches by moving or trading one sample.
 
 A lockstep step costs Σ_j max_r cost(r, j): slot j waits for its costliest bin. ``polish`` takes
 a slot's costliest bin b under one of three models (the planning model, and the same with its L²
 term halved or doubled: real GPU time is never exactly the model) and looks at every move of
 one of its samples x to another bin b2, and every swap of x with a sample y of another bin that
-is cheaper under b's model, that keeps both bins under the token cap and, when b2 is in another
-slot, raises that slot's maximum under none of the models. Scored by the three models' lockstep
-costs, each relative to its ideal: a step must not raise the planning model's and must lower
-their sum; the best such step is applied (lowest sum).
+is cheaper under b's model (with ``pairs``, also with two samples of one bin, cheaper together),
+that keeps both bins under the token cap and, when b2 is in another slot, raises that slot's
+maximum under none of the models. Scored by the three models' lockstep costs, each relative to
+its ideal: a step must not raise the planning model's and must lower their sum; the best such
+step is applied (lowest sum).
 The slots' steps are found together and applied in rounds (see ``polish``). The micro-batch
 count, the cap and every sample's presence are unchanged; the planning model's lockstep cost
 never rises.
@@ -15,9 +16,15 @@ never rises.
 Example (dp 2, cost = L, cap 10): slots {6, 3 | 2} (9 | 2) and {5 | 4} (5 | 4) step in
 9 + 5 = 14; moving 3 to its slot's other bin gives {6 | 2, 3} (6 | 5): 6 + 5 = 11. Then 6 can
 go nowhere (it would raise the other slot's 5, or pass the cap), nor can 5: the polish stops.
+
+Trading x for a pair is what evens slots of bins full to the cap whose costs differ by their
+leaders' L² (agent steps): the costliest bin gives a long sample for two whose tokens sum to a
+little less, a few tokens of a·L for b·L², which no one-sample move or swap out of it reaches.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 
@@ -25,6 +32,12 @@ __all__ = ["ROBUST_SCALES", "polish"]
 
 ROBUST_SCALES = (0.5, 2.0)
 """The L² coefficient's factors the polish also scores a step under (besides 1.0)."""
+
+SLACK_TIERS = np.array([4, 16, 64, 256, 1024, 4096])
+"""Bounds on a bin's free tokens that group the bins when pairs are listed: a pair can take
+x's place only if its bin has room for x's extra tokens, so each group's window around x's
+length is as wide as that group's largest room, not the roomiest bin's (a few bins of the last
+slots are nearly empty)."""
 
 
 def polish(
@@ -38,10 +51,12 @@ def polish(
     cap: int,
     max_rounds: int,
     max_work: int,
+    pairs: bool = False,
 ) -> np.ndarray:
     """Improve ``labels`` (``[n]`` bin of each sample, bin ``j·dp + r`` is rank r's micro-batch
     j); returns new labels. ``cost``: ``[n]`` planning cost, ``quad``: ``[n]`` its L² part (the
-    robustness models add ``(f - 1)·quad``).
+    robustness models add ``(f - 1)·quad``). ``pairs``: also trade a sample for two of one bin
+    (more candidates; ``_polish_grid`` runs it after the one-sample polish, from its result).
 
     Works in rounds: every slot not known to be stuck offers its best step (all found at once,
     against the round's starting point), and the steps are applied best first, each only if no
@@ -60,25 +75,25 @@ def polish(
         if max_work <= 0 or stuck.all():
             break
         slots = np.flatnonzero(~stuck)
-        steps, work = _best_steps(w, c, t, lab, length, slots, dp, m, cap)
+        steps, work = _best_steps(w, c, t, lab, length, slots, dp, m, cap, pairs)
         max_work -= work
         stuck[slots] = True
         touched: set[int] = set()
-        for _, j, x, y, b2 in steps:
+        for _, j, x, y, y2, b2 in steps:
             b = int(lab[x])
             j2 = b2 // dp
             if j in touched or j2 in touched:
                 continue
             touched.update((j, j2))
-            dx = w[:, x] - (w[:, y] if y >= 0 else 0.0)
+            ys = [i for i in (y, y2) if i >= 0]
+            dx = w[:, x] - w[:, ys].sum(axis=1)
             c[:, b] -= dx
             c[:, b2] += dx
-            tx = float(length[x]) - (float(length[y]) if y >= 0 else 0.0)
+            tx = float(length[x] - length[ys].sum())
             t[b] -= tx
             t[b2] += tx
             lab[x] = b2
-            if y >= 0:
-                lab[y] = b
+            lab[ys] = b
         if not touched:
             break
         stuck[list(touched)] = False
@@ -95,9 +110,11 @@ def _best_steps(
     dp: int,
     m: int,
     cap: int,
-) -> tuple[list[tuple[float, int, int, int, int]], int]:
+    pairs: bool,
+) -> tuple[list[tuple[float, int, int, int, int, int]], int]:
     """For each of ``slots``, its best step out of one of its costliest bins (one per model)
-    as (score, slot, x, y or -1, x's new bin), best score first; and the candidates looked at.
+    as (score, slot, x, y or -1, y2 or -1, x's new bin), best score first; and the candidates
+    looked at. The pairs (``pairs``) come after the one-sample steps, which win ties.
 
     The head's own model filters first (token cap, x costlier than y, no rise in another
     slot); the three models score the candidates left, each relative to its ideal."""
@@ -120,20 +137,26 @@ def _best_steps(
     y = np.concatenate([ys, np.full(len(hx) * nb, -1)])
     b2 = np.concatenate([lab[ys], np.tile(np.arange(nb), len(hx))])
     hi = np.concatenate([np.repeat(hi, span), np.repeat(hi, nb)])
+    y2 = np.full(len(x), -1)
+    if pairs:
+        px, p0, p1, pb = _pair_trades(lab, length, hx, cap - t)
+        x, y, y2 = np.concatenate([x, px]), np.concatenate([y, p0]), np.concatenate([y2, p1])
+        b2 = np.concatenate([b2, pb])
+        hi = np.concatenate([hi, np.searchsorted(heads, lab[px])])
     hb, q = heads[hi], model[hi]
     work = len(x)
-    ty = np.where(y >= 0, length[np.maximum(y, 0)], 0)
+    ty = _members_sum(lambda i: length[i], y, y2)
     tx = length[x]
-    dq = w[q, x] - np.where(y >= 0, w[q, np.maximum(y, 0)], 0.0)
+    dq = w[q, x] - _members_sum(lambda i: w[q, i], y, y2)
     j = hb // dp
     j2 = b2 // dp
     top = s.max(axis=2)  # [K, m]
     ok = (b2 != hb) & (dq > 0) & (t[hb] - tx + ty <= cap) & (t[b2] - ty + tx <= cap)
     ok &= (j2 == j) | (c[q, b2] + dq <= top[q, j2])
-    x, y, hb, b2, j, j2 = x[ok], y[ok], hb[ok], b2[ok], j[ok], j2[ok]
+    x, y, y2, hb, b2, j, j2 = x[ok], y[ok], y2[ok], hb[ok], b2[ok], j[ok], j2[ok]
     if len(x) == 0:
         return [], work
-    dx = w[:, x] - np.where(y >= 0, w[:, np.maximum(y, 0)], 0.0)  # [K, cand]
+    dx = w[:, x] - _members_sum(lambda i: w[:, i], y, y2)  # [K, cand]
     cb = c[:, hb] - dx
     cb2 = c[:, b2] + dx
     same = j2 == j
@@ -150,8 +173,53 @@ def _best_steps(
     firsts = pick[np.r_[True, j[pick][1:] != j[pick][:-1]]]
     firsts = firsts[np.argsort(total[firsts], kind="stable")]
     return [
-        (float(total[i]), int(j[i]), int(x[i]), int(y[i]), int(b2[i])) for i in firsts.tolist()
+        (float(total[i]), int(j[i]), int(x[i]), int(y[i]), int(y2[i]), int(b2[i]))
+        for i in firsts.tolist()
     ], work
+
+
+def _members_sum(
+    get: Callable[[np.ndarray], np.ndarray], y: np.ndarray, y2: np.ndarray
+) -> np.ndarray:
+    """``get(y) + get(y2)`` per candidate, where a member of -1 (none) adds 0."""
+    first = np.where(y >= 0, get(np.maximum(y, 0)), 0)
+    return first + np.where(y2 >= 0, get(np.maximum(y2, 0)), 0)
+
+
+def _pair_trades(
+    lab: np.ndarray, length: np.ndarray, hx: np.ndarray, slack: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Candidate trades of a head sample (``hx``) for two samples of one other bin that fit:
+    ``[cand]`` x, the two samples and their bin. A pair can take x's place only if its tokens
+    are within x's bin's slack above x's length and within its own bin's slack below it: a
+    window over the pairs sorted by tokens, per group of bins (``SLACK_TIERS``), exact on the
+    first side and checked on the second later."""
+    order = np.argsort(lab, kind="stable")
+    sb = lab[order]
+    firsts, seconds = [], []
+    for d in range(1, len(order)):
+        same = sb[d:] == sb[:-d]
+        if not same.any():
+            break
+        firsts.append(order[:-d][same])
+        seconds.append(order[d:][same])
+    p0 = np.concatenate([np.zeros(0, dtype=np.int64), *firsts])
+    p1 = np.concatenate([np.zeros(0, dtype=np.int64), *seconds])
+    pb = lab[p0]
+    pt = length[p0] + length[p1]
+    tier = np.digitize(slack[pb], SLACK_TIERS)
+    hi = length[hx] + slack[lab[hx]]
+    out = []
+    for k in np.unique(tier).tolist():
+        pool = np.flatnonzero(tier == k)
+        pool = pool[np.argsort(pt[pool], kind="stable")]
+        lo = np.searchsorted(pt[pool], length[hx] - slack[pb[pool]].max(), side="left")
+        span = np.maximum(np.searchsorted(pt[pool], hi, side="right") - lo, 0)
+        at = pool[np.repeat(lo - (np.cumsum(span) - span), span) + np.arange(int(span.sum()))]
+        out.append((np.repeat(hx, span), at))
+    px = np.concatenate([np.zeros(0, dtype=np.int64), *(o[0] for o in out)])
+    at = np.concatenate([np.zeros(0, dtype=np.int64), *(o[1] for o in out)])
+    return px, p0[at], p1[at], pb[at]
 
 
 def _heads(s: np.ndarray, slots: np.ndarray, dp: int) -> tuple[np.ndarray, np.ndarray]:
