@@ -48,7 +48,11 @@ def agent_lengths(n: int, seed: int, sigma: float) -> np.ndarray:
 
 
 def lower_bound(lengths: np.ndarray, wl: Workload, dp: int, cap: int) -> float:
-    """overhead - 1 that no plan beats: the long samples' slots (module docstring)."""
+    """overhead - 1 that no plan beats: the long samples' slots (module docstring). Only for
+    a workload without a per-sample constant (``c = 0``, as this benchmark's): a bin of many short
+    samples pays ``c`` for each, which U(l) does not bound."""
+    if wl.c:
+        raise ValueError(f"lower_bound needs a workload with c = 0, got c = {wl.c}")
     s = np.sort(lengths)[::-1].astype(np.float64)
     ideal = float(wl.cost(lengths).sum()) / dp
 
