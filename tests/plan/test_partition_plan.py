@@ -279,3 +279,23 @@ def test_align_total_never_more_micro_batches_than_before_nor_heavier_at_as_many
 
     prop()
     assert len(runs) >= 60 and sum(runs) >= 5
+
+
+@pytest.mark.parametrize(
+    ("grid", "match"),
+    [
+        ([[np.array([0, 1])], [np.array([1, 2])]], "missing from the plan or appears twice"),
+        ([[np.array([0, 0, 2])], [np.array([1])]], "appears twice"),  # twice in one micro-batch
+        ([[np.array([0.0, 1.7])], [np.array([2])]], "whole numbers"),  # would be cut to 0 and 1
+        ([[np.array([-1, 0])], [np.array([1, 2])]], "whole numbers"),  # would index from the end
+        ([[np.array([0]), np.array([1])], [np.array([2])]], "rank 1 has 1 micro-batches"),
+    ],
+)
+def test_a_plan_that_breaks_a_promise_is_refused(grid: list[list[np.ndarray]], match: str) -> None:
+    from rolltool.plan.partition.plan import checked_plan
+
+    m = len(grid[0])
+    with pytest.raises(AssertionError, match=match):
+        checked_plan(grid, np.zeros((2, m), np.int64), np.zeros((2, m)), 3, max_tokens=None,
+                     micro_batch_size=None, ffd_micro_batches=None, min_micro_batches=None,
+                     short=[], align="lockstep", equal_count=False, workload=None)  # fmt: skip

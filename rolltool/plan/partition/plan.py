@@ -704,7 +704,10 @@ def checked_plan(
         if len(row) != m:
             raise AssertionError(f"bug: rank {r} has {len(row)} micro-batches, rank 0 has {m}")
     flat = [mb for row in grid for mb in row]
-    every = np.concatenate(flat).astype(np.int64, copy=False) if flat else np.empty(0, np.int64)
+    held = [mb for mb in flat if len(mb)]  # an empty micro-batch may be of any dtype
+    every = np.concatenate(held) if held else np.empty(0, np.int64)
+    if every.size and (every.dtype.kind not in "iu" or int(every.min()) < 0):
+        raise AssertionError(f"bug: sample indices that are not whole numbers >= 0 ({every.dtype})")
     if n and not (len(every) == n and (np.bincount(every, minlength=n) == 1).all()):
         raise AssertionError("bug: a sample is missing from the plan or appears twice")
     cap = fields.get("max_tokens")
