@@ -125,18 +125,15 @@ def _best_steps(
     is_head[heads] = True
     hx = np.flatnonzero(is_head[lab])  # samples in a head bin
     hi = np.searchsorted(heads, lab[hx])  # which head (heads are sorted and distinct)
-    # candidates: each head sample x with every bin (a move) and every sample y shorter than x
-    # by at most the most room any bin has (costs grow with length, so only a shorter y makes
-    # x's bin cheaper, and x's new bin must take x - y more tokens)
-    by_len = np.argsort(length, kind="stable")
-    lo = np.searchsorted(length[by_len], length[hx] - (cap - t.min()), side="left")
-    hi_end = np.searchsorted(length[by_len], length[hx], side="left")
-    span = hi_end - lo
-    ys = by_len[np.repeat(lo - (np.cumsum(span) - span), span) + np.arange(int(span.sum()))]
-    x = np.concatenate([np.repeat(hx, span), np.repeat(hx, nb)])
-    y = np.concatenate([ys, np.full(len(hx) * nb, -1)])
-    b2 = np.concatenate([lab[ys], np.tile(np.arange(nb), len(hx))])
-    hi = np.concatenate([np.repeat(hi, span), np.repeat(hi, nb)])
+    # candidates: each head sample x with every bin that has room for it (a move) and every
+    # sample y shorter than x by at most the most room any bin has (costs grow with length, so
+    # only a shorter y makes x's bin cheaper, and x's new bin must take x - y more tokens)
+    sx, ys = _swaps(hx, length, cap - t.min())
+    mx, mb = _moves(hx, length, cap - t)
+    x = np.concatenate([hx[sx], hx[mx]])
+    y = np.concatenate([ys, np.full(len(mx), -1)])
+    b2 = np.concatenate([lab[ys], mb])
+    hi = np.concatenate([hi[sx], hi[mx]])
     y2 = np.full(len(x), -1)
     if pairs:
         px, p0, p1, pb = _pair_trades(lab, length, hx, cap - t)
@@ -176,6 +173,29 @@ def _best_steps(
         (float(total[i]), int(j[i]), int(x[i]), int(y[i]), int(y2[i]), int(b2[i]))
         for i in firsts.tolist()
     ], work
+
+
+def _swaps(hx: np.ndarray, length: np.ndarray, most_room: float) -> tuple[np.ndarray, np.ndarray]:
+    """Each (i, y) with y shorter than sample ``hx[i]`` by at most ``most_room``, by i then y's
+    length."""
+    by_len = np.argsort(length, kind="stable")
+    lo = np.searchsorted(length[by_len], length[hx] - most_room, side="left")
+    span = np.searchsorted(length[by_len], length[hx], side="left") - lo
+    at = np.repeat(lo - (np.cumsum(span) - span), span) + np.arange(int(span.sum()))
+    return np.repeat(np.arange(len(hx)), span), by_len[at]
+
+
+def _moves(hx: np.ndarray, length: np.ndarray, slack: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each (i, bin) where bin has room for sample ``hx[i]``, by i then bin: of the bins, full to
+    the cap in agent steps, few take a head's sample, and listing only those saves most of the
+    ``len(hx)·bins`` moves."""
+    by_room = np.argsort(slack, kind="stable")
+    k = len(slack) - np.searchsorted(slack[by_room], length[hx], side="left")  # bins with room
+    i = np.repeat(np.arange(len(hx)), k)
+    at = np.repeat(len(slack) - k - (np.cumsum(k) - k), k) + np.arange(int(k.sum()))
+    bins = by_room[at]
+    order = np.lexsort((bins, i))
+    return i[order], bins[order]
 
 
 def _members_sum(
