@@ -44,6 +44,7 @@ from rolltool.plan.partition.balance import (
     balance_labels,
     descending_order,
     refined_and_lpt_labels,
+    split_labels,
 )
 from rolltool.plan.partition.binpack import ffd, pack_balanced, split_tokens
 from rolltool.plan.partition.metrics import ALIGNS
@@ -584,12 +585,10 @@ def _rank_first_grids(
         return [([[] for _ in range(dp)], 0, 0) for _ in packings]
     if rank is None:
         rank = balance_labels(cost, dp, equal_count=equal_count, method=method)
-    # each rank's samples longest first, ties by index: the global order filtered by rank
+    # each rank's samples longest first, ties by index: the global order split by rank
     order = descending_order(length)
-    keys = rank[order].astype(np.int16) if dp <= np.iinfo(np.int16).max else rank[order]
-    by_rank = order[np.argsort(keys, kind="stable")]  # a radix sort on int16
-    ends = np.cumsum(np.bincount(rank, minlength=dp)).tolist()
-    orders = [by_rank[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]
+    orders = [order[p] for p in split_labels(rank[order], dp)]
+    by_rank = np.concatenate(orders)
     per_rank_tokens = [int(length[o].sum()) for o in orders]
     min_m = max(1, max(-(-t // cap) for t in per_rank_tokens))
     ffds = [ffd(length[o], cap) for o in orders]
@@ -598,7 +597,7 @@ def _rank_first_grids(
 
     def grid_of(m: int, packed: list[np.ndarray]) -> tuple[Grid, int, int]:
         # every rank's bins at once: bin r·m + label, each rank's bins costliest first
-        labels = np.concatenate(packed) + np.repeat(np.arange(dp) * m, np.diff([0, *ends]))
+        labels = np.concatenate(packed) + np.repeat(np.arange(dp) * m, [len(o) for o in orders])
         bins = members(labels, by_rank, dp * m)
         bin_cost = np.bincount(labels, weights=by_rank_cost, minlength=dp * m).reshape(dp, m)
         ranked = np.argsort(-bin_cost, axis=1, kind="stable").tolist()

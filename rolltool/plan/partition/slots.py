@@ -31,6 +31,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from rolltool.plan.partition import metrics
+from rolltool.plan.partition.balance import split_labels
 
 __all__ = [
     "FEW_FILLS",
@@ -72,10 +73,9 @@ a model off by 2x in its L² term costs far more than 0.05% on the planning mode
 def members(labels: np.ndarray, order: np.ndarray | None, nb: int) -> list[np.ndarray]:
     """Sample indices of each bin, ascending: ``labels[i]`` is the bin of sample ``order[i]``
     (``order=None``: of sample ``i``)."""
-    if order is None:  # samples in index order: a stable sort of the labels alone (radix on int16)
-        keys = labels.astype(np.int16) if nb <= np.iinfo(np.int16).max else labels
-        by_bin = np.argsort(keys, kind="stable")
-    elif len(order):  # (bin, sample) as one int64 key, unique: any sort orders it alike
+    if order is None:  # samples in index order: the labels' own split
+        return split_labels(labels, nb)
+    if len(order):  # (bin, sample) as one int64 key, unique: any sort orders it alike
         by_bin = order[np.argsort(labels * (int(order.max()) + 1) + order)]
     else:
         by_bin = order
