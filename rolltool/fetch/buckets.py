@@ -33,6 +33,7 @@ import numpy as np
 from rolltool.errors import RolltoolError
 from rolltool.fetch.tokens import TokenReader
 from rolltool.format.layout import SampleTokens
+from rolltool.util.ranges import concat_ranges
 
 BUFFER_BYTES = 256_000_000
 """Bucket data held in memory before the largest buckets are written out."""
@@ -65,22 +66,13 @@ class Buckets:
         lengths = off[where + 1] - off[where]
         out_off = np.zeros(len(idx) + 1, dtype=np.int64)
         np.cumsum(lengths, out=out_off[1:])
-        picks = _ranges(off[where], lengths)
+        picks = concat_ranges(off[where], lengths)
         return SampleTokens(
             offsets=out_off,
             input_ids=arrays["input_ids"][picks],
             loss_mask=arrays["loss_mask"][picks],
             logprobs=arrays["logprobs"][picks],
         )
-
-
-def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """The concatenated index ranges [start, start + length) (int64)."""
-    total = int(lengths.sum())
-    if not total:
-        return np.zeros(0, np.int64)
-    ends = np.cumsum(lengths)
-    return np.arange(total, dtype=np.int64) + np.repeat(starts - (ends - lengths), lengths)
 
 
 def exchange(

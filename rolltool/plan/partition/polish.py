@@ -28,6 +28,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from rolltool.util.ranges import concat_ranges
+
 __all__ = ["ROBUST_SCALES", "polish"]
 
 ROBUST_SCALES = (0.5, 2.0)
@@ -181,8 +183,7 @@ def _swaps(hx: np.ndarray, length: np.ndarray, most_room: float) -> tuple[np.nda
     by_len = np.argsort(length, kind="stable")
     lo = np.searchsorted(length[by_len], length[hx] - most_room, side="left")
     span = np.searchsorted(length[by_len], length[hx], side="left") - lo
-    at = np.repeat(lo - (np.cumsum(span) - span), span) + np.arange(int(span.sum()))
-    return np.repeat(np.arange(len(hx)), span), by_len[at]
+    return np.repeat(np.arange(len(hx)), span), by_len[concat_ranges(lo, span)]
 
 
 def _moves(hx: np.ndarray, length: np.ndarray, slack: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -192,8 +193,7 @@ def _moves(hx: np.ndarray, length: np.ndarray, slack: np.ndarray) -> tuple[np.nd
     by_room = np.argsort(slack, kind="stable")
     k = len(slack) - np.searchsorted(slack[by_room], length[hx], side="left")  # bins with room
     i = np.repeat(np.arange(len(hx)), k)
-    at = np.repeat(len(slack) - k - (np.cumsum(k) - k), k) + np.arange(int(k.sum()))
-    bins = by_room[at]
+    bins = by_room[concat_ranges(len(slack) - k, k)]
     order = np.lexsort((bins, i))
     return i[order], bins[order]
 
@@ -235,7 +235,7 @@ def _pair_trades(
         pool = pool[np.argsort(pt[pool], kind="stable")]
         lo = np.searchsorted(pt[pool], length[hx] - slack[pb[pool]].max(), side="left")
         span = np.maximum(np.searchsorted(pt[pool], hi, side="right") - lo, 0)
-        at = pool[np.repeat(lo - (np.cumsum(span) - span), span) + np.arange(int(span.sum()))]
+        at = pool[concat_ranges(lo, span)]
         out.append((np.repeat(hx, span), at))
     px = np.concatenate([np.zeros(0, dtype=np.int64), *(o[0] for o in out)])
     at = np.concatenate([np.zeros(0, dtype=np.int64), *(o[1] for o in out)])

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from rolltool.util.ranges import concat_ranges
+
 PARTNERS = 2
 """How many of the lightest parts each step of ``refine`` considers as the other side."""
 
@@ -247,7 +249,7 @@ def stuck(w: np.ndarray, labels: np.ndarray, loads: np.ndarray, *, equal_count: 
         return False
     if pairs:
         y = np.repeat(np.arange(len(w)), count)
-        x = np.repeat(lo - (np.cumsum(count) - count), count) + np.arange(pairs)
+        x = concat_ranges(lo, count)
         if (w[x] - w[y] < loads[labels[x]] - loads[labels[y]]).any():
             return False
     small = np.flatnonzero((w > 0) & (w < spread))  # the only items a move can take

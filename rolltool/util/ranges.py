@@ -1,0 +1,16 @@
+"""Index ranges laid end to end: the flat indices of many [start, start + length) at once."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def concat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The concatenated index ranges [start, start + length) (int64), in order: what
+    ``np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)])`` gives, in three
+    NumPy calls. Lengths must be >= 0."""
+    total = int(lengths.sum())
+    if not total:
+        return np.zeros(0, np.int64)
+    ends = np.cumsum(lengths)
+    return np.arange(total, dtype=np.int64) + np.repeat(starts - (ends - lengths), lengths)

@@ -1,0 +1,17 @@
+from __future__ import annotations
+
+import numpy as np
+
+from rolltool.util.ranges import concat_ranges
+
+
+def test_concat_ranges_equals_the_concatenated_aranges() -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        k = int(rng.integers(0, 8))
+        starts = rng.integers(-5, 50, k)
+        lengths = rng.integers(0, 6, k)
+        slow = [np.arange(s, s + n) for s, n in zip(starts.tolist(), lengths.tolist(), strict=True)]
+        want = np.concatenate([np.zeros(0, np.int64), *slow]).astype(np.int64)
+        got = concat_ranges(starts, lengths)
+        assert got.dtype == np.int64 and np.array_equal(got, want)
