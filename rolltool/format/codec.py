@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -238,55 +239,178 @@ def _mapping(tp: Any) -> Decoder:
 
 
 class _Record:
-    """A record's decoder: per field, in field order, its name, type, decoder (made on the
-    field's first use), whether it is required and its exact scalar type (a value of that very
-    type is taken as it is, without a call); resolved on the first decode of its class."""
+    """A record's decoder: a function written for its class on the class's first decode
+    (`_record_source`), so a good record costs one call and, per field, one lookup and a type
+    test or two. A value of exactly its field's scalar type (or None for an optional field) is
+    taken as it is, a nested record or a tuple of records is decoded by the nested class's own
+    function, anything else by the field type's decoder; a wrong value is decoded again by the
+    generic decoders, which name where it is wrong."""
 
-    __slots__ = ("fields", "tp")
+    __slots__ = ("decode", "tp", "writing")
 
     def __init__(self, tp: Any) -> None:
         self.tp = tp
-        self.fields: list[list[Any]] | None = None
-
-    def _fields(self) -> list[list[Any]]:
-        hints = typing.get_type_hints(self.tp)
-        return [
-            [
-                f.name,
-                hints[f.name],
-                None,
-                f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
-                _exact(hints[f.name]),
-            ]
-            for f in dataclasses.fields(self.tp)
-        ]
+        self.decode: Decoder | None = None
+        self.writing = False
 
     def __call__(self, value: Any) -> Any:
-        if not isinstance(value, dict):
-            raise _Wrong("an object", value)
-        fields = self.fields
-        if fields is None:
-            fields = self.fields = self._fields()
-        kw = {}
-        name = ""
-        try:
-            for field in fields:
-                name = field[0]
-                if name in value:
-                    v = value[name]
-                    if type(v) is field[4]:
-                        kw[name] = v
-                        continue
-                    dec = field[2]
-                    if dec is None:
-                        dec = field[2] = _decoder(field[1])
-                    kw[name] = dec(v)
-                elif field[3]:
+        return self.function()(value)
+
+    def function(self) -> Decoder:
+        """The class's written decoder, written on the first call (under a lock: another
+        thread waits for it). While it is being written, a field of this very type (a record
+        that contains its own type) gets this object, which calls the function once written."""
+        decode = self.decode
+        if decode is not None:
+            return decode
+        with _WRITING:
+            if self.decode is not None:
+                return self.decode
+            if self.writing:  # this thread, writing this class: a field of its own type
+                return self
+            self.writing = True
+            try:
+                self.decode = decode = _compile_record(self.tp)
+            finally:
+                self.writing = False
+            return decode
+
+
+_WRITING = threading.RLock()
+_MISSING = object()
+
+
+def _field_decoder(tp: Any) -> Decoder:
+    """The decoder of a field's type, or one that makes it on first use where it cannot be
+    made yet (an unsupported type raises only when a value of it is decoded, as before)."""
+    try:
+        return _decoder(tp)
+    except KeyError:
+        return _Lazy(tp)
+
+
+def _record_function(tp: Any) -> Decoder | None:
+    """The written decoder of record type `tp` (None when `tp` is no record)."""
+    dec = _field_decoder(tp)
+    return dec.function() if isinstance(dec, _Record) else None
+
+
+def _field_lines(i: int, hint: Any, names: dict[str, Any]) -> list[str]:
+    """How field i's present value ``v{i}`` of type `hint` is decoded (after ``if v{i} is
+    _MISSING:``), naming what it uses in `names`."""
+    v = f"v{i}"
+    names[f"dec_{i}"] = _field_decoder(hint)
+    lines = []
+    args = typing.get_args(hint)
+    inner = [a for a in args if a is not type(None)]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(inner) == 1:
+        lines.append(f"        elif {v} is None:\n            pass")
+        (hint,) = inner
+    exact = _exact(hint)
+    if exact is not None:
+        names[f"exact_{i}"] = exact
+        return [*lines, f"        elif type({v}) is not exact_{i}:\n            {v} = dec_{i}({v})"]
+    record = _record_function(hint)
+    if record is not None:
+        names[f"record_{i}"] = record
+        return [*lines, f"        else:\n            {v} = record_{i}({v})"]
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is tuple and len(args) == 2 and args[1] is Ellipsis:
+        item = _record_function(args[0])
+        if item is not None:  # tuple[Record, ...]: the items by their function, in one go
+            names[f"item_{i}"] = item
+            return [
+                *lines,
+                f"        elif type({v}) is list:",
+                "            try:",
+                f"                {v} = tuple([item_{i}(x) for x in {v}])",
+                "            except _Wrong:",
+                f"                {v} = dec_{i}({v})  # raises again, naming the item",
+                f"        else:\n            {v} = dec_{i}({v})",
+            ]
+    if typing.get_origin(hint) in (Mapping, dict):
+        item = _record_function(args[1])
+        if item is not None:  # Mapping[str, Record]: the values by their function, in one go
+            names[f"item_{i}"] = item
+            return [
+                *lines,
+                f"        elif type({v}) is dict:",
+                "            try:",
+                f"                {v} = {{k: item_{i}(x) for k, x in {v}.items()}}",
+                "            except _Wrong:",
+                f"                {v} = dec_{i}({v})  # raises again, naming the key",
+                f"        else:\n            {v} = dec_{i}({v})",
+            ]
+    return [*lines, f"        else:\n            {v} = dec_{i}({v})"]
+
+
+def _record_source(tp: Any) -> tuple[str, dict[str, Any]]:
+    """The source of `tp`'s decoder and the names it uses. For fields ``a: int`` (required)
+    and ``b: Spec | None = None``::
+
+        def decode(value):
+            if not isinstance(value, dict):
+                raise _Wrong("an object", value)
+            name = ""
+            try:
+                name = "a"
+                v0 = value.get("a", _MISSING)
+                if v0 is _MISSING:
                     raise _Wrong(None, None)
-        except _Wrong as e:
-            e.parts.append(("field", name))
-            raise
-        return self.tp(**kw)
+                elif type(v0) is not exact_0:
+                    v0 = dec_0(v0)
+                name = "b"
+                v1 = value.get("b", _MISSING)
+                if v1 is _MISSING:
+                    v1 = default_1
+                elif v1 is None:
+                    pass
+                else:
+                    v1 = record_1(v1)
+            except _Wrong as e:
+                e.parts.append(("field", name))
+                raise
+            return tp(a=v0, b=v1)
+
+    A missing field with a default gets that default (its factory's value), as the class's
+    own ``__init__`` would give it."""
+    hints = typing.get_type_hints(tp)
+    names: dict[str, Any] = {"_MISSING": _MISSING, "_Wrong": _Wrong, "tp": tp}
+    lines = [
+        "def decode(value):",
+        "    if not isinstance(value, dict):",
+        '        raise _Wrong("an object", value)',
+        '    name = ""',
+        "    try:",
+    ]
+    args = []
+    for i, f in enumerate(dataclasses.fields(tp)):
+        v = f"v{i}"
+        lines += [f"        name = {f.name!r}", f"        {v} = value.get({f.name!r}, _MISSING)"]
+        lines.append(f"        if {v} is _MISSING:")
+        if f.default is not dataclasses.MISSING:
+            names[f"default_{i}"] = f.default
+            lines.append(f"            {v} = default_{i}")
+        elif f.default_factory is not dataclasses.MISSING:
+            names[f"factory_{i}"] = f.default_factory
+            lines.append(f"            {v} = factory_{i}()")
+        else:
+            lines.append("            raise _Wrong(None, None)")
+        lines += _field_lines(i, hints[f.name], names)
+        args.append(f"{f.name}={v}")
+    lines += [
+        "    except _Wrong as e:",
+        '        e.parts.append(("field", name))',
+        "        raise",
+        f"    return tp({', '.join(args)})",
+    ]
+    return "\n".join(lines) + "\n", names
+
+
+def _compile_record(tp: Any) -> Decoder:
+    source, names = _record_source(tp)
+    exec(compile(source, f"<rolltool.format.codec decoder of {tp.__qualname__}>", "exec"), names)
+    return names["decode"]
 
 
 def _array(tp: Any) -> Decoder:

@@ -1,0 +1,189 @@
+"""`rolltool.format.codec.from_json` against a slow, obvious decoder written from its docstring.
+
+The codec writes a decoder function per record class (issue 25: a manifest of ~3k records is
+decoded on every ``open_packed``). Here a plain recursion over the same type rules decodes real
+manifests and thousands of broken copies of them: both must build equal records, or both refuse
+with the same message naming the same key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pack_helpers import pack
+
+from rolltool.format import MANIFEST, Manifest, from_json
+from rolltool.format.codec import CodecError, _bad
+
+
+def reference(tp: Any, value: Any, key: str) -> Any:
+    """`value` as type `tp`, by the codec's documented rules, one obvious step at a time."""
+    if tp is Any:
+        return value
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return reference(inner, value, key)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise _bad(key, "an object", value)
+        hints = typing.get_type_hints(tp)
+        kw = {}
+        for f in dataclasses.fields(tp):
+            at = f"{key}.{f.name}" if key else f.name
+            if f.name in value:
+                kw[f.name] = reference(hints[f.name], value[f.name], at)
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise CodecError(f"key {at!r} is missing")
+        return tp(**kw)  # type: ignore[operator]
+    if origin is tuple:
+        if not isinstance(value, list):
+            raise _bad(key, "an array", value)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(reference(args[0], v, f"{key}[{i}]") for i, v in enumerate(value))
+        if len(value) != len(args):
+            raise _bad(key, f"an array of {len(args)}", value)
+        return tuple(
+            reference(a, v, f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value, strict=True))
+        )
+    if origin in (Mapping, dict):
+        if not isinstance(value, dict):
+            raise _bad(key, "an object", value)
+        return {k: reference(args[1], v, f"{key}.{k}") for k, v in value.items()}
+    ok = {
+        bool: isinstance(value, bool),
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, int | float) and not isinstance(value, bool),
+        str: isinstance(value, str),
+    }[tp]
+    if not ok:
+        expected = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+        raise _bad(key, expected[tp], value)
+    return float(value) if tp is float else value
+
+
+def _typed(value: Any) -> Any:
+    """`value` with every record, container and scalar tagged with its type: equal only when
+    the types are equal too (``2 == 2.0``, but a float field must hold a float)."""
+    if dataclasses.is_dataclass(value):
+        fields = dataclasses.fields(value)
+        return type(value), tuple((f.name, _typed(getattr(value, f.name))) for f in fields)
+    if isinstance(value, dict):
+        return dict, tuple((k, _typed(v)) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return type(value), tuple(_typed(v) for v in value)
+    return type(value), value
+
+
+def _outcome(decode: Any, doc: Any) -> tuple[str, Any]:
+    try:
+        return "ok", _typed(decode(Manifest, doc, ""))
+    except CodecError as e:
+        return "error", str(e)
+
+
+def _paths(value: Any, path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Every place in a JSON document (the root excluded)."""
+    out = []
+    if isinstance(value, dict | list):
+        for k, v in value.items() if isinstance(value, dict) else enumerate(value):
+            out.append((*path, k))
+            out += _paths(v, (*path, k))
+    return out
+
+
+REPLACEMENTS: list[Any] = ["x", 1, 1.5, -3, True, False, None, [], {}, [1, "a"], {"a": 1}]
+
+
+def _mutated(doc: Any, rng: random.Random, paths: list[tuple[Any, ...]]) -> Any:
+    """A copy of `doc` with one to three places replaced by another JSON value or removed."""
+    doc = json.loads(json.dumps(doc))
+    for path in rng.sample(paths, rng.randint(1, 3)):
+        parent = doc
+        try:
+            for k in path[:-1]:
+                parent = parent[k]
+            last = path[-1]
+            if isinstance(parent, dict) and rng.random() < 0.3:
+                parent.pop(last, None)
+            else:
+                parent[last] = rng.choice(REPLACEMENTS)
+        except (KeyError, IndexError, TypeError):  # an earlier edit removed or replaced it
+            continue
+    return doc
+
+
+@pytest.fixture(scope="module")
+def manifests(tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
+    """The manifests of packs that use every kind of record field: plain, --cp, --hybrid-cp."""
+    example = Path(__file__).parents[2] / "examples" / "rollouts.parquet"
+    docs = []
+    for name, args in {
+        "plain": ("--dp", 3, "--batch-size", 64),
+        "cp": ("--dp", 2, "--cp", 2, "--batch-size", 64),
+    }.items():
+        out = tmp_path_factory.mktemp("codec") / name
+        pack(example, out, *args)
+        docs.append(json.loads((out / MANIFEST).read_text()))
+    return docs
+
+
+def test_real_manifests_decode_as_the_reference_decodes_them(manifests: list[Any]) -> None:
+    for doc in manifests:
+        got, want = _outcome(from_json, doc), _outcome(reference, doc)
+        assert got[0] == "ok" and got == want
+
+
+def test_broken_manifests_are_refused_as_the_reference_refuses_them(
+    manifests: list[Any],
+) -> None:
+    rng = random.Random(25)
+    outcomes = {"ok": 0, "error": 0}
+    for doc in manifests:
+        paths = _paths(doc)
+        for _ in range(1000):
+            broken = _mutated(doc, rng, paths)
+            got, want = _outcome(from_json, broken), _outcome(reference, broken)
+            assert got == want, broken
+            outcomes[got[0]] += 1
+    assert min(outcomes.values()) >= 100, outcomes  # both kinds of outcome were exercised
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Node:
+    name: str
+    weight: float = 1.0
+    children: tuple[_Node, ...] = ()
+    by_name: Mapping[str, _Node] = dataclasses.field(default_factory=dict)
+    parent: _Node | None = None
+
+
+def test_a_record_that_contains_its_own_type() -> None:
+    doc = {
+        "name": "root",
+        "weight": 2,
+        "children": [{"name": "a"}, {"name": "b", "children": [{"name": "c", "weight": 0.5}]}],
+        "by_name": {"d": {"name": "d", "parent": {"name": "root"}}},
+    }
+    node = from_json(_Node, doc, "")
+    assert _typed(node) == _typed(reference(_Node, doc, ""))
+    assert node.weight == 2.0 and type(node.weight) is float
+    assert node.children[1].children[0].name == "c" and node.by_name["d"].parent.name == "root"
+    broken = json.loads(json.dumps(doc))
+    broken["children"][1]["children"][0]["weight"] = "heavy"
+    with pytest.raises(CodecError, match=r"'x\.children\[1\]\.children\[0\]\.weight' must be"):
+        from_json(_Node, broken, "x")
+    broken["children"][1]["children"][0] = {"weight": 1}
+    with pytest.raises(CodecError, match=r"key 'x\.children\[1\]\.children\[0\]\.name' is"):
+        from_json(_Node, broken, "x")
