@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from pack_helpers import pack
 
-from rolltool.format import MANIFEST, Manifest, from_json
+from rolltool.format import MANIFEST, Manifest, codec, from_json
 from rolltool.format.codec import CodecError, _bad
 
 
@@ -187,3 +187,39 @@ def test_a_record_that_contains_its_own_type() -> None:
     broken["children"][1]["children"][0] = {"weight": 1}
     with pytest.raises(CodecError, match=r"key 'x\.children\[1\]\.children\[0\]\.name' is"):
         from_json(_Node, broken, "x")
+
+
+@dataclass(frozen=True)
+class _Checked:
+    low: int
+    high: int
+
+    def __post_init__(self) -> None:
+        if self.low > self.high:
+            raise ValueError("low > high")
+
+
+@dataclass(frozen=True)
+class _OwnInit:
+    total: int
+
+    def __init__(self, total: int) -> None:
+        object.__setattr__(self, "total", total * 2)
+
+
+def test_a_record_is_made_as_its_own_init_makes_it() -> None:
+    """Manifest records get ``__dict__`` set in one call (their dataclass ``__init__`` does only
+    that); a class whose ``__post_init__`` checks or whose own ``__init__`` computes still runs
+    them."""
+    node = from_json(_Node, {"name": "n", "children": [{"name": "c"}]}, "")
+    made = _Node(name="n", children=(_Node(name="c"),))
+    assert node == made and vars(node) == vars(made)
+    assert list(vars(node)) == list(vars(made))  # fields in their order
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        node.name = "m"
+    checked = from_json(_Checked, {"low": 1, "high": 2}, "")
+    assert checked == _Checked(1, 2) and hash(checked) == hash(_Checked(1, 2))
+    assert codec._plain(_Node) and not codec._plain(_Checked) and not codec._plain(_OwnInit)
+    with pytest.raises(ValueError, match="low > high"):
+        from_json(_Checked, {"low": 3, "high": 2}, "")
+    assert from_json(_OwnInit, {"total": 2}, "").total == 4
