@@ -196,14 +196,24 @@ def whole_bound(ws: np.ndarray, k: int, *, equal_count: bool) -> float | None:
     bound is optimal. Example: weights 64, 128, 192 (g = 64) into 2 parts: 384 / 2 = 192.
     """
     total = float(ws.sum())
-    if not total < 2.0**53 or not np.array_equal(ws, np.trunc(ws)):
+    if not total < 2.0**53:
+        return None
+    wi = ws.astype(np.int64)
+    if not (wi == ws).all():
         return None
     bound = max(-(-int(total) // k), int(ws[0]) if len(ws) else 0)
     m = len(ws) // k
     if equal_count and m > 1:  # the largest item's part holds m - 1 others, at least the smallest
         bound = max(bound, int(ws[0] + ws[len(ws) - (m - 1) :].sum()))
-    g = int(np.gcd.reduce(ws.astype(np.int64))) if len(ws) else 0
+    g = int(np.gcd.reduce(wi[:GCD_FIRST])) if len(ws) else 0
+    if g != 1 and len(ws) > GCD_FIRST:  # (the gcd of all divides that of the first few)
+        g = int(np.gcd.reduce(wi))
     return float(-(-bound // g) * g if g > 1 else bound)
+
+
+GCD_FIRST = 16
+"""``whole_bound`` takes the gcd of the first this many weights first: when it is 1 (lengths,
+almost always) so is the gcd of all."""
 
 
 METHODS: dict[str, Callable[[np.ndarray, int, bool], np.ndarray]] = {
@@ -226,9 +236,8 @@ def _check(weights: np.ndarray, k: int, method: str) -> np.ndarray:
             f"unknown partition method {method!r}",
             hint=f"choose one of {', '.join(sorted(METHODS))}",
         )
-    bad = np.flatnonzero(~np.isfinite(w) | (w < 0))
-    if len(bad):
-        i = int(bad[0])
+    if len(w) and not (w.min() >= 0.0 and w.max() < np.inf):  # (a NaN fails the first)
+        i = int(np.flatnonzero(~np.isfinite(w) | (w < 0))[0])
         raise RolltoolError(f"weight of item {i} is {w[i]!r}; weights must be finite and >= 0")
     return w
 
