@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rolltool.plan.advantages import AdvantageInput, compute_advantages, group_stats
+from rolltool.plan.advantages import AdvantageInput, group_stats, rollout_advantages
 from rolltool.plan.config import PackConfig
 from rolltool.schema import Rollouts
 
@@ -49,10 +49,15 @@ def group_advantages(ro: Rollouts, config: PackConfig, given: np.ndarray | None)
         uniform[: len(stats.uniform)] = stats.uniform
         return GroupAdvantages(given, uniform, no_whitening, "input column 'advantage'")
     a = config.advantages
-    computed = compute_advantages(a, AdvantageInput.from_rollouts(ro))
+    per = rollout_advantages(a, AdvantageInput.from_rollouts(ro))
     uniform = np.zeros(ro.num_groups, dtype=bool)
-    uniform[ro.group] = computed.group_uniform
+    uniform[: len(per.stats.uniform)] = per.stats.uniform
     whiten = np.array(
         [a.env_estimators.get(e, a.estimator) in WHITENING for e in ro.env_names], dtype=bool
     )
-    return GroupAdvantages(computed.advantage, uniform, whiten, a.estimator)
+    # float32 per rollout, then per sample: the values of `compute_advantages`' column
+    # (a cast per element commutes with the gather), without its per-sample float64 copy,
+    # and with the per-rollout statistics let go first
+    per_rollout = per.value.astype(np.float32)
+    del per
+    return GroupAdvantages(per_rollout[ro.rollout], uniform, whiten, a.estimator)

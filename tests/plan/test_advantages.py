@@ -724,3 +724,50 @@ def test_an_env_called_all_is_an_env_like_any_other(write_parquet, run_cli, tmp_
     report = json.loads(result.stdout)
     assert [r["env"] for r in report["envs"]] == ["all", "other"]
     assert report["envs"][0]["samples"] == 2 and report["overall"]["samples"] == 4
+
+
+def _random_input(rng: np.random.Generator, n: int, envs: int, huge: bool) -> AdvantageInput:
+    """n samples in groups of 1-9 rollouts of 1-3 branches, rewards with ties (and with `huge`,
+    rewards past `SAFE_REWARD` in groups of 2 or more: only grpo keeps their advantages in
+    float32's range)."""
+    group, rollout, g, r = [], [], 0, 0
+    while len(group) < n:
+        for _ in range(int(rng.integers(1 + huge, 10))):  # a huge singleton overflows
+            k = int(rng.integers(1, 4))
+            group += [g] * k
+            rollout += [r] * k
+            r += 1
+        g += 1
+    group_a, rollout_a = np.array(group[:n]), np.array(rollout[:n])
+    choices = np.array([0.0, 1.0, 0.1, -2.3, 0.7] + [1e200] * huge)
+    r_reward = choices[rng.integers(0, len(choices), int(rollout_a.max()) + 1)]
+    r_env = rng.integers(0, envs, int(group_a.max()) + 1)
+    return AdvantageInput(group=group_a, rollout=rollout_a, env=r_env[group_a].astype(np.int32),
+                          env_names=[f"e{i}" for i in range(envs)], reward=r_reward[rollout_a],
+                          trainable=rng.integers(0, 50, n))  # fmt: skip
+
+
+@pytest.mark.parametrize("estimator", sorted(ESTIMATORS))
+def test_chunked_and_per_rollout_advantages_equal_the_whole_computation(
+    estimator: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run plan's path (`rollout_advantages` by chunks of rollouts, spread over samples in
+    float32) gives `compute_advantages`' column bit for bit, with one env or several."""
+    from rolltool.plan import advantages as adv_mod
+    from rolltool.plan.advantages import ELEMENTWISE, rollout_advantages
+
+    rng = np.random.default_rng(7)
+    chunked = 0
+    for seed in range(12):
+        ro = _random_input(rng, int(rng.integers(1, 400)), 1 + seed % 2, estimator == "grpo")
+        config = AdvantageConfig(
+            estimator=estimator, env_estimators={"e1": "grpo"} if seed % 2 else {}
+        )
+        monkeypatch.setattr(adv_mod, "CHUNK", 1 << 20)
+        whole = compute_advantages(config, ro)
+        monkeypatch.setattr(adv_mod, "CHUNK", int(rng.integers(1, 17)))
+        per = rollout_advantages(config, ro)
+        chunked += estimator in ELEMENTWISE and seed % 2 == 0 and len(per.value) > adv_mod.CHUNK
+        assert np.array_equal(per.value.astype(np.float32)[ro.rollout], whole.advantage)
+        assert np.array_equal(per.stats.uniform[ro.group], whole.group_uniform)
+    assert chunked >= 3 or estimator not in ELEMENTWISE  # the chunked loop really ran

@@ -163,3 +163,38 @@ def test_the_plan_holds_17_bytes_per_sample(tmp_path: Path) -> None:
                                        plan.weight, plan.rows))  # fmt: skip
     assert per_row == 17
     assert plan.nbytes <= (per_row + 4) * ro.num_samples  # + the whole input's advantages
+
+
+def _assembly_groups_reference(ro: Rollouts, trained: np.ndarray) -> dict[str, np.ndarray]:
+    """Per group: env, rollouts, samples and tokens of its trained samples, one Python loop."""
+    G = ro.num_groups
+    out = {k: np.zeros(G, dtype=np.int64) for k in ("env", "rollouts", "samples", "tokens")}
+    seen: set[int] = set()
+    for i in range(ro.num_samples):
+        g = int(ro.group[i])
+        out["env"][g] = ro.env[i]
+        if trained[i]:
+            out["samples"][g] += 1
+            out["tokens"][g] += int(ro.length[i])
+            if int(ro.rollout[i]) not in seen:
+                seen.add(int(ro.rollout[i]))
+                out["rollouts"][g] += 1
+    return out
+
+
+def test_assembly_groups_counted_by_chunks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`assembly_groups` counts chunk by chunk: the counts of one obvious loop, whatever the
+    chunk (smaller than a group, than the input, or the whole input)."""
+    from rolltool.plan import groups as groups_mod
+
+    rng = np.random.default_rng(3)
+    for k in range(4):
+        ro = _light(tmp_path, rng)
+        trained = rng.random(ro.num_samples) < 0.8
+        want = _assembly_groups_reference(ro, trained)
+        chunk = [1, 3, 7, 1 << 20][k % 4]
+        monkeypatch.setattr(groups_mod, "CHUNK", chunk)
+        got = groups_mod.assembly_groups(ro, trained, np.zeros(ro.num_groups, dtype=bool))
+        assert chunk > ro.num_samples or len(groups_mod._chunks(ro.num_samples)) > 1
+        for name, values in want.items():
+            assert np.array_equal(getattr(got, name), values), name
