@@ -60,7 +60,7 @@ print(json.dumps({{"manifest": median_ms(lambda: Manifest.loads(raw)),
 def measure(tree: Path, path: Path, repeats: int) -> dict[str, float]:
     code = _CHILD.format(tree=str(tree), path=str(path), repeats=repeats)
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
