@@ -153,12 +153,33 @@ class GroupStats:
 
     group: np.ndarray  # [R] int64 dense group code of each rollout
     reward: np.ndarray  # [R] float64, in units of its group's scale
-    trainable: np.ndarray  # [R] int64 trainable tokens summed over the rollout's branches
+    trainable: np.ndarray | None  # [R] int64 trainable tokens summed over the rollout's branches
     size: np.ndarray  # [G] int64 rollouts per group
     mean: np.ndarray  # [G] float64 group mean reward, in units of scale
     std: np.ndarray  # [G] float64 unbiased group std (0 for singletons), in units of scale
     uniform: np.ndarray  # [G] bool: two or more rollouts, all rewards equal
     scale: np.ndarray  # [G] float64: 1, or the group's largest |reward| past SAFE_REWARD
+
+    def tokens(self) -> np.ndarray:
+        """``trainable``, for the estimators that read it (`TOKEN_ESTIMATORS`)."""
+        if self.trainable is None:
+            raise ValueError("bug: group statistics made without trainable tokens")
+        return self.trainable
+
+
+TOKEN_ESTIMATORS = {"opo", "reinforce_pp_baseline"}
+"""Estimators that read the rollouts' trainable tokens (`GroupStats.tokens`); for the others
+`rollout_advantages` does not count them."""
+
+
+def _rollout_tokens(rollout: np.ndarray, trainable: np.ndarray, n_rollouts: int) -> np.ndarray:
+    """[R] int64 trainable tokens summed over each rollout's branches."""
+    r_train = np.zeros(n_rollouts, dtype=np.int64)
+    if np.asarray(trainable).dtype.kind in "iu":  # whole counts: summed as integers, in place
+        np.add.at(r_train, rollout, trainable)
+    else:
+        r_train[:] = np.bincount(rollout, weights=trainable, minlength=n_rollouts)
+    return r_train
 
 
 def _scales(r_group: np.ndarray, r_reward: np.ndarray, n_groups: int) -> np.ndarray:
@@ -168,7 +189,7 @@ def _scales(r_group: np.ndarray, r_reward: np.ndarray, n_groups: int) -> np.ndar
 
 
 def group_stats(
-    group: np.ndarray, rollout: np.ndarray, reward: np.ndarray, trainable: np.ndarray
+    group: np.ndarray, rollout: np.ndarray, reward: np.ndarray, trainable: np.ndarray | None
 ) -> GroupStats:
     """Collapse samples to rollouts (first branch's reward) and compute per-group moments.
 
@@ -183,11 +204,7 @@ def group_stats(
     r_reward[rollout[::-1]] = reward[::-1]
     scale = _scales(r_group, r_reward, n_groups)
     np.divide(r_reward, scale[r_group], out=r_reward)  # exact where the scale is 1
-    r_train = np.zeros(n_rollouts, dtype=np.int64)
-    if np.asarray(trainable).dtype.kind in "iu":  # whole counts: summed as integers, in place
-        np.add.at(r_train, rollout, trainable)
-    else:
-        r_train[:] = np.bincount(rollout, weights=trainable, minlength=n_rollouts)
+    r_train = None if trainable is None else _rollout_tokens(rollout, trainable, n_rollouts)
     size = np.bincount(r_group, minlength=n_groups).astype(np.int64)
     lo = np.full(n_groups, np.inf)
     hi = np.full(n_groups, -np.inf)
@@ -239,9 +256,9 @@ def _opo(s: GroupStats, mask: np.ndarray, eps: float) -> np.ndarray:
     n_groups = len(s.size)
     # b = sum(len * r) / sum(len), written as mean + sum(len * (r - mean)) / sum(len) so that a
     # uniform group gets b = r exactly and advantage 0 (sum/sum can be off by an ulp).
-    dev = s.trainable * (s.reward - s.mean[s.group])
+    dev = s.tokens() * (s.reward - s.mean[s.group])
     num = np.bincount(s.group, weights=dev, minlength=n_groups)
-    den = np.bincount(s.group, weights=s.trainable, minlength=n_groups)
+    den = np.bincount(s.group, weights=s.tokens(), minlength=n_groups)
     base = s.mean + np.divide(num, den, out=np.zeros(n_groups), where=den > 0)
     # verl divides 0/0 = nan for a group with no trainable tokens; we keep the reward (b = 0)
     # there, which is what the singleton rule gives, and the samples carry no loss anyway.
@@ -255,7 +272,7 @@ def _reinforce_pp_baseline(s: GroupStats, mask: np.ndarray, eps: float) -> np.nd
     # sqrt(v' + 1e-8 / S**2).
     top = float(s.scale[s.group[mask]].max()) if mask.any() else 1.0
     a = _centered(s) * (s.scale[s.group] / top)
-    w = s.trainable[mask].astype(np.float64)
+    w = s.tokens()[mask].astype(np.float64)
     total = w.sum()
     if total < 2:
         raise RolltoolError(
@@ -327,8 +344,8 @@ def _estimate(name: str, stats: GroupStats, mask: np.ndarray, eps: float) -> np.
     out = np.empty(n, dtype=np.float64)
     for a in range(0, n, CHUNK):
         part = slice(a, a + CHUNK)
-        sub = replace(stats, group=stats.group[part], reward=stats.reward[part],
-                      trainable=stats.trainable[part])  # fmt: skip
+        tokens = None if stats.trainable is None else stats.trainable[part]
+        sub = replace(stats, group=stats.group[part], reward=stats.reward[part], trainable=tokens)
         out[part] = estimator(sub, mask[part], eps)
     return out
 
@@ -351,12 +368,13 @@ def rollout_advantages(config: AdvantageConfig, ro: AdvantageInput) -> RolloutAd
             f"--env-estimator names env(s) not in the input: {', '.join(unknown)}",
             hint=f"envs in the input: {', '.join(ro.env_names)}",
         )
-    stats = group_stats(ro.group, ro.rollout, ro.reward, ro.trainable)
-    n_rollouts = len(stats.group)
     names = np.array(
         [config.env_estimators.get(e, config.estimator) for e in ro.env_names], dtype=object
     )
     used = sorted(set(names.tolist()))
+    tokens = ro.trainable if TOKEN_ESTIMATORS & set(used) else None  # 8 bytes a rollout
+    stats = group_stats(ro.group, ro.rollout, ro.reward, tokens)
+    n_rollouts = len(stats.group)
     if len(used) == 1:  # one estimator for every rollout (no env codes needed)
         r_adv = _estimate(used[0], stats, np.ones(n_rollouts, dtype=bool), config.std_eps)
     else:

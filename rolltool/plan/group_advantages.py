@@ -43,7 +43,7 @@ def group_advantages(ro: Rollouts, config: PackConfig, given: np.ndarray | None)
     """Group-local advantages over the whole input (so steps cannot change them), or the given
     ones; with given advantages only the group statistics (uniform groups) are computed."""
     if given is not None:
-        stats = group_stats(ro.group, ro.rollout, ro.reward, ro.trainable)
+        stats = group_stats(ro.group, ro.rollout, ro.reward, None)  # uniform groups only
         no_whitening = np.zeros(len(ro.env_names), dtype=bool)
         uniform = np.zeros(ro.num_groups, dtype=bool)
         uniform[: len(stats.uniform)] = stats.uniform
@@ -58,6 +58,8 @@ def group_advantages(ro: Rollouts, config: PackConfig, given: np.ndarray | None)
     # float32 per rollout, then per sample: the values of `compute_advantages`' column
     # (a cast per element commutes with the gather), without its per-sample float64 copy,
     # and with the per-rollout statistics let go first
-    per_rollout = per.value.astype(np.float32)
-    del per
+    value = per.value
+    del per  # the statistics go before the float32 copy is made
+    per_rollout = value.astype(np.float32)
+    del value
     return GroupAdvantages(per_rollout[ro.rollout], uniform, whiten, a.estimator)
