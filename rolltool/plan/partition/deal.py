@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["QUERIES", "deal", "serpentine", "transfer_rounds"]
+__all__ = ["QUERIES", "deal", "deal_exact", "exact_pairs", "serpentine", "transfer_rounds"]
 
 QUERIES = 64
 """Receiver items looked up per transfer (every s-th, s = items // QUERIES): enough to find a
@@ -242,3 +242,220 @@ def _apply(
         loads[b] = lb + d
         done += 1
     return done
+
+
+# ---------------------------------------------------------------- equal counts, exact swaps
+
+EXACT_ROUNDS = 3
+"""``deal_exact`` runs at most this many rounds (1,024 synth lengths into 8 parts: 1-3)."""
+
+EXACT_HEAD = 8
+"""``deal_exact`` deals this many first blocks by LPT (the largest items, where the serpentine
+leaves most of its imbalance) before the serpentine deals the rest."""
+
+
+def deal_exact(
+    ws: np.ndarray, k: int, *, target: float, max_rounds: int = EXACT_ROUNDS
+) -> np.ndarray | None:
+    """Equal counts, k dividing n: one item of each block of k to each part, then rounds of
+    exact swaps towards ``target``: ``[n]`` int64 part per item (every part n // k items) with
+    no part above ``target``, or ``None`` where ``max_rounds`` rounds do not get there.
+
+    The start (``head_and_serpentine``): the first ``EXACT_HEAD`` blocks by LPT, the others
+    dealt back and forth, their columns given to the parts lightest head first. Each round plans
+    the northwest-corner transfers (supplier a, receiver b, amount), and for each looks at every
+    pair of an item x of a and y of b (one binary search over a's sorted items per item of b,
+    all transfers at once) for the swap with x - y in a *window*: at least the amount and at
+    most b's room (b stays at or below ``target``; a's rest goes to the next receiver), the
+    smallest such; else the largest x - y below the amount. Swaps are applied in transfer
+    order, each in the window of that moment (where an earlier swap of the round left a or b
+    elsewhere than planned, another of the pairs found is taken), only if it lowers the total
+    excess over ``target`` and touches no item swapped this round. Against ``transfer_rounds``
+    (64 sampled items of b, the swap nearest the amount): every item, and a window instead of
+    one value, so most transfers land exactly.
+    """
+    n = len(ws)
+    m = n // k
+    parts = head_and_serpentine(ws, k, min(EXACT_HEAD, m))  # parts[p]: p's items
+    items = ws[parts]
+    loads: list[float] = items.sum(axis=1).tolist()
+    rounds = 0
+    while max(loads) > target:
+        if rounds == max_rounds or not _exact_round(items, parts, loads, target, rounds == 0):
+            return None
+        rounds += 1
+    labels = np.empty(n, dtype=np.int64)
+    labels[parts] = np.arange(k, dtype=np.int64)[:, None]
+    return labels
+
+
+def head_and_serpentine(ws: np.ndarray, k: int, h: int) -> np.ndarray:
+    """``[k, n // k]`` int64: the items of each part, one of each block of k (so each part's
+    items are heaviest first). Blocks 0..h-1 by LPT (a block's heaviest item to the lightest
+    part, ties to the lower part), the rest serpentine (from block h: positions 0..k-1, then
+    back), those columns given to the parts heaviest column to lightest head.
+
+    >>> head_and_serpentine(np.array([9.0, 8, 5, 4, 3, 1]), 2, 1).tolist()  # 15 | 15
+    [[0, 2, 5], [1, 3, 4]]
+    """
+    m = len(ws) // k
+    ids = np.arange(m * k, dtype=np.int64).reshape(m, k)
+    tail = ids[h:].T.copy()
+    tail[:, 1::2] = tail[::-1, 1::2]
+    if h == 0:
+        return tail
+    loads = [0.0] * k
+    head = [[0] * h for _ in range(k)]
+    for b, row in enumerate(ws[: h * k].reshape(h, k).tolist()):
+        for pos, p in enumerate(sorted(range(k), key=loads.__getitem__)):
+            loads[p] += row[pos]
+            head[p][b] = b * k + pos
+    out = np.empty((k, m), dtype=np.int64)
+    out[:, :h] = head
+    lightest_first = sorted(range(k), key=loads.__getitem__)
+    out[lightest_first, h:] = tail[np.argsort(-ws[tail].sum(axis=1), kind="stable")]
+    return out
+
+
+def _windows(
+    loads: list[float], target: float
+) -> tuple[list[int], list[int], list[float], list[float]]:
+    """Northwest-corner transfers (suppliers heaviest first, receivers lightest first): supplier,
+    receiver, least amount (what either side has left) and most (the receiver's room left)."""
+    k = len(loads)
+    over = sorted([p for p in range(k) if loads[p] > target], key=loads.__getitem__, reverse=True)
+    under = sorted([p for p in range(k) if loads[p] < target], key=loads.__getitem__)
+    supply = [loads[p] - target for p in over]
+    room = [target - loads[p] for p in under]
+    src: list[int] = []
+    dst: list[int] = []
+    least: list[float] = []
+    most: list[float] = []
+    i = j = 0
+    while i < len(supply) and j < len(room):
+        d = min(supply[i], room[j])
+        src.append(over[i])
+        dst.append(under[j])
+        least.append(d)
+        most.append(room[j])
+        supply[i] -= d
+        room[j] -= d
+        i += supply[i] <= 0
+        j += room[j] <= 0
+    return src, dst, least, most
+
+
+def _exact_round(
+    items: np.ndarray,
+    parts: np.ndarray,
+    loads: list[float],
+    target: float,
+    rows_sorted: bool,
+) -> int:
+    """One round of ``deal_exact`` on ``items``/``parts`` (``[k, m]``) and ``loads``, in place;
+    returns the swaps applied. ``rows_sorted``: every part's items are heaviest first (no sort)."""
+    src, dst, least, most = _windows(loads, target)
+    if not src:
+        return 0
+    cand, x_col, planned = exact_pairs(items, src, dst, least, most, rows_sorted=rows_sorted)
+    swaps = _apply_in_window(src, dst, cand, x_col, planned, loads, target)
+    if not swaps:
+        return 0
+    ra, xc, rb, yb = (list(c) for c in zip(*swaps, strict=True))
+    for arr in (items, parts):
+        keep = arr[ra, xc]
+        arr[ra, xc] = arr[rb, yb]
+        arr[rb, yb] = keep
+    return len(swaps)
+
+
+def exact_pairs(
+    items: np.ndarray,
+    src: list[int],
+    dst: list[int],
+    least: list[float],
+    most: list[float],
+    *,
+    rows_sorted: bool = False,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For each transfer t (an item x of part ``src[t]`` for an item y of ``dst[t]``, x - y in
+    [``least[t]``, ``most[t]``]) and each y (column c of ``items[dst[t]]``, ``items``: ``[k, m]``
+    non-negative), the pair with the smallest x - y >= least (column c) and the largest below
+    (column m + c), found by one binary search over every x of the transfer for every y.
+
+    Returns ``cand`` ``[T, 2m]`` (x - y of each pair; inf or <= 0 where there is none), ``x_col``
+    ``[T, 2m]`` (x's column in ``items[src[t]]``) and ``planned`` ``[T]`` (the column of
+    ``cand`` of the best pair: in the window nearest ``least``, else the largest in
+    (0, least); -1 where neither). ``rows_sorted``: each part's items heaviest first.
+    """
+    nt, m = len(src), items.shape[1]
+    t = np.arange(nt)
+    off = 2.0 * float(items.max()) + max(most) + 1.0  # transfer t's keys in [t·off, t·off + W]
+    shift = (t * off)[:, None]
+    keys = np.empty(nt * m + 1)
+    keys[-1] = np.inf  # past the last key (and before the first, as index -1)
+    if rows_sorted:  # ascending keys: columns m-1 .. 0
+        np.add(items[src][:, ::-1], shift, out=keys[:-1].reshape(nt, m))
+    else:
+        order = items[src].argsort(axis=1)
+        np.add(items[src][t[:, None], order], shift, out=keys[:-1].reshape(nt, m))
+    y = items[dst] + shift
+    lo = np.array(least)[:, None]
+    j = keys.searchsorted(y + lo)  # keys[j]: the first x >= y + lo (another transfer's: > hi)
+    cand = np.concatenate([keys[j] - y, keys[j - 1] - y], axis=1)
+    at = np.concatenate([j, j - 1], axis=1)  # x's key (-1: the inf, never picked)
+    x_col = (m - 1) - at % m if rows_sorted else order.ravel().take(at, mode="wrap")
+    return cand, x_col, _pick(cand, lo, np.array(most)[:, None])
+
+
+def _pick(cand: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Per row of ``cand`` (x - y of candidate pairs), the column of the pair in the window
+    [lo, hi] nearest lo, else of the largest below lo and above 0; -1 where there is none."""
+    below = (cand > 0.0) & (cand < lo)
+    big = float(hi.max()) + 1.0
+    score = np.where(
+        (cand >= lo) & (cand <= hi), cand - lo, np.where(below, big + lo - cand, np.inf)
+    )
+    best = score.argmin(axis=1)
+    return np.where(np.isfinite(score[np.arange(len(best)), best]), best, -1)
+
+
+def _apply_in_window(
+    src: list[int],
+    dst: list[int],
+    cand: np.ndarray,
+    x_col: np.ndarray,
+    planned: np.ndarray,
+    loads: list[float],
+    target: float,
+) -> list[tuple[int, int, int, int]]:
+    """Choose the round's swaps in transfer order: (a, x's column, b, y's column). A
+    transfer takes its planned pair if it lies in the window of the moment [min(a's excess,
+    b's room), b's room], else the nearest of its pairs that does (or, short of it, the largest
+    below); only if it lowers the total excess and touches no item swapped this round."""
+    m = cand.shape[1] // 2
+    used: set[tuple[int, int]] = set()
+    swaps: list[tuple[int, int, int, int]] = []
+    for t, (a, b, c) in enumerate(zip(src, dst, planned.tolist(), strict=True)):
+        la, lb = loads[a], loads[b]
+        room = target - lb
+        want = min(la - target, room)
+        if want <= 0.0 or c < 0:
+            continue
+        d = float(cand[t, c])
+        if not want <= d <= room:  # an earlier swap moved a or b: look again
+            c = int(_pick(cand[t : t + 1], np.array([[want]]), np.array([[room]]))[0])
+            if c < 0:
+                continue
+            d = float(cand[t, c])
+        x, yc = int(x_col[t, c]), c % m
+        if (a, x) in used or (b, yc) in used:
+            continue
+        before = max(la - target, 0.0)
+        if max(la - d - target, 0.0) + max(lb + d - target, 0.0) >= before:
+            continue
+        used.add((a, x))
+        used.add((b, yc))
+        loads[a], loads[b] = la - d, lb + d
+        swaps.append((a, x, b, yc))
+    return swaps

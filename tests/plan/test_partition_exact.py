@@ -1,0 +1,153 @@
+"""``deal_exact`` (equal counts, exact swaps) and the other issue-23 aim-3 fast paths against
+slow, obvious references: the pair search against every pair, KK's link reading against the
+textbook KK, and ``auto`` with the exact path never heavier than without it."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from partition_refs import reference_kk
+
+from rolltool.plan.partition import balance_labels
+from rolltool.plan.partition.balance import (
+    EXACT_PER_PART,
+    METHODS,
+    descending_order,
+    whole_bound,
+)
+from rolltool.plan.partition.deal import deal_exact, exact_pairs, head_and_serpentine
+from rolltool.plan.partition.kk import PY_LINKS_MAX, kk_sorted
+
+# ---------------------------------------------------------------- references
+
+
+def best_pair_reference(
+    items: np.ndarray, a: int, b: int, least: float, most: float
+) -> float | None:
+    """Every pair (x of part a, y of part b): the smallest x - y in [least, most], else the
+    largest x - y in (0, least); None where there is neither."""
+    d = [x - y for x in items[a].tolist() for y in items[b].tolist()]
+    inside = [v for v in d if least <= v <= most]
+    if inside:
+        return min(inside)
+    below = [v for v in d if 0 < v < least]
+    return max(below) if below else None
+
+
+def _weights(n: int, seed: int, shape: str) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if shape == "agent":
+        return np.minimum((rng.pareto(1.2, n) + 1) * 800, 32768).round()
+    if shape == "ties":
+        return rng.integers(1, 6, n).astype(np.float64)
+    return rng.integers(200, 8000, n).astype(np.float64)
+
+
+# ---------------------------------------------------------------- the pair search
+
+
+def test_exact_pairs_equal_every_pair() -> None:
+    found = []
+
+    @settings(max_examples=150, deadline=None)
+    @given(
+        seed=st.integers(0, 2**32 - 1),
+        k=st.integers(2, 9),
+        m=st.integers(1, 12),
+        spread=st.sampled_from([3, 40, 1000]),
+        sorted_rows=st.booleans(),
+    )
+    def prop(seed: int, k: int, m: int, spread: int, sorted_rows: bool) -> None:
+        rng = np.random.default_rng(seed)
+        items = rng.integers(0, spread, (k, m)).astype(np.float64)
+        if sorted_rows:
+            items = -np.sort(-items, axis=1)
+        nt = int(rng.integers(1, 2 * k))
+        src = rng.integers(0, k, nt).tolist()
+        dst = [(a + int(rng.integers(1, k))) % k for a in src]  # another part
+        least = rng.integers(1, spread + 2, nt).astype(float).tolist()
+        most = [lo + float(rng.integers(0, 4)) for lo in least]
+        cand, x_col, planned = exact_pairs(items, src, dst, least, most, rows_sorted=sorted_rows)
+        for t, (a, b) in enumerate(zip(src, dst, strict=True)):
+            want = best_pair_reference(items, a, b, least[t], most[t])
+            c = int(planned[t])
+            if want is None:
+                assert c == -1
+                continue
+            assert c >= 0 and cand[t, c] == want
+            x, y = items[a, x_col[t, c]], items[b, c % m]  # the pair really is there
+            assert x - y == want
+            found.append(want >= least[t])
+
+    prop()
+    assert len(found) >= 300 and 0 < sum(found) < len(found)  # both kinds of pick were made
+
+
+# ---------------------------------------------------------------- deal_exact
+
+
+def test_head_and_serpentine_gives_one_item_of_each_block_to_each_part() -> None:
+    for n, k, h in ((6, 2, 1), (64, 8, 0), (64, 8, 3), (1024, 8, 8), (96, 3, 32)):
+        ws = np.sort(np.random.default_rng(n).integers(0, 500, n).astype(np.float64))[::-1]
+        parts = head_and_serpentine(ws.copy(), k, h)
+        assert parts.shape == (k, n // k)
+        assert sorted(parts.ravel().tolist()) == list(range(n))
+        assert (parts // k == np.arange(n // k)).all()  # column b: block b
+
+
+def test_deal_exact_keeps_counts_and_reaches_the_target_or_says_so() -> None:
+    reached = cases = 0
+    for seed in range(12):
+        for n, k, shape in ((1024, 8, "agent"), (512, 4, "uniform"), (2048, 16, "agent"),
+                            (384, 3, "ties"), (1024, 2, "uniform")):  # fmt: skip
+            w = _weights(n, seed, shape)
+            ws = w[descending_order(w)]
+            target = whole_bound(ws, k, equal_count=True)
+            assert target is not None
+            labels = deal_exact(ws, k, target=target)
+            cases += 1
+            if labels is None:
+                continue
+            assert np.bincount(labels, minlength=k).tolist() == [n // k] * k
+            assert np.bincount(labels, weights=ws, minlength=k).max() <= target
+            reached += 1
+    assert cases == 60 and reached >= 45  # it usually gets there: then the split is optimal
+
+
+def test_auto_with_the_exact_path_is_never_heavier_than_the_paths_it_skips() -> None:
+    """Where ``deal_exact`` applies, ``auto`` keeps it only at ``whole_bound``: no split is
+    lighter, so never heavier than ``refined`` or the deal path (it is the optimum)."""
+    used = 0
+    lo, hi = EXACT_PER_PART
+    for seed in range(40):
+        rng = np.random.default_rng(seed)
+        k = int(rng.choice([2, 4, 8, 16]))
+        m = int(rng.integers(lo, hi + 1))
+        w = _weights(m * k, seed, ["agent", "uniform", "ties"][seed % 3])
+        labels = balance_labels(w, k, equal_count=True)
+        assert np.bincount(labels, minlength=k).tolist() == [m] * k
+        ws = w[descending_order(w)]
+        top = np.bincount(labels, weights=w, minlength=k).max()
+        bound = whole_bound(ws, k, equal_count=True)
+        refined = METHODS["refined"](ws, k, True)
+        assert top <= np.bincount(refined, weights=ws, minlength=k).max()
+        used += bound is not None and top <= bound
+    assert used >= 30
+
+
+# ---------------------------------------------------------------- KK's links read in Python
+
+
+def test_kk_reads_its_links_alike_below_and_above_the_python_limit() -> None:
+    rng = np.random.default_rng(3)
+    for n in (PY_LINKS_MAX - 1, PY_LINKS_MAX + 1):  # Python below, pointer jumping above
+        for k, eq in ((3, False), (8, False), (7, True)):
+            w = rng.integers(0, 1000, n).tolist()
+            m = n + (-n % k if eq else 0)
+            ws = np.zeros(m)
+            ws[:n] = sorted(w, reverse=True)
+            labels = kk_sorted(ws, k, eq)[:n]
+            got = sorted(sorted(np.flatnonzero(labels == p).tolist()) for p in range(k))
+            ref = reference_kk(sorted(w, reverse=True), k, eq)
+            assert got == sorted(sorted(s) for s in ref)
