@@ -276,9 +276,8 @@ def deal_exact(
     """
     n = len(ws)
     m = n // k
-    parts = head_and_serpentine(ws, k, min(EXACT_HEAD, m))  # parts[p]: p's items
+    parts, loads = head_and_serpentine(ws, k, min(EXACT_HEAD, m))  # parts[p]: p's items
     items = ws[parts]
-    loads: list[float] = items.sum(axis=1).tolist()
     rounds = 0
     while max(loads) > target:
         if rounds == max_rounds or not _exact_round(items, parts, loads, target, rounds == 0):
@@ -289,32 +288,40 @@ def deal_exact(
     return labels
 
 
-def head_and_serpentine(ws: np.ndarray, k: int, h: int) -> np.ndarray:
+def head_and_serpentine(ws: np.ndarray, k: int, h: int) -> tuple[np.ndarray, list[float]]:
     """``[k, n // k]`` int64: the items of each part, one of each block of k (so each part's
-    items are heaviest first). Blocks 0..h-1 by LPT (a block's heaviest item to the lightest
-    part, ties to the lower part), the rest serpentine (from block h: positions 0..k-1, then
-    back), those columns given to the parts heaviest column to lightest head.
+    items are heaviest first), and the part loads. Blocks 0..h-1 by LPT (a block's heaviest
+    item to the lightest part, ties to the lower part), the rest serpentine (from block h:
+    positions 0..k-1, then back), those columns given to the parts heaviest column to lightest
+    head.
 
-    >>> head_and_serpentine(np.array([9.0, 8, 5, 4, 3, 1]), 2, 1).tolist()  # 15 | 15
-    [[0, 2, 5], [1, 3, 4]]
+    >>> parts, loads = head_and_serpentine(np.array([9.0, 8, 5, 4, 3, 1]), 2, 1)
+    >>> parts.tolist(), loads
+    ([[0, 2, 5], [1, 3, 4]], [15.0, 15.0])
     """
     m = len(ws) // k
     ids = np.arange(m * k, dtype=np.int64).reshape(m, k)
     tail = ids[h:].T.copy()
     tail[:, 1::2] = tail[::-1, 1::2]
+    sums = ws[tail].sum(axis=1)
     if h == 0:
-        return tail
-    loads = [0.0] * k
-    head = [[0] * h for _ in range(k)]
-    for b, row in enumerate(ws[: h * k].reshape(h, k).tolist()):
-        for pos, p in enumerate(sorted(range(k), key=loads.__getitem__)):
-            loads[p] += row[pos]
-            head[p][b] = b * k + pos
+        return tail, sums.tolist()
+    # LPT on blocks: (load, part) pairs lightest first; a block's items (heaviest first) go to
+    # them in that order, then the pairs are sorted again (ties: the lower part first)
+    state = [(0.0, p) for p in range(k)]
+    head = []
+    for row in ws[: h * k].reshape(h, k).tolist():
+        head.append([p for _, p in state])  # the part of each position of the block
+        state = sorted([(load + x, p) for (load, p), x in zip(state, row, strict=True)])
     out = np.empty((k, m), dtype=np.int64)
-    out[:, :h] = head
-    lightest_first = sorted(range(k), key=loads.__getitem__)
-    out[lightest_first, h:] = tail[np.argsort(-ws[tail].sum(axis=1), kind="stable")]
-    return out
+    out[:, :h] = (np.argsort(head, axis=1) + (np.arange(h) * k)[:, None]).T
+    heaviest = np.argsort(-sums, kind="stable")
+    lightest_first = [p for _, p in state]
+    out[lightest_first, h:] = tail[heaviest]
+    loads = [0.0] * k
+    for (load, p), extra in zip(state, sums[heaviest].tolist(), strict=True):
+        loads[p] = load + extra
+    return out, loads
 
 
 def _windows(
@@ -411,13 +418,11 @@ def exact_pairs(
 def _pick(cand: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     """Per row of ``cand`` (x - y of candidate pairs), the column of the pair in the window
     [lo, hi] nearest lo, else of the largest below lo and above 0; -1 where there is none."""
-    below = (cand > 0.0) & (cand < lo)
-    big = float(hi.max()) + 1.0
-    score = np.where(
-        (cand >= lo) & (cand <= hi), cand - lo, np.where(below, big + lo - cand, np.inf)
-    )
+    e = cand - lo  # in the window: 0 <= e <= hi - lo; below: -lo < e < 0
+    score = np.where(e >= 0.0, e, (float(hi.max()) + 1.0) - e)  # every window pair first
+    score[(e > hi - lo) | (e <= -lo)] = np.inf
     best = score.argmin(axis=1)
-    return np.where(np.isfinite(score[np.arange(len(best)), best]), best, -1)
+    return np.where(score[np.arange(len(best)), best] < np.inf, best, -1)
 
 
 def _apply_in_window(
