@@ -182,9 +182,11 @@ def parse_mapping(pairs: Iterable[str], option: str) -> dict[str, str]:
 
 def parse_columns(pairs: Iterable[str]) -> dict[str, str]:
     """`--column NEW=OLD` pairs; one OLD read into two NEWs is a usage error (exit 2) too."""
+    mapping = parse_mapping(pairs, "--column")
+    if not mapping:  # no --column: the input reader is not imported for nothing
+        return mapping
     from rolltool.input.parquet import invert_mapping
 
-    mapping = parse_mapping(pairs, "--column")
     try:
         invert_mapping(mapping)
     except RolltoolError as e:

@@ -98,6 +98,9 @@ def open_mapper(execution: ExecutionConfig, what: str) -> Iterator[Mapper | None
     (`rolltool.engine.local.local_mapper`), or Ray tasks naming `what` ("scanning row groups")
     in their errors (`rolltool.engine.ray.RayEngine.map_in_order`)."""
     if execution.engine == "local":
+        if execution.processes <= 1:  # this process: no pool (nor engine.local's imports)
+            yield None
+            return
         from rolltool.engine.local import local_mapper
 
         yield local_mapper(execution.processes, what)

@@ -96,6 +96,7 @@ from rolltool.format.shards import (
 )
 from rolltool.format.split import GroupSplit, cp_view, recorded_split, sp_view
 from rolltool.storage.fs import Location, locate, scheme
+from rolltool.util.arrow import int_column
 
 VerifyMode = Literal["checks", "hash"]
 VERIFY_MODES: tuple[VerifyMode, ...] = get_args(VerifyMode)
@@ -142,25 +143,6 @@ def _list_shards(m: Manifest, where: Path | str) -> dict[str, _Listed]:
     if unlisted:
         raise _bad(where, f"{unlisted[0]} has a file record but no step lists it")
     return listed
-
-
-def _ints(column: Any) -> np.ndarray:
-    """A Parquet integer column (a pyarrow ChunkedArray) as int64, from its data buffers:
-    pyarrow's ``to_numpy`` imports pandas (~0.2 s at a reader's start). ValueError for a
-    column that is not integers without nulls."""
-    import pyarrow as pa
-
-    parts = []
-    for chunk in column.chunks:
-        if not pa.types.is_integer(chunk.type) or chunk.null_count:
-            raise ValueError(f"{column.type} with {column.null_count} nulls, not integers")
-        kind = "u" if pa.types.is_unsigned_integer(chunk.type) else "i"
-        dtype = np.dtype(f"<{kind}{chunk.type.bit_width // 8}")
-        data = chunk.buffers()[1]
-        parts.append(
-            np.frombuffer(data, dtype=dtype, count=len(chunk), offset=chunk.offset * dtype.itemsize)
-        )
-    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
 
 
 def _bad(where: Path | str, text: str) -> RolltoolError:
@@ -1004,7 +986,7 @@ class PackedReader:
             )  # a ParquetFile, not read_table: that imports pyarrow.dataset (~0.5 s)
             with pq.ParquetFile(source) as pf:
                 t = pf.read(columns=["sample_index", "length"], use_threads=False)
-            index, length = _ints(t.column("sample_index")), _ints(t.column("length"))
+            index, length = int_column(t.column("sample_index")), int_column(t.column("length"))
         except (OSError, ValueError, KeyError) as e:  # pyarrow's errors are OSError/ValueError
             raise _bad(where, f"missing or unreadable ({e})") from None
         if len(index) and (index.min() < 0 or index.max() >= len(index)):

@@ -25,9 +25,9 @@ from rolltool.errors import RolltoolError
 from rolltool.format import MANIFEST, Manifest, is_packed_dir, packed_doc
 from rolltool.stats.accumulate import Moments, Stats, ValueCounts
 from rolltool.stats.packed import packed_stats
-from rolltool.stats.rollouts import HINT, Mapper, rollout_stats
 from rolltool.storage import remote
 from rolltool.storage.fs import is_remote, locate
+from rolltool.util.mapping import Mapper
 
 __all__ = [
     "Moments",
@@ -37,6 +37,17 @@ __all__ = [
     "packed_stats",
     "rollout_stats",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """`rollout_stats`, imported on first use: the rollout reader brings polars and the schema
+    rules, which the statistics of a packed directory never need (``stats`` of a pack starts
+    faster without them)."""
+    if name == "rollout_stats":
+        from rolltool.stats.rollouts import rollout_stats
+
+        return rollout_stats
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _is_packed(path: str) -> bool:
@@ -85,6 +96,8 @@ def compute_stats(
         if columns:
             raise RolltoolError("--column applies to rollout Parquet, not to a packed directory")
         return packed_stats(paths[0], step=step, limit=limit, mapper=mapper)
+    from rolltool.stats.rollouts import HINT, rollout_stats
+
     if step is not None:
         raise RolltoolError(
             "--step applies to a packed directory", hint="rollout Parquet has no steps yet"

@@ -42,13 +42,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import io
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import polars as pl
 
 from rolltool.errors import RolltoolError
 from rolltool.format import Manifest, StepRecord
@@ -60,9 +58,14 @@ from rolltool.plan.minibatches import recorded_structure
 from rolltool.plan.partition import metrics, plan_step
 from rolltool.plan.workload import Workload, make_workload
 from rolltool.stats.accumulate import Stats, ValueCounts, percentiles
-from rolltool.stats.rollouts import Mapper
 from rolltool.stats.shared import shared_figures, shared_grid, shared_totals
 from rolltool.storage.fs import Location
+from rolltool.util.arrow import int_column, string_codes
+from rolltool.util.mapping import Mapper
+
+Columns = Mapping[str, np.ndarray]
+"""Trained samples as columns, each [n]: ``step``, ``rank``, ``micro_batch``, ``length`` (int64),
+``env`` (int64 codes into the env names), and a --hybrid-cp pack's ``cp_degree``, ``cp_start``."""
 
 ALTERNATIVES = ("tokens", "count")
 """Workloads the chosen split is compared with."""
@@ -111,40 +114,40 @@ def balance_figures(tokens: np.ndarray, costs: np.ndarray, align: str) -> dict[s
 
 
 def _grid(
-    frame: pl.DataFrame, dp: int, m: int, workload: Workload, split: GroupSplit
+    frame: Columns, dp: int, m: int, workload: Workload, split: GroupSplit
 ) -> tuple[np.ndarray, ...]:
     """``[dp, m]`` occupied tokens (padded for cp) and cost per micro-batch from a step's trained
     samples."""
     tokens = np.zeros((dp, m), dtype=np.int64)
     costs = np.zeros((dp, m))
-    if len(frame) and m:
-        r = frame["rank"].to_numpy()
-        j = frame["micro_batch"].to_numpy()
-        occupied = split.padded(frame["length"].to_numpy())
+    if len(frame["length"]) and m:
+        r = frame["rank"]
+        j = frame["micro_batch"]
+        occupied = split.padded(frame["length"])
         np.add.at(tokens, (r, j), occupied)
         np.add.at(costs, (r, j), workload.cost(occupied))
     return tokens, costs
 
 
 def _hybrid_grid(
-    frame: pl.DataFrame, dp: int, m: int, workload: Workload, ring: RingModel, cp: int
+    frame: Columns, dp: int, m: int, workload: Workload, ring: RingModel, cp: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A --hybrid-cp step from its trained samples (their ``cp_degree``, ``cp_start``): the
     ``[dp, m]`` occupied tokens (each sample padded for its own degree) and group cost (its
     slowest GPU), and the ``[dp, m, cp]`` cost of every GPU (`gpu_costs`)."""
-    length = frame["length"].to_numpy()
-    k, a = frame["cp_degree"].to_numpy(), frame["cp_start"].to_numpy()
-    r, j = frame["rank"].to_numpy(), frame["micro_batch"].to_numpy()
+    length = frame["length"]
+    k, a = frame["cp_degree"], frame["cp_start"]
+    r, j = frame["rank"], frame["micro_batch"]
     tokens = np.zeros((dp, m), dtype=np.int64)
     np.add.at(tokens, (r, j), occupied_tokens(length, k))
     per_gpu = gpu_costs(length, k, a, r, j, shape=(dp, m, cp), workload=workload, ring=ring)
     return tokens, per_gpu.max(axis=2) if cp else per_gpu.sum(axis=2), per_gpu
 
 
-def _hybrid_figures(frame: pl.DataFrame, per_gpu: np.ndarray) -> dict[str, Any]:
+def _hybrid_figures(frame: Columns, per_gpu: np.ndarray) -> dict[str, Any]:
     """A --hybrid-cp step's samples and tokens at each CP degree and its balance over every
     GPU (``per_gpu`` [dp, m, cp]: slowest GPU over the mean per slot, Σ_j max_g / Σ_j mean_g)."""
-    k, length = frame["cp_degree"].to_numpy(), frame["length"].to_numpy()
+    k, length = frame["cp_degree"], frame["length"]
     dp, m, cp = per_gpu.shape
     grid = per_gpu.transpose(0, 2, 1).reshape(dp * cp, m)
     ks = sorted(set(k.tolist()))
@@ -234,7 +237,7 @@ def _rows(step: StepRecord, tokens: np.ndarray, per_row: int, cp_padding: int) -
 
 def step_stats(
     step: StepRecord,
-    frame: pl.DataFrame,
+    frame: Columns,
     *,
     row_len: int | None,
     workload: Workload,
@@ -257,11 +260,11 @@ def step_stats(
     """
     split = split or GroupSplit()
     dp, m = len(step.ranks), step.plan.micro_batches_per_rank
-    lengths = frame["length"].to_numpy()
+    lengths = frame["length"]
     hybrid: dict[str, Any] | None = None
     if ring is not None:  # --hybrid-cp: a degree per sample
         tokens, costs, per_gpu = _hybrid_grid(frame, dp, m, workload, ring, split.cp)
-        occupied = occupied_tokens(lengths, frame["cp_degree"].to_numpy())
+        occupied = occupied_tokens(lengths, frame["cp_degree"])
         hybrid = _hybrid_figures(frame, per_gpu)
         alternatives = False  # the partition's plans are not the hybrid plan's alternatives
     elif grid is not None:  # --share-prefix: what the rows store and compute
@@ -392,28 +395,57 @@ def _balance_totals(steps: list[dict[str, Any]], chosen_cost: float) -> dict[str
     }
 
 
-def read_samples(path: Path, remote: Location | None = None) -> pl.DataFrame:
-    """The trained samples of a packed directory: step, rank, micro_batch, env, length (of a
-    `remote` one, samples.parquet read whole through its filesystem: polars does not know
-    pyarrow's filesystems)."""
-    if remote is not None:
-        source: Any = io.BytesIO(remote.read_bytes("samples.parquet"))
-        path = Path(remote.shown)
-    else:
-        source = path / "samples.parquet"
+_READ = ("step", "rank", "micro_batch", "length")
+_HYBRID = ("cp_start", "cp_degree")
+
+
+def read_samples(path: Path, remote: Location | None = None) -> tuple[Columns, list[str]]:
+    """The trained samples of a packed directory (`Columns`, in samples.parquet's row order)
+    and the env names their ``env`` codes stand for (of a `remote` directory, through its
+    filesystem). pyarrow's Parquet reader, the columns from their buffers: no pandas, no polars
+    (``stats`` of a pack starts faster)."""
+    import pyarrow.parquet as pq
+
+    where = path / "samples.parquet" if remote is None else f"{remote.shown}/samples.parquet"
     try:
-        scan = pl.scan_parquet(source)
-        extra = [c for c in ("cp_start", "cp_degree") if c in scan.collect_schema().names()]
-        return (
-            scan.filter(pl.col("status") == "trained")
-            .select("step", "rank", "micro_batch", "env", "length", *extra)
-            .collect()
+        source: Any = (
+            path / "samples.parquet"
+            if remote is None
+            else remote.fs.open_input_file(remote.join("samples.parquet"))
         )
-    except (OSError, pl.exceptions.PolarsError) as e:
+        with pq.ParquetFile(source) as pf:
+            extra = [c for c in _HYBRID if c in pf.schema_arrow.names]
+            table = pf.read(columns=[*_READ, "env", "status", *extra], use_threads=False)
+        status, statuses = string_codes(table.column("status"))
+        env, envs = string_codes(table.column("env"))
+        cols = {c: int_column(table.column(c)) for c in (*_READ, *extra)}
+    except (OSError, ValueError, KeyError) as e:  # pyarrow's errors are OSError/ValueError
         raise RolltoolError(
-            f"{path}: samples.parquet is missing or unreadable ({e})",
+            f"{where}: samples.parquet is missing or unreadable ({e})",
             hint="check the directory with `rolltool verify`",
         ) from None
+    trained = status == statuses.index("trained") if "trained" in statuses else status < 0
+    return {**{c: v[trained] for c, v in cols.items()}, "env": env[trained]}, envs
+
+
+def by_step(samples: Columns) -> dict[int, Columns]:
+    """`samples` split by step, each step's rows in their order."""
+    order = np.argsort(samples["step"], kind="stable")
+    steps, first = np.unique(samples["step"][order], return_index=True)
+    parts = np.split(order, first[1:])
+    return {
+        int(s): {c: v[rows] for c, v in samples.items()}
+        for s, rows in zip(steps.tolist(), parts, strict=True)
+    }
+
+
+def env_lengths(samples: Columns, envs: list[str], n_steps: int) -> dict[str, ValueCounts]:
+    """Per env (in order of first appearance among the samples of the first `n_steps` steps),
+    its samples' lengths."""
+    read = samples["step"] < n_steps
+    code, length = samples["env"][read], samples["length"][read]
+    codes, first = np.unique(code, return_index=True)
+    return {envs[c]: ValueCounts.of(length[code == c]) for c in codes[np.argsort(first)].tolist()}
 
 
 def packed_stats(
@@ -435,9 +467,9 @@ def packed_stats(
     shown = ds.path if ds.location.local else ds.location.shown
     n_steps = _steps_read(shown, manifest.num_steps, step, limit)
     workload = Workload.from_record(manifest.workload)
-    samples = read_samples(ds.path, None if ds.location.local else ds.location)
-    by_step = samples.partition_by("step", as_dict=True)
-    empty = samples.clear()
+    samples, envs = read_samples(ds.path, None if ds.location.local else ds.location)
+    steps_of = by_step(samples)
+    empty = {c: v[:0] for c, v in samples.items()}
     records = manifest.steps[:n_steps]
     world = world_layout(manifest)
     split = recorded_split(manifest.config)
@@ -448,7 +480,7 @@ def packed_stats(
         shared_grid(ds, r, _gpu_workload(r, workload)) if manifest.config.share_prefix else None
         for r in records
     ]  # fmt: skip
-    items = [(r, by_step.get((r.step,), empty), g) for r, g in zip(records, grids, strict=True)]
+    items = [(r, steps_of.get(r.step, empty), g) for r, g in zip(records, grids, strict=True)]
     steps = [fn(x) for x in items] if mapper is None else list(mapper(fn, items))
     across = {k: percentiles(np.array([_get(s, k) for s in steps], dtype=object)) for k in ACROSS}
     report = {
@@ -466,13 +498,7 @@ def packed_stats(
         "selected_step": step,
         "steps": steps,
     }
-    lengths = {
-        str(env): ValueCounts.of(part["length"].to_numpy())
-        for (env,), part in samples.filter(pl.col("step") < n_steps).group_by(
-            "env", maintain_order=True
-        )
-    }
-    return Stats(report=report, lengths=lengths)
+    return Stats(report=report, lengths=env_lengths(samples, envs, n_steps))
 
 
 def _ring(manifest: Manifest, workload: Workload) -> RingModel:
@@ -509,7 +535,7 @@ def world_layout(manifest: Manifest) -> dict[str, Any]:
 
 
 def _step_figures(
-    item: tuple[StepRecord, pl.DataFrame, tuple[np.ndarray, np.ndarray] | None],
+    item: tuple[StepRecord, Columns, tuple[np.ndarray, np.ndarray] | None],
     *,
     row_len: int | None,
     run: Workload,

@@ -303,22 +303,3 @@ def test_reading_numpy_rows_does_not_import_torch_or_pandas(out: Path) -> None:
     assert int(n) == len(_stream(ds, 0)) - ds.stream_position(0, 1) > 0
     assert torch_imported == "False"
     assert pandas_imported == "False"  # pyarrow's to_numpy imports it: ~0.2 s at start
-
-
-@pytest.mark.parametrize("kind", ["int64", "int32", "uint16", "int8"])
-def test_parquet_integers_are_read_as_pyarrow_reads_them(kind: str) -> None:
-    """The reader's own integer decode (`core._ints`, from the data buffers) equals pyarrow's
-    ``to_numpy`` over several chunks, one of them a slice at an offset; nulls or floats are
-    refused."""
-    import pyarrow as pa
-
-    from rolltool.packed.core import _ints
-
-    values = np.arange(40, dtype=kind)
-    chunks = [pa.array(values[:7]), pa.array(values).slice(9, 20), pa.array(values[3:4])]
-    column = pa.chunked_array(chunks)
-    assert np.array_equal(_ints(column), column.to_numpy().astype(np.int64))
-    assert _ints(pa.chunked_array([], type=pa.int64())).shape == (0,)
-    for bad in (pa.chunked_array([pa.array([1, None])]), pa.chunked_array([pa.array([1.5])])):
-        with pytest.raises(ValueError):
-            _ints(bad)

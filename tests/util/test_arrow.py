@@ -1,0 +1,44 @@
+"""`rolltool.util.arrow`: Parquet columns as NumPy from their buffers equal pyarrow's own
+conversion, over several chunks and slices; anything else is refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from rolltool.util.arrow import int_column, string_codes
+
+
+@pytest.mark.parametrize("kind", ["int64", "int32", "uint16", "int8"])
+def test_parquet_integers_are_read_as_pyarrow_reads_them(kind: str) -> None:
+    """Over several chunks, one of them a slice at an offset; nulls or floats are refused."""
+    values = np.arange(40, dtype=kind)
+    chunks = [pa.array(values[:7]), pa.array(values).slice(9, 20), pa.array(values[3:4])]
+    column = pa.chunked_array(chunks)
+    assert np.array_equal(int_column(column), column.to_numpy().astype(np.int64))
+    assert np.array_equal(int_column(chunks[1]), values[9:29].astype(np.int64))
+    assert int_column(pa.chunked_array([], type=pa.int64())).shape == (0,)
+    for bad in (pa.chunked_array([pa.array([1, None])]), pa.chunked_array([pa.array([1.5])])):
+        with pytest.raises(ValueError):
+            int_column(bad)
+
+
+@pytest.mark.parametrize("large", [False, True])
+def test_strings_are_coded_in_order_of_first_appearance(large: bool) -> None:
+    rng = np.random.default_rng(3)
+    words = np.array(["math", "code", "chat", "agent"])[rng.integers(0, 4, 200)]
+    kind = pa.large_string() if large else pa.string()
+    column = pa.chunked_array(
+        [pa.array(words[:50].tolist(), kind), pa.array(words.tolist(), kind).slice(50, 150)]
+    )
+    codes, names = string_codes(column)
+    assert [names[c] for c in codes.tolist()] == words.tolist()
+    assert names == list(dict.fromkeys(words.tolist()))  # first appearance
+    assert codes.dtype == np.int64
+    codes, names = string_codes(pa.chunked_array([], type=kind))
+    assert codes.shape == (0,) and names == []
+    with pytest.raises(ValueError, match="nulls"):
+        string_codes(pa.chunked_array([pa.array(["a", None], kind)]))
+    with pytest.raises(ValueError, match="not strings"):
+        string_codes(pa.chunked_array([pa.array([1, 2])]))
