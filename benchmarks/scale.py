@@ -17,9 +17,10 @@ Sections (each in fresh processes, on the same synth input, medians of --repeats
             input MB/s, and the driver's own CPU seconds (forked workers not counted: what stays
             on the driver when the row groups are tasks: the fold and the cross-row rules)
   plan      `rolltool.plan.schedule.schedule` on synthetic light columns of N samples (groups of 8,
-            log-normal lengths, one env): seconds, the process's peak RSS, and per sample what
-            planning adds over the light columns at its peak and what the returned plan keeps
-            (RSS); --plan-trees A B ... runs it on other checkouts too (e.g. a `git worktree`
+            log-normal lengths, one env; codes and counts int32 where the tree's scan makes them
+            so, `rolltool.schema.rollouts.narrow`, else int64): seconds, the process's peak
+            RSS, and per sample what planning adds over the light columns at its peak and what
+            the returned plan keeps (RSS); --plan-trees A B ... runs it on other checkouts too (e.g. a `git worktree`
             of an older commit), interleaved, to compare before/after in one run; the last
             column hashes every step's rows and outline: equal on two trees = the same plan
   ray       (--ray) the pack with --engine ray starting its own local cluster, against
@@ -123,15 +124,19 @@ except ImportError:
     from rolltool.source import InputFile
 def rss():  # bytes resident now
     return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+try:  # the columns as the tree's scan gives them: int32 codes and counts where they fit
+    from rolltool.schema.rollouts import narrow
+except ImportError:  # a tree before that: int64
+    narrow = lambda a: a.astype(np.int64)
 n = int(sys.argv[1]) // 8 * 8
 rng = np.random.default_rng(0)
-length = np.clip(rng.lognormal(7.5, 1.0, n), 64, 32768).astype(np.int64)
+length = narrow(np.clip(rng.lognormal(7.5, 1.0, n), 64, 32768).astype(np.int64))
 ro = Rollouts(files=[InputFile("synthetic.parquet", n, resolved="/synthetic.parquet")],
     file_index=np.zeros(n, np.int32), sample_id=pa.array(np.arange(n)),
-    group=np.repeat(np.arange(n // 8), 8), group_ids=pa.array(np.arange(n // 8)),
-    rollout_ids=pa.array(np.arange(n)), rollout=np.arange(n), env=np.zeros(n, np.int32),
+    group=narrow(np.repeat(np.arange(n // 8), 8)), group_ids=pa.array(np.arange(n // 8)),
+    rollout_ids=pa.array(np.arange(n)), rollout=narrow(np.arange(n)), env=np.zeros(n, np.int32),
     env_names=["math"], reward=rng.integers(0, 2, n).astype(np.float64), length=length,
-    trainable=(length * 0.6).astype(np.int64), finished_at=None, token_format="input_ids",
+    trainable=narrow((length * 0.6).astype(np.int64)), finished_at=None, token_format="input_ids",
     has_logprobs=False, columns=[])
 gc.collect()
 light = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024

@@ -128,8 +128,8 @@ def samples_table(ro: Rollouts, plan: Schedule) -> pa.Table:
             "group_id": tiled(ro.group_ids.take(pa.array(ro.group))),
             "rollout_id": tiled(ro.rollout_ids.take(pa.array(ro.rollout))),
             "env": pa.array([ro.env_names[k] for k in ro.env] * e, pa.string()),
-            "length": pa.array(np.tile(ro.length, e)),
-            "trainable_tokens": pa.array(np.tile(ro.trainable, e)),
+            "length": pa.array(np.tile(ro.length, e), pa.int64()),  # int32 in Rollouts
+            "trainable_tokens": pa.array(np.tile(ro.trainable, e), pa.int64()),
             "reward": pa.array(np.tile(ro.reward, e), pa.float64()),
             "advantage": pa.array(plan.advantage.astype(np.float32)),
             "token_loss_weight": pa.array(plan.weight.astype(np.float32)),

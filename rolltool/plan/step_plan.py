@@ -233,23 +233,24 @@ def _planned(
     """One optimizer step from its trained samples (`members`, with their `advantage`): loss
     weights, plan and record; `place` is its (batch, epoch, mini-batch)."""
     weight = sample_weights(config.loss_agg, ro.trainable[members], config.loss_scale_factor)
+    length = ro.length[members].astype(np.int64)  # int32 in Rollouts: L² and sums in int64
     layout, per_gpus, shared = None, None, None
     if config.share_prefix:  # prefix trees placed whole (`rolltool.plan.prefix_step`)
         assert config.micro_batch_tokens is not None and config.share_min is not None
         plan, shared = plan_shared_step(
-            members, ro.length[members], ro.group[members], advantage, ro.env[members],
+            members, length, ro.group[members].astype(np.int64), advantage, ro.env[members],
             ro.env_names, prefixes or {}, dp=config.dp, max_tokens=config.micro_batch_tokens,
             workload=workload, share_min=config.share_min,
         )  # fmt: skip
     elif config.hybrid_cp:  # a CP degree per sample (`rolltool.plan.hybrid_step`)
         assert config.micro_batch_tokens is not None
         plan, layout, hp = hybrid_step(
-            ro.length[members], dp=config.dp, cp=config.cp, max_tokens=config.micro_batch_tokens,
+            length, dp=config.dp, cp=config.cp, max_tokens=config.micro_batch_tokens,
             workload=workload, ring=config.ring(workload),
         )  # fmt: skip
-        per_gpus = hybrid_record(hp, ro.length[members])
+        per_gpus = hybrid_record(hp, length)
     else:
-        occupied = config.split.padded(ro.length[members])
+        occupied = config.split.padded(length)
         plan = plan_step(
             occupied,
             dp=config.dp,

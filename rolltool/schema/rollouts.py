@@ -52,15 +52,18 @@ class Rollouts:
     """Input files in order, with row counts."""
     file_index: np.ndarray  # [n] int32: which file row i came from
     sample_id: pa.Array  # [n] the user's sample ids (string or int64); default: sample_index
-    group: np.ndarray  # [n] int64: dense group code, numbered in order of first appearance
+    group: np.ndarray  # [n] int32 (see below): dense group code, in order of first appearance
     group_ids: pa.Array  # [G] the original group_id of each group code
     rollout_ids: pa.Array  # [R] the original rollout_id of each rollout code (row number if none)
-    rollout: np.ndarray  # [n] int64: dense rollout code over (group_id, rollout_id)
+    rollout: np.ndarray  # [n] int32 (see below): dense rollout code over (group_id, rollout_id)
     env: np.ndarray  # [n] int32: code into env_names
     env_names: list[str]  # env names in order of first appearance
     reward: np.ndarray  # [n] float64
-    length: np.ndarray  # [n] int64: tokens in the sample (prompt and all turns)
-    trainable: np.ndarray  # [n] int64: targets, tokens with loss_mask 1 but the first token
+    length: np.ndarray  # [n] int32 (see below): tokens in the sample (prompt and all turns)
+    trainable: np.ndarray  # [n] int32 (see below): targets, loss_mask 1 but the first token
+    """Codes and counts are int32 where every value is below 2**31, else int64 (`narrow`): 48
+    bytes a sample for the numeric columns, not 64. Their sums are int64 (NumPy sums int32 so);
+    products such as L² must be taken in int64 or float64 (a step's lengths are cast first)."""
     finished_at: np.ndarray | None  # [n] float64 seconds since the epoch, or None
     advantage: np.ndarray | None = None
     """[n] float32: the input's own ``advantage`` column (finite, equal over a rollout's
@@ -210,7 +213,14 @@ def _codes(df: pl.DataFrame, keys: list[str]) -> tuple[np.ndarray, pl.DataFrame]
     joined = df.select(keys).join(
         uniques, on=keys, how="left", maintain_order="left", nulls_equal=True
     )
-    return joined["_code"].to_numpy().astype(np.int64), uniques
+    return narrow(joined["_code"].to_numpy()), uniques
+
+
+def narrow(values: np.ndarray) -> np.ndarray:
+    """Whole numbers >= 0 as int32 where every one is below 2**31, else int64."""
+    if len(values) == 0 or int(values.max()) < 2**31:
+        return values.astype(np.int32)
+    return values.astype(np.int64, copy=False)
 
 
 def _frame(acc: _Columns, sample_id: pa.Array, advantage: np.ndarray | None) -> pl.DataFrame:
@@ -370,7 +380,7 @@ def _rollouts(
     rollout, rollout_uniques = rollouts
     group, group_uniques = _codes(df, ["group_id"])
     env, env_uniques = _codes(df, ["env"])
-    trainable = acc.cat("trainable", np.int64)
+    trainable = narrow(acc.cat("trainable", np.int64))
     cleared = int(acc.cat("first_cleared", np.int64).sum())
     no_train = int((trainable == 0).sum())
     warnings = [
@@ -391,7 +401,7 @@ def _rollouts(
         env=env.astype(np.int32),
         env_names=[str(v) for v in env_uniques["env"].to_list()],
         reward=acc.cat("reward", np.float64),
-        length=acc.cat("length", np.int64),
+        length=narrow(acc.cat("length", np.int64)),
         trainable=trainable,
         finished_at=acc.optional("finished_at"),
         advantage=None if advantage is None else advantage.astype(np.float32),

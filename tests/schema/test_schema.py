@@ -868,3 +868,21 @@ def test_directory_skips_hidden_underscore_and_packed_folders(
     # The packed folder itself is not rollout input.
     result = run_cli("advantages", data / "packed", "-o", tmp_path / "adv.parquet")
     assert result.exit_code == 1 and "rolltool pack" in result.stderr
+
+
+def test_light_columns_are_int32_where_they_fit(write_parquet) -> None:
+    """`scan` keeps codes and counts in 4 bytes (`narrow`), with the values int64 would hold;
+    `narrow` keeps int64 from 2**31 on, where int32 would wrap."""
+    import numpy as np
+
+    from rolltool.schema.rollouts import narrow
+
+    ro = scan(resolve_inputs([str(write_parquet(rollouts()))]))
+    for name in ("group", "rollout", "length", "trainable"):
+        assert getattr(ro, name).dtype == np.int32, name
+    assert ro.group.tolist() == [0, 0, 1, 1] and ro.rollout.tolist() == [0, 1, 2, 3]
+    assert ro.length.tolist() == [3, 2, 4, 2] and ro.trainable.tolist() == [2, 1, 2, 1]
+    big = np.array([0, 2**31 - 1, 2**31], dtype=np.int64)
+    assert narrow(big[:2]).dtype == np.int32 and narrow(big[:2]).tolist() == big[:2].tolist()
+    assert narrow(big).dtype == np.int64 and narrow(big).tolist() == big.tolist()
+    assert narrow(np.zeros(0, np.int64)).dtype == np.int32
