@@ -16,9 +16,11 @@ give data-parallel ranks equal work. Methods, by name in ``METHODS``:
   candidates (it judges a split by Σ_j max_r, so a split that is merely as light is no better).
 * ``auto``: the best of those and more, and faster, by proving optimality. With whole-number
   weights no part can weigh less than ``whole_bound`` (ceil(total / k), rounded up to a multiple
-  of the weights' gcd), so the first labelling that reaches it is kept: with at least
-  ``DEAL_PER_PART`` items per part a vectorized serpentine deal and transfer rounds (``deal.py``),
-  finished by the budgeted refinement; else ``refined``, stopping at the first of LPT, KK or a
+  of the weights' gcd), so the first labelling that reaches it is kept: with equal counts and
+  ``EXACT_PER_PART`` items per part first ``deal_exact`` (one item of each block per part, then
+  rounds of exact swaps, ``deal.py``); with at least ``DEAL_PER_PART`` items per part a
+  vectorized serpentine deal and transfer rounds (``deal.py``), finished by the budgeted
+  refinement; else ``refined``, stopping at the first of LPT, KK or a
   refinement that reaches the bound. Up to ``EXHAUSTIVE_UP_TO`` items a result still above it is
   refined by exchanges of up to two items for up to two (``exchange.py``), which is what lets
   ``align="total"`` beat packers that balance whole micro-batches (prime-rl's). ``auto`` never
