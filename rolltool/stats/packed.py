@@ -395,7 +395,7 @@ def _balance_totals(steps: list[dict[str, Any]], chosen_cost: float) -> dict[str
     }
 
 
-_READ = ("step", "rank", "micro_batch", "length")
+_READ = ("step", "rank", "micro_batch", "length", "sample_index")
 _HYBRID = ("cp_start", "cp_degree")
 
 
@@ -406,7 +406,7 @@ def read_samples(path: Path, remote: Location | None = None) -> tuple[Columns, l
     (``stats`` of a pack starts faster)."""
     import pyarrow.parquet as pq
 
-    where = path / "samples.parquet" if remote is None else f"{remote.shown}/samples.parquet"
+    where = path if remote is None else remote.shown
     try:
         source: Any = (
             path / "samples.parquet"
@@ -426,6 +426,30 @@ def read_samples(path: Path, remote: Location | None = None) -> tuple[Columns, l
         ) from None
     trained = status == statuses.index("trained") if "trained" in statuses else status < 0
     return {**{c: v[trained] for c, v in cols.items()}, "env": env[trained]}, envs
+
+
+def placement_problem(samples: Columns, manifest: Manifest) -> str | None:
+    """What places a trained sample outside the manifest's steps, ranks and micro-batches (or
+    a --hybrid-cp sample outside its group's cp GPUs), naming the first such sample; None when
+    every sample has its place."""
+    step, rank, mb = samples["step"], samples["rank"], samples["micro_batch"]
+    m = np.array([s.plan.micro_batches_per_rank for s in manifest.steps], dtype=np.int64)
+    bad = (step < 0) | (step >= len(m))
+    placed = np.where(bad, 0, step)
+    bad |= (rank < 0) | (rank >= manifest.dp) | (mb < 0) | (mb >= m[placed])
+    if "cp_degree" in samples:
+        k, a, cp = samples["cp_degree"], samples["cp_start"], recorded_split(manifest.config).cp
+        bad |= (k < 1) | (a < 0) | (a + k > cp)
+    if not bad.any():
+        return None
+    i = int(np.flatnonzero(bad)[0])
+    where = ", ".join(f"{c} {int(samples[c][i])}" for c in (*_READ[:3], *_HYBRID) if c in samples)
+    has = f"{len(m)} steps of {manifest.dp} ranks"
+    if 0 <= step[i] < len(m):
+        has += f", step {int(step[i])} {int(m[step[i]])} micro-batches a rank"
+    if "cp_degree" in samples:
+        has += f", cp {recorded_split(manifest.config).cp}"
+    return f"sample {int(samples['sample_index'][i])} is at {where}; the manifest has {has}"
 
 
 def by_step(samples: Columns) -> dict[int, Columns]:
@@ -468,6 +492,12 @@ def packed_stats(
     n_steps = _steps_read(shown, manifest.num_steps, step, limit)
     workload = Workload.from_record(manifest.workload)
     samples, envs = read_samples(ds.path, None if ds.location.local else ds.location)
+    wrong = placement_problem(samples, manifest)
+    if wrong is not None:
+        raise RolltoolError(
+            f"{shown}: samples.parquet does not match manifest.json ({wrong})",
+            hint="check the directory with `rolltool verify`",
+        )
     steps_of = by_step(samples)
     empty = {c: v[:0] for c, v in samples.items()}
     records = manifest.steps[:n_steps]

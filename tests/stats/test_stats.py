@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -664,6 +665,50 @@ def test_errors_are_for_people(run_cli: Any, tmp_path: Path, write_parquet: Any,
         result = run_cli("stats", *args)  # a traceback fails the test (conftest)
         assert result.exit_code == 1, (args, result.output)
         assert result.stderr.startswith("Error: ") and message in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        ({"rank": 99}, "rank 99, micro_batch"),
+        ({"rank": -1}, "rank -1"),
+        ({"micro_batch": 10**6}, "micro_batch 1000000;"),
+        ({"step": 10**6}, "at step 1000000"),
+        ({"status": None}, "samples.parquet is missing or unreadable (string with"),
+        ({"whole env": 7}, "samples.parquet is missing or unreadable (int64, not strings)"),
+        ({"length": 1.5}, "samples.parquet is missing or unreadable (double"),
+        ({"drop": "micro_batch"}, "samples.parquet is missing or unreadable"),
+    ],
+)
+def test_a_samples_file_that_does_not_fit_its_manifest_is_an_error(
+    run_cli: Any, packed: Path, tmp_path: Path, edit: dict[str, Any], message: str
+) -> None:
+    """A trained sample placed outside the manifest's steps, ranks or micro-batches (or a column
+    of another type) names the directory and the sample: never an IndexError."""
+    out = tmp_path / "packed"
+    shutil.copytree(packed, out)
+    table = pq.read_table(out / "samples.parquet")
+    first = int(np.flatnonzero(np.asarray(table["status"].to_pylist()) == "trained")[0])
+    for column, value in edit.items():
+        if column == "drop":
+            table = table.drop_columns([value])
+            continue
+        if column.startswith("whole "):
+            column = column.split()[1]
+            whole = pa.array([value] * len(table))
+            table = table.set_column(table.schema.get_field_index(column), column, whole)
+            continue
+        values = table[column].to_pylist()
+        values[first] = value
+        typed = pa.array(values) if value is not None else pa.array(values, table[column].type)
+        table = table.set_column(table.schema.get_field_index(column), column, typed)
+    pq.write_table(table, out / "samples.parquet")
+    result = run_cli("stats", out)  # a traceback fails the test (conftest)
+    assert result.exit_code == 1, result.output
+    assert result.stderr.startswith(f"Error: {out}: samples.parquet ") and message in result.stderr
+    if edit.keys() & {"rank", "micro_batch", "step"}:
+        index = table["sample_index"][first].as_py()
+        assert f"sample {index} is at step" in result.stderr, result.stderr
 
 
 def test_stats_does_not_import_torch(synth_path: Path, packed: Path) -> None:
