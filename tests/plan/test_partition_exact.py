@@ -16,7 +16,13 @@ from rolltool.plan.partition.balance import (
     descending_order,
     whole_bound,
 )
-from rolltool.plan.partition.deal import deal_exact, exact_pairs, head_and_serpentine
+from rolltool.plan.partition.deal import (
+    _pick,
+    _repick,
+    deal_exact,
+    exact_pairs,
+    head_and_serpentine,
+)
 from rolltool.plan.partition.kk import PY_LINKS_MAX, kk_sorted
 
 # ---------------------------------------------------------------- references
@@ -76,7 +82,7 @@ def test_exact_pairs_equal_every_pair() -> None:
                 assert c == -1
                 continue
             assert c >= 0 and cand[t, c] == want
-            x, y = items[a, x_col[t, c]], items[b, c % m]  # the pair really is there
+            x, y = items[a, x_col(t, c)], items[b, c % m]  # the pair really is there
             assert x - y == want
             found.append(want >= least[t])
 
@@ -152,3 +158,14 @@ def test_kk_reads_its_links_alike_below_and_above_the_python_limit() -> None:
             got = sorted(sorted(np.flatnonzero(labels == p).tolist()) for p in range(k))
             ref = reference_kk(sorted(w, reverse=True), k, eq)
             assert got == sorted(sorted(s) for s in ref)
+
+
+def test_repick_equals_pick_on_one_row() -> None:
+    rng = np.random.default_rng(11)
+    for _ in range(2000):
+        row = rng.integers(-5, 30, int(rng.integers(1, 20))).astype(np.float64)
+        row[rng.random(len(row)) < 0.1] = np.inf
+        least = float(rng.integers(1, 25))
+        most = least + float(rng.integers(0, 5))
+        want = int(_pick(row[None, :], np.array([[least]]), np.array([[most]]))[0])
+        assert _repick(row, least, most) == want
