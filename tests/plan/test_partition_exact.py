@@ -17,7 +17,6 @@ from rolltool.plan.partition.balance import (
     whole_bound,
 )
 from rolltool.plan.partition.deal import (
-    _pick,
     _repick,
     deal_exact,
     exact_pairs,
@@ -78,6 +77,7 @@ def test_exact_pairs_equal_every_pair() -> None:
         for t, (a, b) in enumerate(zip(src, dst, strict=True)):
             want = best_pair_reference(items, a, b, least[t], most[t])
             c = int(planned[t])
+            assert c == pick_reference(cand[t].tolist(), least[t], most[t])
             if want is None:
                 assert c == -1
                 continue
@@ -160,12 +160,21 @@ def test_kk_reads_its_links_alike_below_and_above_the_python_limit() -> None:
             assert got == sorted(sorted(s) for s in ref)
 
 
-def test_repick_equals_pick_on_one_row() -> None:
+def pick_reference(row: list[float], least: float, most: float) -> int:
+    """The column of the smallest x - y in [least, most], else of the largest in (0, least),
+    the lowest column on ties; -1 where neither."""
+    inside = [(v, c) for c, v in enumerate(row) if least <= v <= most]
+    if inside:
+        return min(inside)[1]
+    below = [(-v, c) for c, v in enumerate(row) if 0 < v < least]
+    return min(below)[1] if below else -1
+
+
+def test_repick_equals_the_reference_on_one_row() -> None:
     rng = np.random.default_rng(11)
     for _ in range(2000):
         row = rng.integers(-5, 30, int(rng.integers(1, 20))).astype(np.float64)
         row[rng.random(len(row)) < 0.1] = np.inf
         least = float(rng.integers(1, 25))
         most = least + float(rng.integers(0, 5))
-        want = int(_pick(row[None, :], np.array([[least]]), np.array([[most]]))[0])
-        assert _repick(row, least, most) == want
+        assert _repick(row, least, most) == pick_reference(row.tolist(), least, most)

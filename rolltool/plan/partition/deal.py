@@ -403,37 +403,38 @@ def exact_pairs(
     top = float(items.max()) if top is None else top
     off = 2.0 * top + max(most) + 1.0  # transfer t's keys lie in [t·off, t·off + top]
     shift = (t * off)[:, None]
-    keys = np.empty(nt * m + 1)
-    keys[-1] = np.inf  # past the last key (and before the first, as index -1)
+    keys = np.empty(nt * m + 2)  # -inf, the keys, inf: every query falls between two
+    keys[0], keys[-1] = -np.inf, np.inf
     if rows_sorted:  # ascending keys: columns m-1 .. 0
-        np.add(items[src][:, ::-1], shift, out=keys[:-1].reshape(nt, m))
+        np.add(items[src][:, ::-1], shift, out=keys[1:-1].reshape(nt, m))
     else:
         order = items[src].argsort(axis=1)
-        np.add(items[src][t[:, None], order], shift, out=keys[:-1].reshape(nt, m))
-    y = items[dst] + shift
+        np.add(items[src][t[:, None], order], shift, out=keys[1:-1].reshape(nt, m))
     lo = np.array(least)[:, None]
-    j = keys.searchsorted(y + lo)  # keys[j]: the first x >= y + lo (another transfer's: > hi)
-    cand = np.concatenate([keys[j] - y, keys[j - 1] - y], axis=1)
+    q = items[dst] + (shift + lo)  # y + least, shifted
+    j = keys.searchsorted(q)  # keys[j]: the first x >= y + least (another transfer's: > most)
+    up = keys[j] - q  # x - y - least >= 0
+    down = keys[j - 1] - q  # < 0 (another transfer's: <= -least; -inf: none)
+    # a pair in the window by how far above least, else below least by how far short (every
+    # window pair first); a pair at x - y <= 0 scores big + least or more: none
+    big = max(most) + 1.0
+    score = np.concatenate([np.where(up <= np.array(most)[:, None] - lo, up, np.inf), big - down],
+                           axis=1)  # fmt: skip
+    best = score.argmin(axis=1)
+    planned = np.where(score[t, best] < big + lo[:, 0], best, -1)
+    cand = np.concatenate([up, down], axis=1) + lo
 
     def x_col(row: int, c: int) -> int:
-        key = int(j[row, c] if c < m else j[row, c - m] - 1)  # -1: the inf, never picked
+        key = int(j[row, c] - 1 if c < m else j[row, c - m] - 2)  # keys[0] is the -inf
         return (m - 1) - key % m if rows_sorted else int(order.flat[key])
 
-    return cand, x_col, _pick(cand, lo, np.array(most)[:, None])
-
-
-def _pick(cand: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-    """Per row of ``cand`` (x - y of candidate pairs), the column of the pair in the window
-    [lo, hi] nearest lo, else of the largest below lo and above 0; -1 where there is none."""
-    e = cand - lo  # in the window: 0 <= e <= hi - lo; below: -lo < e < 0
-    score = np.where(e >= 0.0, e, (float(hi.max()) + 1.0) - e)  # every window pair first
-    score[(e > hi - lo) | (e <= -lo)] = np.inf
-    best = score.argmin(axis=1)
-    return np.where(score[np.arange(len(best)), best] < np.inf, best, -1)
+    return cand, x_col, planned
 
 
 def _repick(row: np.ndarray, least: float, most: float) -> int:
-    """``_pick`` for one row (the same column; one sort instead of a score per pair)."""
+    """``exact_pairs``' pick for one row of candidates (x - y) and another window: the column
+    of the smallest in [least, most], else of the largest in (0, least), lowest column first
+    on ties; -1 where neither. One sort of the row, then two bisections."""
     order = row.argsort(kind="stable")
     x = row[order]
     i = int(x.searchsorted(least))  # the first >= least: the window's, lowest column first
