@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from test_partition_plan import check_plan
 
 from rolltool.plan.partition import metrics, plan_step
+from rolltool.plan.partition.balance import descending_order
 from rolltool.plan.partition.slots import ROBUST_TOLERANCE, Grid, choose, refill
 from rolltool.plan.workload import make_workload
 
@@ -121,10 +122,17 @@ def test_refill_matches_reference_and_keeps_promises() -> None:
         got = refill(grid, length, cost, cap, fillers)
         want = reference_refill(grid, length.tolist(), cost.tolist(), cap, fillers)
         seen["runs"] += 1
+        # the planner hands refill its one descending order: the same grid as refill's own sort
+        given = refill(grid, length, cost, cap, fillers, descending_order(length))
+        assert (given is None) == (got is None)
         if want is None:
             assert got is None
             return
-        assert got is not None
+        assert got is not None and given is not None
+        cells = [
+            (a, b) for ra, rb in zip(given, got, strict=True) for a, b in zip(ra, rb, strict=True)
+        ]
+        assert all(np.array_equal(a, b) for a, b in cells)
         seen["refilled"] += 1
         # the same bins per slot (the rank order within a slot is slots_to_grid's)
         for j in range(len(grid[0])):
@@ -180,3 +188,24 @@ def test_lockstep_plan_is_robust_to_the_l2_coefficient() -> None:
             over[f] = metrics.lockstep_overhead(x)
         assert over[1.0] <= 1.0035, over  # 1.0044 before issue 10
         assert over[0.5] <= 1.008 and over[2.0] <= 1.008, over  # 1.009 / 1.022 before
+
+
+def test_members_lists_each_bins_samples_ascending() -> None:
+    """`members` by either path (a full permutation: one radix sort; a part of the samples: the
+    key sort) equals the obvious per-bin sorted lists."""
+    from rolltool.plan.partition.slots import members
+
+    rng = np.random.default_rng(11)
+    paths = {"permutation": 0, "part": 0}
+    for _ in range(200):
+        n, nb = int(rng.integers(0, 300)), int(rng.integers(1, 40))
+        labels = rng.integers(0, nb, n)
+        whole = rng.random() < 0.5
+        order = rng.permutation(n) if whole else rng.choice(2 * n + 1, n, replace=False)
+        want = [
+            sorted(int(s) for s, b in zip(order, labels, strict=True) if b == k) for k in range(nb)
+        ]
+        got = members(labels, order, nb)
+        assert [g.tolist() for g in got] == want
+        paths["permutation" if whole and n else "part"] += 1
+    assert min(paths.values()) >= 50, paths

@@ -285,7 +285,12 @@ def _fewest_bins(
 
 
 def _lockstep_grid(
-    cost: np.ndarray, length: np.ndarray, dp: int, cap: int, seen: list[Grid] | None = None
+    cost: np.ndarray,
+    length: np.ndarray,
+    dp: int,
+    cap: int,
+    seen: list[Grid] | None = None,
+    order: np.ndarray | None = None,
 ) -> tuple[Grid, int, int]:
     """The slot-balanced plan: the fewest micro-batches any construction fits (never more than
     FFD's or the KK-by-tokens pipeline's), bins dealt into slots by cost, then ``_robust``
@@ -293,7 +298,8 @@ def _lockstep_grid(
     n = len(cost)
     if n == 0:
         return [[] for _ in range(dp)], 0, 0
-    order = descending_order(length)  # longest first, hence costliest first
+    if order is None:  # longest first, hence costliest first
+        order = descending_order(length)
     cs, ts = cost[order], length[order]
     min_m = max(1, -(-int(length.sum()) // (dp * cap)))
     ffd_labels, ffd_bins = ffd(ts, cap)
@@ -304,14 +310,13 @@ def _lockstep_grid(
         balanced_ffd = pack_balanced(cs, ts, cap, dp * ffd_m)
         if balanced_ffd is not None:
             labels, balanced = balanced_ffd, True
-    grid = _robust(bins_to_slots(labels, order, cost, dp, m), length, cost, cap, seen)
+    grid = _robust(bins_to_slots(labels, order, cost, dp, m), length, cost, cap, seen, order)
     if not balanced:
         # no cost-balanced packing at m: one more micro-batch if that steps faster by WIDER_GAIN
         wider_labels = pack_balanced(cs, ts, cap, dp * (m + 1))
         if wider_labels is not None:
-            wider = _robust(
-                bins_to_slots(wider_labels, order, cost, dp, m + 1), length, cost, cap, seen
-            )
+            wider_grid = bins_to_slots(wider_labels, order, cost, dp, m + 1)
+            wider = _robust(wider_grid, length, cost, cap, seen, order)
             gain = _lockstep_cost(grid, cost) - _lockstep_cost(wider, cost)
             if gain > WIDER_GAIN * float(cost.sum()) / dp:
                 grid = wider
@@ -380,7 +385,12 @@ def _polish_grid(
 
 
 def _robust(
-    grid: Grid, length: np.ndarray, cost: np.ndarray, cap: int, seen: list[Grid] | None = None
+    grid: Grid,
+    length: np.ndarray,
+    cost: np.ndarray,
+    cap: int,
+    seen: list[Grid] | None = None,
+    order: np.ndarray | None = None,
 ) -> Grid:
     """The grid or one of its ``slots.refill`` variants (``FILL_PER_BIN`` short samples per bin
     taken out and put back), chosen by ``slots.choose``: lowest lockstep cost, ties within
@@ -393,11 +403,11 @@ def _robust(
         return grid
     few = len(length) <= FEW_PER_BIN * dp * m
     fills = (FILL_PER_BIN, *FEW_FILLS) if few else (FILL_PER_BIN,)
-    variants = [refill(grid, length, cost, cap, int(f * dp * m)) for f in fills]
+    variants = [refill(grid, length, cost, cap, int(f * dp * m), order) for f in fills]
     grids = [grid, *(g for g in variants if g is not None)]
     best = grids[choose(grids, cost, length)]
     if few:
-        again = refill(best, length, cost, cap, int(FEW_FILLS[0] * dp * m))
+        again = refill(best, length, cost, cap, int(FEW_FILLS[0] * dp * m), order)
         if again is not None:
             grids.append(again)
             best = [best, again][choose([best, again], cost, length)]
@@ -436,15 +446,19 @@ def _best_lockstep(
     """
     n = len(cost)
     candidates: list[tuple[Grid, int, int]] = []
+    order = descending_order(length)  # one sort for every candidate (and their refills)
     if not equal_count:
-        candidates.append(_lockstep_grid(cost, length, dp, cap, seen))
+        candidates.append(_lockstep_grid(cost, length, dp, cap, seen, order))
     if n <= CANDIDATES_UP_TO * dp:
         refined, lpt = refined_and_lpt_labels(cost, dp, equal_count=equal_count)
-        candidates += _rank_first_grids(cost, length, dp, cap, equal_count, rank=refined)
+        candidates += _rank_first_grids(cost, length, dp, cap, equal_count, rank=refined,
+                                        order=order)  # fmt: skip
         candidates += _rank_first_grids(cost, length, dp, cap, equal_count, packings=("ffd",),
-                                        rank=lpt)  # fmt: skip
+                                        rank=lpt, order=order)  # fmt: skip
     elif equal_count:
-        candidates.append(_rank_first_grid(cost, length, dp, cap, equal_count, method="refined"))
+        candidates.append(
+            _rank_first_grid(cost, length, dp, cap, equal_count, method="refined", order=order)
+        )
     if seen is not None:
         seen += [c[0] for c in candidates[1 - equal_count :]]  # the slot plan's are in already
     return _pick(candidates, cost, length)
@@ -559,12 +573,13 @@ def _rank_first_grid(
     equal_count: bool,
     ffd_only: bool = False,
     method: str = "auto",
+    order: np.ndarray | None = None,
 ) -> tuple[Grid, int, int]:
     """Split samples over ranks (``balance``), then pack each rank into the same M bins (balanced
     packing, or first-fit decreasing with ``ffd_only``), each rank's bins sorted by cost so that
     slot j holds every rank's j-th costliest bin."""
     packing = "ffd" if ffd_only else "balanced"
-    return _rank_first_grids(cost, length, dp, cap, equal_count, method, (packing,))[0]
+    return _rank_first_grids(cost, length, dp, cap, equal_count, method, (packing,), order=order)[0]
 
 
 def _rank_first_grids(
@@ -576,6 +591,7 @@ def _rank_first_grids(
     method: str = "auto",
     packings: tuple[str, ...] = ("balanced", "ffd"),
     rank: np.ndarray | None = None,
+    order: np.ndarray | None = None,
 ) -> list[tuple[Grid, int, int]]:
     """`_rank_first_grid`'s plan for each of `packings` ("balanced": balanced packing where it
     fits, else FFD's; "ffd": FFD's), from one split over ranks (``balance_labels`` by
@@ -586,7 +602,8 @@ def _rank_first_grids(
     if rank is None:
         rank = balance_labels(cost, dp, equal_count=equal_count, method=method)
     # each rank's samples longest first, ties by index: the global order split by rank
-    order = descending_order(length)
+    if order is None:
+        order = descending_order(length)
     orders = [order[p] for p in split_labels(rank[order], dp)]
     by_rank = np.concatenate(orders)
     per_rank_tokens = [int(length[o].sum()) for o in orders]
@@ -679,10 +696,9 @@ def _build(
     """Assemble the StepPlan of per-sample `length` and `cost` (`checked_plan`)."""
     dp = len(grid)
     m = len(grid[0]) if dp else 0
-    costs = np.zeros((dp, m))
-    for r, row in enumerate(grid):
-        for j, mb in enumerate(row[:m]):
-            costs[r, j] = float(cost[mb].sum())  # NumPy's sum, as recorded since format v1
+    total = np.add.reduce  # NumPy's sum (ndarray.sum calls it), as recorded since format v1
+    costs = np.array([[total(cost[mb]) for mb in row[:m]] for row in grid], dtype=np.float64)
+    costs = costs.reshape(dp, m)
     tokens = metrics.grid_costs([row[:m] for row in grid], length).astype(np.int64)  # whole: exact
     return checked_plan(grid, tokens, costs, len(length), max_tokens=max_tokens,
                         micro_batch_size=micro_batch_size, ffd_micro_batches=ffd_m,

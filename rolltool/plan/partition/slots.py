@@ -75,6 +75,10 @@ def members(labels: np.ndarray, order: np.ndarray | None, nb: int) -> list[np.nd
     (``order=None``: of sample ``i``)."""
     if order is None:  # samples in index order: the labels' own split
         return split_labels(labels, nb)
+    if len(order) and int(order.max()) + 1 == len(order):  # every sample 0..n-1 (each once):
+        in_order = np.empty(len(order), dtype=labels.dtype)  # the labels in sample order,
+        in_order[order] = labels  # split by one radix sort (~2x faster than the key sort)
+        return split_labels(in_order, nb)
     if len(order):  # (bin, sample) as one int64 key, unique: any sort orders it alike
         by_bin = order[np.argsort(labels * (int(order.max()) + 1) + order)]
     else:
@@ -132,16 +136,25 @@ def grid_labels(grid: Grid, n: int) -> np.ndarray:
     return labels
 
 
-def refill(grid: Grid, length: np.ndarray, cost: np.ndarray, cap: int, fillers: int) -> Grid | None:
+def refill(
+    grid: Grid,
+    length: np.ndarray,
+    cost: np.ndarray,
+    cap: int,
+    fillers: int,
+    order: np.ndarray | None = None,
+) -> Grid | None:
     """Regroup a grid's bins into slots by Σ L² after taking out its ``fillers`` shortest samples,
     then put those back where they raise the lockstep cost least (see the module docstring).
+    ``order``: the samples longest first, ties by index, if the caller has it (else sorted here).
 
     ``None`` if some sample finds no bin with room (then keep the grid as it was). Bins never
     exceed ``cap`` tokens; the micro-batch count stays the same.
     """
     dp, m, n = len(grid), len(grid[0]), len(length)
     nb = dp * m
-    order = np.argsort(-length, kind="stable")
+    if order is None:
+        order = np.argsort(-length, kind="stable")
     short = order[n - min(fillers, n) :]  # longest first
     labels = grid_labels(grid, n)
     keep = np.ones(n, dtype=bool)
@@ -183,15 +196,19 @@ def _put_back(
     room = cap - t
     top = np.repeat(c.reshape(-1, dp).max(axis=1), dp)  # per bin: its slot's max
     short = np.maximum(top - c - unit * room, 0.0)
+    # ufuncs and methods called directly: the same arithmetic, fewer Python layers per call
+    add, sub, mul, maximum, minimum = np.add, np.subtract, np.multiply, np.maximum, np.minimum
+    where, any_of, top_of = np.where, np.logical_or.reduce, np.maximum.reduce
+    over = np.empty(len(c))  # float64 as c + ci - top is (c is int64 if every sample is out)
     for i, ti, ci in zip(items.tolist(), length[items].tolist(), cost[items].tolist(), strict=True):
         ok = room >= ti
-        over = c + ci - top  # <= 0: stays under the slot's max
+        sub(add(c, ci, out=over), top, out=over)  # <= 0: stays under the slot's max
         free = ok & (over <= 0)
-        if free.any():
-            lift = np.where(free, np.minimum(short, ci - unit * ti), -1.0)
-            most = float(lift.max())
-            b = int(np.argmax(np.where(lift >= most, over, -np.inf)))
-        elif ok.any():
+        if any_of(free):
+            lift = where(free, minimum(short, ci - unit * ti), -1.0)
+            most = float(top_of(lift))
+            b = int(where(lift >= most, over, -np.inf).argmax())
+        elif any_of(ok):
             b = _least_raise(ok, over, c, room, short, ci, unit, dp)
         else:
             return False
@@ -201,7 +218,8 @@ def _put_back(
         j = b - b % dp
         if c[b] > top[b]:
             top[j : j + dp] = c[b]
-        short[j : j + dp] = np.maximum(top[j : j + dp] - c[j : j + dp] - unit * room[j : j + dp], 0)
+        tj, cj, rj = top[j : j + dp], c[j : j + dp], room[j : j + dp]
+        maximum(sub(sub(tj, cj), mul(unit, rj)), 0, out=short[j : j + dp])
     return True
 
 
@@ -222,15 +240,15 @@ def _least_raise(
     the exact figure is needed only where that bound is under the best exact one found: the
     ``RAISE_FIRST`` lowest bounds first, then every bin whose bound is not above their best.
     """
-    bins = np.flatnonzero(ok)
+    bins = ok.nonzero()[0]
     bound = over[bins] - short[bins]
     tol = 1e-9 * max(abs(ci), 1.0)
     look = bins
     if len(bins) > RAISE_FIRST:
-        pick = np.argpartition(bound, RAISE_FIRST)[:RAISE_FIRST]
+        pick = bound.argpartition(RAISE_FIRST)[:RAISE_FIRST]
         pen = _raise_costs(bins[pick], c, room, over, short, ci, unit, dp)
-        need = bound <= float(pen.min()) + tol
-        if need.sum() == need[pick].sum():  # every bin that could win was priced
+        need = bound <= float(np.minimum.reduce(pen)) + tol
+        if np.count_nonzero(need) == np.count_nonzero(need[pick]):  # each that could win priced
             priced = np.full(len(bins), np.inf)
             priced[pick] = pen
             look, pen = bins[need], priced[need]
@@ -239,8 +257,8 @@ def _least_raise(
             pen = _raise_costs(look, c, room, over, short, ci, unit, dp)
     else:
         pen = _raise_costs(look, c, room, over, short, ci, unit, dp)
-    near = pen <= pen.min() + tol
-    return int(look[np.argmax(np.where(near, room[look], -1))])
+    near = pen <= np.minimum.reduce(pen) + tol
+    return int(look[np.where(near, room[look], -1).argmax()])
 
 
 def _raise_costs(
@@ -259,7 +277,7 @@ def _raise_costs(
     slot = (bins - bins % dp)[:, None] + np.arange(dp)  # [k, dp] the bins of each one's slot
     after = np.maximum(new[:, None] - c[slot] - unit * room[slot], 0.0)
     after[slot == bins[:, None]] = 0.0
-    return over[bins] + after.sum(axis=1) - short[slot].sum(axis=1)
+    return over[bins] + np.add.reduce(after, axis=1) - np.add.reduce(short[slot], axis=1)
 
 
 def _unit_cost(items: np.ndarray, length: np.ndarray, cost: np.ndarray) -> float:
