@@ -20,7 +20,6 @@ from rolltool.plan.partition.deal import (
     _repick,
     deal_exact,
     exact_pairs,
-    head_and_serpentine,
 )
 from rolltool.plan.partition.kk import PY_LINKS_MAX, kk_sorted
 
@@ -91,16 +90,6 @@ def test_exact_pairs_equal_every_pair() -> None:
 
 
 # ---------------------------------------------------------------- deal_exact
-
-
-def test_head_and_serpentine_gives_one_item_of_each_block_to_each_part() -> None:
-    for n, k, h in ((6, 2, 1), (64, 8, 0), (64, 8, 3), (1024, 8, 8), (96, 3, 32)):
-        ws = np.sort(np.random.default_rng(n).integers(0, 500, n).astype(np.float64))[::-1]
-        parts, loads = head_and_serpentine(ws.copy(), k, h)
-        assert parts.shape == (k, n // k)
-        assert sorted(parts.ravel().tolist()) == list(range(n))
-        assert (parts // k == np.arange(n // k)).all()  # column b: block b
-        assert np.allclose(loads, ws[parts].sum(axis=1))
 
 
 def test_deal_exact_keeps_counts_and_reaches_the_target_or_says_so() -> None:
