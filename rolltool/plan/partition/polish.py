@@ -30,7 +30,7 @@ import numpy as np
 
 from rolltool.util.ranges import concat_ranges
 
-__all__ = ["ROBUST_SCALES", "polish"]
+__all__ = ["ROBUST_SCALES", "polish", "rest_max"]
 
 ROBUST_SCALES = (0.5, 2.0)
 """The L² coefficient's factors the polish also scores a step under (besides 1.0)."""
@@ -159,7 +159,7 @@ def _best_steps(
     cb = c[:, hb] - dx
     cb2 = c[:, b2] + dx
     same = j2 == j
-    rest = _rest_max(s, j, hb - j * dp, np.where(same, b2 - j * dp, -1))
+    rest = rest_max(s, j, hb - j * dp, np.where(same, b2 - j * dp, -1))
     new_j = np.maximum(rest, np.where(same, np.maximum(cb, cb2), cb))
     fits = same | (cb2 <= top[:, j2]).all(axis=0)  # another slot's maximum rises in no model
     delta = new_j - top[:, j]  # [K, cand]
@@ -252,7 +252,7 @@ def _heads(s: np.ndarray, slots: np.ndarray, dp: int) -> tuple[np.ndarray, np.nd
     return heads, models[first]
 
 
-def _rest_max(s: np.ndarray, j: np.ndarray, p1: np.ndarray, p2: np.ndarray) -> np.ndarray:
+def rest_max(s: np.ndarray, j: np.ndarray, p1: np.ndarray, p2: np.ndarray) -> np.ndarray:
     """``[K, cand]``: per model, the costliest bin of slot ``j`` other than positions ``p1``
     and ``p2`` (-1: none), from the slot's three costliest bins (-inf where none is left)."""
     k, m, dp = s.shape

@@ -1,0 +1,349 @@
+"""Lockstep re-split: trade samples between a slot's costliest bin and any other bin at once.
+
+A lockstep step costs Σ_j max_r cost(r, j): slot j waits for its costliest bin. Where the bins
+are full to the token cap and a slot's bins differ by their leaders' L² (agent steps, cost ≈
+a·tokens + b·ΣL²), ``polish`` stops at a local optimum: evening such a slot takes shorter
+partners for its costliest bin h and tokens moved between slots, several samples at once.
+``resplit`` pairs h with every other bin b, of its slot or of another, and tries every trade of
+up to ``MAX_MOVED`` samples of h (a set X) for up to as many of b (a set Y) that keeps both
+bins under the cap: h becomes h - X + Y, b becomes b - Y + X. It generalizes the polish's steps
+(a move is X = {x}, Y = {}; a swap X = {x}, Y = {y}; a pair trade Y = {y, y'}).
+
+A trade is scored like the polish's steps: the lockstep cost's change under the planning model
+and the same with its L² term halved and doubled (real GPU time is never exactly the model),
+each relative to its ideal. A trade must not raise the planning model's, must lower their sum
+by ``MIN_GAIN``, and may let b's slot rise by less than h's slot falls. The trades applied
+never raise any of the three models' cost above where the re-split started (each model's
+changes so far are summed, and a trade that would take one above zero is skipped), so its
+result is never costlier than its input under any of them.
+
+Every pair's trades are found at once: each bin's subsets of up to ``MAX_MOVED`` samples are
+listed with their tokens and costs, sorted by (bin, planning cost); for h's subset X, the
+trades with b that can keep the planning cost from rising have w(Y) - w(X) in a window (see
+``_windows``), found by binary search; the token cap and the exact scores are checked after.
+
+Example (dp 2, cost = L², cap 10): slots {2 | 4} (4 | 16) and {5 | 4} (25 | 16) step in 16 + 25
+= 41. The polish moves nothing: the 4 would raise the other slot's maximum (to 81 beside the 5,
+to 32 beside the 4). The re-split trades it anyway, to the other 4 (16 down, 7 up):
+{2 | -} and {5 | 4, 4} step in 4 + 32 = 36; then the 2 joins the 5 (29, under 32): 0 + 32.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import numpy as np
+
+from rolltool.plan.partition.polish import ROBUST_SCALES, rest_max
+from rolltool.util.ranges import concat_ranges
+
+__all__ = ["MAX_BIN", "MAX_MOVED", "MIN_GAIN", "resplit"]
+
+MAX_MOVED = 2
+"""Samples a trade takes out of each bin: subsets of up to this many (529 of a bin of 32)."""
+
+MAX_BIN = 32
+"""Bins of more samples than this take no part (their subsets would crowd the search)."""
+
+MIN_GAIN = 1e-6
+"""A trade must lower the sum of the three models' lockstep overheads by at least this: on the
+benchmark's agent steps, trades worth less add rounds (2-3× the time) for 1e-4 at most."""
+
+
+WIDTH_TIERS = 4.0 ** np.arange(-16, 1)
+"""Bounds on the width of a (bin, subset)'s interval of planning cost (the bin's room below its
+slot's maximum plus its gap above the slot's other bins), relative to the costliest slot, that
+group the bins for the search (``_windows``): each group's window is as wide as its widest."""
+
+
+def resplit(
+    labels: np.ndarray,
+    length: np.ndarray,
+    cost: np.ndarray,
+    quad: np.ndarray,
+    *,
+    dp: int,
+    m: int,
+    cap: int,
+    max_rounds: int,
+) -> np.ndarray:
+    """Improve ``labels`` (``[n]`` bin of each sample, bin ``j·dp + r`` is rank r's micro-batch
+    j); returns new labels. ``cost``: ``[n]`` planning cost, ``quad``: ``[n]`` its L² part (the
+    robustness models add ``(f - 1)·quad``). Bins must already be within ``cap`` tokens.
+
+    Works in rounds: each slot not known to be stuck pairs its costliest bin (under each model)
+    with every other bin, every pair offers its best trade (all found at once, against the
+    round's starting point), and the trades are applied best first, each only if no trade
+    before it in the round touched its slots (so its score stays exact) and it keeps every
+    model at or below where it started. A slot is stuck once it offers nothing (or only trades
+    the models' sums refuse) until one of its bins changes. Stops after ``max_rounds``, or when
+    a round applies nothing."""
+    lab = labels.copy()
+    nb = dp * m
+    if len(lab) == 0 or dp < 2 or m == 0:
+        return lab
+    w: np.ndarray = np.stack([cost, *(cost + (f - 1.0) * quad for f in ROBUST_SCALES)])  # [K, n]
+    ideal = w.sum(axis=1) / dp
+    spent = np.zeros(len(w))  # each model's lockstep change so far
+    stuck = np.zeros(m, dtype=bool)
+    cache: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = [(_NONE, w[:, :0], _NONE)] * nb
+    dirty = np.arange(nb)
+    for _ in range(max_rounds):
+        if stuck.all():
+            break
+        c = np.stack([np.bincount(lab, weights=wk, minlength=nb) for wk in w])  # [K, nb]
+        t = np.bincount(lab, weights=length, minlength=nb).astype(np.int64)
+        slots = np.flatnonzero(~stuck)
+        members = np.argsort(lab, kind="stable")
+        start = np.r_[0, np.cumsum(np.bincount(lab, minlength=nb))]
+        subsets = _subsets(members, start, length, w, cache, dirty)
+        h, b, score, delta, x_mask, y_mask = _best_trades(
+            _heads(c, slots, dp), subsets, w, c, t, ideal, dp, cap
+        )
+        good = np.flatnonzero(score <= -MIN_GAIN)
+        good = good[np.argsort(score[good], kind="stable")]
+        stuck[slots] = True
+        touched: set[int] = set()
+        changed: list[int] = []
+        for i in good.tolist():
+            j, j2 = int(h[i]) // dp, int(b[i]) // dp
+            if j in touched or j2 in touched:
+                stuck[j] = False  # offered a trade; try again next round
+                continue
+            if (spent + delta[:, i] > 0).any():
+                continue
+            spent += delta[:, i]
+            touched.update((j, j2))
+            changed += [int(h[i]), int(b[i])]
+            hm = members[start[h[i]] : start[h[i] + 1]]
+            bm = members[start[b[i]] : start[b[i] + 1]]
+            x, y = hm[_bits(int(x_mask[i]), len(hm))], bm[_bits(int(y_mask[i]), len(bm))]
+            lab[x] = b[i]
+            lab[y] = h[i]
+        if not touched:
+            break
+        stuck[list(touched)] = False
+        dirty = np.unique(changed)
+    return lab
+
+
+def _heads(c: np.ndarray, slots: np.ndarray, dp: int) -> np.ndarray:
+    """Each of ``slots``' costliest bins under each model, without repeats (sorted)."""
+    k, nb = c.shape
+    s = c.reshape(k, nb // dp, dp)
+    return np.unique((slots[None, :] * dp + np.argmax(s[:, slots, :], axis=2)).ravel())
+
+
+class _Subsets(NamedTuple):
+    """Each bin's subsets of up to ``MAX_MOVED`` samples, sorted by (bin, planning cost)."""
+
+    bin: np.ndarray  # [S] int64: the bin
+    tokens: np.ndarray  # [S] int64
+    cost: np.ndarray  # [K, S] float64: per model
+    mask: np.ndarray  # [S] int64: bit i = the bin's i-th sample (in bin order) is in it
+    first: np.ndarray  # [nb + 1] int64: where each bin's subsets start
+    key: np.ndarray  # [S] float64: bin·span + cost - base, ascending
+    span: float  # wider than any two subsets' planning costs differ
+    base: float  # the least planning cost of a subset
+
+
+def _subsets(
+    members: np.ndarray,
+    start: np.ndarray,
+    length: np.ndarray,
+    w: np.ndarray,
+    cache: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+    dirty: np.ndarray,
+) -> _Subsets:
+    """Each bin's subsets of up to ``MAX_MOVED`` samples (bins of at most ``MAX_BIN``): bin
+    ``i``'s samples are ``members[start[i]:start[i + 1]]``, in that order for the masks.
+    ``cache[i]``: bin i's (tokens, costs, masks) sorted by planning cost, rebuilt for the
+    ``dirty`` bins (those whose samples changed) and kept for the others."""
+    nb = len(start) - 1
+    size = np.diff(start)
+    for k in np.unique(size[dirty]).tolist():
+        bins = dirty[size[dirty] == k]
+        if k > MAX_BIN:
+            for i in bins.tolist():
+                cache[i] = (_NONE, np.zeros((len(w), 0)), _NONE)
+            continue
+        at = members[start[bins][:, None] + np.arange(k)]  # [B, k]
+        mask = _small_masks(k)
+        bits = ((mask[:, None] >> np.arange(k)) & 1).astype(np.float64)  # [S, k]
+        tok = np.rint(length[at].astype(np.float64) @ bits.T).astype(np.int64)  # [B, S]
+        cw = np.stack([wk[at] @ bits.T for wk in w])  # [K, B, S]
+        by_cost = np.argsort(cw[0], axis=1, kind="stable")  # [B, S]
+        for r, i in enumerate(bins.tolist()):
+            o = by_cost[r]
+            cache[i] = (tok[r, o], cw[:, r, o], mask[o])
+    count = np.array([len(e[0]) for e in cache], dtype=np.int64)
+    first = np.r_[0, np.cumsum(count)]
+    sb = np.repeat(np.arange(nb), count)
+    st = np.concatenate([e[0] for e in cache])
+    sw = np.concatenate([e[1] for e in cache], axis=1)
+    sm = np.concatenate([e[2] for e in cache])
+    base = float(sw[0].min(initial=0.0))
+    span = 2.0 * (float(sw[0].max(initial=0.0)) - base) + 1.0
+    return _Subsets(sb, st, sw, sm, first, sb * span + (sw[0] - base), span, base)
+
+
+_NONE = np.zeros(0, dtype=np.int64)
+
+
+@functools.cache
+def _small_masks(k: int) -> np.ndarray:
+    """Bit masks of the subsets of ``k`` items with at most ``MAX_MOVED`` members, ascending."""
+    out = [np.zeros(1, dtype=np.int64)]
+    last = np.zeros(1, dtype=np.int64)
+    for _ in range(MAX_MOVED):  # each subset grows by one bit above its highest
+        top = np.array([int(v).bit_length() for v in last], dtype=np.int64)
+        grow = k - top
+        base = np.repeat(last, grow)
+        bit = concat_ranges(top, grow)
+        last = base | (1 << bit)
+        out.append(last)
+    return np.unique(np.concatenate(out))
+
+
+def _best_trades(
+    heads: np.ndarray,
+    sub: _Subsets,
+    w: np.ndarray,
+    c: np.ndarray,
+    t: np.ndarray,
+    ideal: np.ndarray,
+    dp: int,
+    cap: int,
+) -> tuple[np.ndarray, ...]:
+    """Each pair (h of ``heads``, another bin b) that has a trade lowering the score, with its
+    best: ``[P]`` h, b, score (the sum over models of the lockstep cost's change, each relative
+    to its ideal), ``[K, P]`` the changes, and the trade's subsets as masks over h's and b's
+    samples (``_Subsets.mask``)."""
+    k, nb = c.shape
+    s = c.reshape(k, nb // dp, dp)
+    top = s.max(axis=2)  # [K, m]
+    slot = np.arange(nb) // dp
+    rest = rest_max(s, slot, np.arange(nb) % dp, np.full(nb, -1))  # [K, nb]: slot's max without
+    room = top[:, slot] - c  # [K, nb]: how far below its slot's maximum
+    gap = top[:, slot] - rest  # [K, nb]: how far above the rest of its slot (0: not its max)
+    ch, cb, cx, cy = _windows(heads, sub, c[0], room[0], gap[0], top[0], dp)
+    dt = sub.tokens[cy] - sub.tokens[cx]  # h's change in tokens
+    fits = (t[ch] + dt <= cap) & (t[cb] - dt <= cap)
+    ch, cb, cx, cy = ch[fits], cb[fits], cx[fits], cy[fits]
+    d = np.zeros((k, len(ch)))
+    for q in range(k):  # the planning model first: most candidates raise it, dropped at once
+        dw = sub.cost[q, cy] - sub.cost[q, cx]
+        d[q] = _change(c[q], top[q], rest[q], s[q], ch, cb, dw, dp)
+        if q == 0:
+            keep = d[0] <= 0
+            ch, cb, cx, cy, d = ch[keep], cb[keep], cx[keep], cy[keep], d[:, keep]
+    total = (d / ideal[:, None]).sum(axis=0)
+    pair = ch * nb + cb
+    by = np.lexsort((total, pair))  # per pair, its best trade first
+    best = by[np.r_[True, pair[by][1:] != pair[by][:-1]]] if len(by) else by
+    best = best[total[best] < 0]
+    return (ch[best], cb[best], total[best], d[:, best], sub.mask[cx[best]],
+            sub.mask[cy[best]])  # fmt: skip
+
+
+def _windows(
+    heads: np.ndarray,
+    sub: _Subsets,
+    c0: np.ndarray,
+    room: np.ndarray,
+    gap: np.ndarray,
+    top: np.ndarray,
+    dp: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Candidate trades (h, b, X, Y as subset indices) that may keep the planning model's
+    lockstep cost from rising, from its ``[nb]`` bin costs ``c0``, rooms, gaps and ``[m]`` slot
+    maxima ``top``. A trade changes h's cost by D = w(Y) - w(X) and b's by -D.
+
+    b in h's slot j: both bins must stay at most the slot's maximum, D in [-room_b, room_h].
+    b in another slot: the two slots' maxima, now top_j + top_j2, become at least c_h + D +
+    top_j2 - gap_b and top_j - gap_h + c_b - D, so D is in [-(room_b + gap_h), room_h + gap_b]:
+    w(X) is within [w(Y) - gap_b - room_h, w(Y) + room_b + gap_h]. Each (b, Y) is an interval
+    [w(Y) - gap_b, w(Y) + room_b] of the planning cost; the bins are grouped by its width
+    (``WIDTH_TIERS``) so that each group is searched by its lower ends in one window per
+    (h, X). The windows are widened by a margin for rounding: every candidate is checked
+    exactly after."""
+    nb = len(c0)
+    slot = np.arange(nb) // dp
+    margin = 1e-9 * float(np.abs(sub.cost[0]).max(initial=1.0)) + 1.0
+    nx = sub.first[heads + 1] - sub.first[heads]
+    qh = np.repeat(heads, nx)  # queries: each head with each of its subsets X
+    qx = concat_ranges(sub.first[heads], nx)
+    wx = sub.cost[0, qx]
+    out = []
+    # other slots: one window per width tier
+    lower = sub.cost[0] - gap[sub.bin]
+    width = room[sub.bin] + gap[sub.bin]
+    tier = np.digitize(width, WIDTH_TIERS * float(top.max(initial=1.0)))
+    for k in np.unique(tier).tolist():
+        pool = np.flatnonzero(tier == k)
+        pool = pool[np.argsort(lower[pool], kind="stable")]
+        most = float(width[pool].max())
+        lo = np.searchsorted(lower[pool], wx - gap[qh] - most - margin, side="left")
+        hi = np.searchsorted(lower[pool], wx + room[qh] + margin, side="right")
+        n_y = hi - lo
+        cq, cy = np.repeat(np.arange(len(qh)), n_y), pool[concat_ranges(lo, n_y)]
+        cb = sub.bin[cy]
+        ok = (slot[cb] != slot[qh[cq]]) & (lower[cy] + width[cy] >= wx[cq] - gap[qh[cq]] - margin)
+        out.append((qh[cq[ok]], cb[ok], qx[cq[ok]], cy[ok]))
+    # h's own slot: every other bin, one window per (h, X, b)
+    mate = (slot[heads][:, None] * dp + np.arange(dp)).ravel()
+    mh = np.repeat(heads, dp)
+    mh, mate = mh[mate != mh], mate[mate != mh]
+    nx = sub.first[mh + 1] - sub.first[mh]
+    qh, qb = np.repeat(mh, nx), np.repeat(mate, nx)
+    qx = concat_ranges(sub.first[mh], nx)
+    lo, hi = _bin_window(sub, qb, sub.cost[0, qx] - room[qb] - margin,
+                         sub.cost[0, qx] + room[qh] + margin)  # fmt: skip
+    n_y = hi - lo
+    cq, cy = np.repeat(np.arange(len(qh)), n_y), concat_ranges(lo, n_y)
+    out.append((qh[cq], qb[cq], qx[cq], cy))
+    ch, cb, cx, cy = (np.concatenate([o[i] for o in out]) for i in range(4))
+    return ch, cb, cx, cy
+
+
+def _bin_window(
+    sub: _Subsets, b: np.ndarray, lo_w: np.ndarray, hi_w: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """``[lo, hi)`` into the subsets: bin ``b``'s subsets whose planning cost is in [lo_w,
+    hi_w], per query. One binary search for all: bin i's costs are offset into a band of
+    their own, ``i·span`` (``_Subsets.key``)."""
+    lo = np.searchsorted(sub.key, b * sub.span + (lo_w - sub.base), side="left")
+    hi = np.searchsorted(sub.key, b * sub.span + (hi_w - sub.base), side="right")
+    lo = np.clip(lo, sub.first[b], sub.first[b + 1])  # rounding never reaches another bin
+    hi = np.clip(hi, lo, sub.first[b + 1])
+    return lo, hi
+
+
+def _change(
+    c: np.ndarray,
+    top: np.ndarray,
+    rest: np.ndarray,
+    s: np.ndarray,
+    h: np.ndarray,
+    b: np.ndarray,
+    dw: np.ndarray,
+    dp: int,
+) -> np.ndarray:
+    """The lockstep cost's change under one model when bin h's cost changes by ``dw`` and bin
+    b's by ``-dw`` (``c`` [nb] bin costs, ``top`` [m] slot maxima, ``rest`` [nb] each bin's
+    slot's maximum without it, ``s`` [m, dp] the bin costs by slot)."""
+    j, j2 = h // dp, b // dp
+    wh, wb = c[h] + dw, c[b] - dw
+    out = np.maximum(rest[h], wh) + np.maximum(rest[b], wb) - top[j] - top[j2]
+    same = np.flatnonzero(j == j2)
+    if len(same):  # the slot's maximum without both bins
+        hs, bs = h[same], b[same]
+        rest2 = rest_max(s[None], j[same], hs % dp, bs % dp)[0]
+        out[same] = np.maximum(rest2, np.maximum(wh[same], wb[same])) - top[j[same]]
+    return out
+
+
+def _bits(mask: int, k: int) -> np.ndarray:
+    """``[k]`` bool: bit i of ``mask``."""
+    return ((mask >> np.arange(k)) & 1).astype(bool)
