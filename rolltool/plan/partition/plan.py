@@ -49,6 +49,7 @@ from rolltool.plan.partition.balance import (
 from rolltool.plan.partition.binpack import ffd, pack_balanced, split_tokens
 from rolltool.plan.partition.metrics import ALIGNS
 from rolltool.plan.partition.polish import ROBUST_SCALES, polish
+from rolltool.plan.partition.resplit import resplit
 from rolltool.plan.partition.slots import (
     FEW_FILLS,
     FEW_PER_BIN,
@@ -337,6 +338,10 @@ benchmark's agent steps it stops stuck after 20-60 rounds; the first few rounds 
 slots and do most of the work, the later ones apply a step or two each and cost little (16
 rounds: ~80% of the gain of 48 for ~5% less plan time)."""
 
+RESPLIT_ROUNDS = 40
+"""The budget of the re-split that follows the polishes (``resplit.py``): rounds of trades of
+up to two samples each way between a slot's costliest bin and any other bin."""
+
 
 def _polished(
     chosen: Grid, seen: list[Grid], length: np.ndarray, cost: np.ndarray, quad: np.ndarray, cap: int
@@ -371,14 +376,16 @@ def _polish_grid(
     """``polish`` a grid, moving and swapping single samples, then from there trading a sample
     also for two (``pairs``: the wider search, started from the narrow one's optimum, keeps
     every step at least as good as the narrow search alone: started cold it ends elsewhere,
-    worse on many agent steps); then spread each slot's bins over the ranks again
-    (``slots_to_grid``: even rank totals, the same lockstep cost)."""
+    worse on many agent steps); then ``resplit`` it (trades of several samples at once, never
+    raising any of the polish's three models); then spread each slot's bins over the ranks
+    again (``slots_to_grid``: even rank totals, the same lockstep cost)."""
     dp, m, n = len(grid), len(grid[0]), len(length)
     labels = grid_labels(grid, n)
     for pairs, rounds, work in ((False, POLISH_ROUNDS, POLISH_WORK),
                                 (True, POLISH_PAIR_ROUNDS, POLISH_PAIR_WORK)):  # fmt: skip
         labels = polish(labels, length, cost, quad, dp=dp, m=m, cap=cap, max_rounds=rounds,
                         max_work=work, pairs=pairs)  # fmt: skip
+    labels = resplit(labels, length, cost, quad, dp=dp, m=m, cap=cap, max_rounds=RESPLIT_ROUNDS)
     bins = members(labels, None, dp * m)
     bin_cost = np.bincount(labels, weights=cost, minlength=dp * m)
     return slots_to_grid(bins, bin_cost, np.arange(dp * m).reshape(m, dp))
