@@ -119,7 +119,7 @@ def _auto(ws: np.ndarray, k: int, equal_count: bool) -> np.ndarray:
     floor = whole_bound(ws, k, equal_count=equal_count)  # None: not all whole numbers
     if floor is not None and equal_count and _exact_fits(ws, k, floor):
         exact = deal_exact(ws, k, target=floor)
-        if exact is not None:
+        if exact is not None and _max_load(ws, exact, k) <= floor:  # (it says so; checked)
             return exact
     dealt = None
     if floor is not None and len(ws) >= DEAL_PER_PART * k:

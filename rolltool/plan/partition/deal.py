@@ -278,6 +278,8 @@ def deal_exact(
     """
     n = len(ws)
     m = n // k
+    if not 2 * k * (3.0 * float(target) + 1.0) < 2.0**53:  # the search's keys exact (below)
+        return None
     parts = np.arange(n, dtype=np.int64).reshape(m, k).T.copy()  # parts[p]: p's items
     parts[:, 1::2] = parts[::-1, 1::2]  # the serpentine deal: heaviest first in every part
     loads: list[float] = ws[parts].sum(axis=1).tolist()
@@ -353,6 +355,7 @@ def exact_pairs(
     [``least[t]``, ``most[t]``]) and each y (column c of ``items[dst[t]]``, ``items``: ``[k, m]``
     non-negative), the pair with the smallest x - y >= least (column c) and the largest below
     (column m + c), found by one binary search over every x of the transfer for every y.
+    Exact for whole numbers while T · (2·top + max(most) + 1) < 2^53 (the keys' offsets).
 
     Returns ``cand`` ``[T, 2m]`` (x - y of each pair; inf or <= 0 where there is none),
     ``x_col`` (``x_col(t, c)``: x's column in ``items[src[t]]``) and ``planned`` ``[T]`` (the
