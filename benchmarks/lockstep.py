@@ -2,6 +2,7 @@
 
 Run:  python benchmarks/lockstep.py                 (a few minutes; --quick: 3 seeds, 3 sigmas)
       python benchmarks/lockstep.py --sigmas 0.6,0.9 --seeds 5
+      python benchmarks/lockstep.py --save new.json --compare old.json   (step by step)
 
 Agent regime: dp 8 x 128 samples, log-normal lengths (median 6,000 tokens, sigma 0.6 ... 1.2),
 rounded and clipped to [200, 32,768], max_tokens 32,768, costs flops(dense-7b). Synth regime:
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import statistics
 import sys
@@ -120,6 +122,25 @@ def targets(every: list[dict[str, float]], what: str) -> None:
           f"{mb:+.0f} ({_met(mb <= 1)})")  # fmt: skip
 
 
+def compare(now: dict[str, list[dict[str, float]]], path: str) -> None:
+    """Step by step against a ``--save``d run: how many steps changed, how many got costlier
+    under any of the three models, and any change in micro-batch count."""
+    with open(path) as f:
+        before = json.load(f)
+    changed = costlier = recounted = 0
+    for name, rs in now.items():
+        for seed, (r, o) in enumerate(zip(rs, before.get(name, []), strict=False)):
+            keys = [f"x{f}" for f in SCALES]
+            changed += any(r[k] != o[k] for k in keys)
+            worse = [k for k in keys if r[k] > o[k] * (1 + 1e-12)]
+            costlier += bool(worse)
+            recounted += r["dM"] != o["dM"]
+            if worse:
+                print(f"- {name} seed {seed}: costlier under {', '.join(worse)}")
+    print(f"\n- against {path}: {changed} steps changed, {costlier} costlier under any model, "
+          f"{recounted} with another micro-batch count")  # fmt: skip
+
+
 def _met(ok: bool) -> str:
     return "met" if ok else "NOT met"
 
@@ -130,6 +151,8 @@ def main() -> None:
     parser.add_argument("--sigmas", default="0.6,0.7,0.8,0.9,1.0,1.1,1.2")
     parser.add_argument("--seeds", type=int, default=20, help="agent steps per sigma")
     parser.add_argument("--synth-seeds", type=int, default=5, help="synth steps (dp 8 x 1,024)")
+    parser.add_argument("--save", help="write every step's scores to this JSON file")
+    parser.add_argument("--compare", help="compare step by step with a --save'd JSON file")
     args = parser.parse_args()
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
@@ -153,6 +176,11 @@ def main() -> None:
     targets(every, "agent")
     if synth["synth"]:
         targets(table(synth, f"synth steps (dp {DP} x 1,024, synth_lengths)"), "synth")
+    if args.save:
+        with open(args.save, "w") as f:
+            json.dump({**rows, **synth}, f)
+    if args.compare:
+        compare({**rows, **synth}, args.compare)
 
 
 if __name__ == "__main__":
