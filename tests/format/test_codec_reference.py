@@ -8,6 +8,7 @@ with the same message naming the same key.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import random
@@ -118,7 +119,7 @@ def _mutated(doc: Any, rng: random.Random, paths: list[tuple[Any, ...]]) -> Any:
             if isinstance(parent, dict) and rng.random() < 0.3:
                 parent.pop(last, None)
             else:
-                parent[last] = rng.choice(REPLACEMENTS)
+                parent[last] = copy.deepcopy(rng.choice(REPLACEMENTS))  # never shared
         except (KeyError, IndexError, TypeError):  # an earlier edit removed or replaced it
             continue
     return doc
