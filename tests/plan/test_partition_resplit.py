@@ -117,7 +117,9 @@ def test_best_trades_match_every_trade_listed() -> None:
         cache = [(np.zeros(0, dtype=np.int64), wk[:, :0], np.zeros(0, dtype=np.int64))] * nb
         sub = _subsets(members, start, length, wk, cache, np.arange(nb))
         ideal = wk.sum(axis=1) / dp
-        h, b, score, delta, x_mask, y_mask = _best_trades(heads, sub, wk, c, t, ideal, dp, cap)
+        trades = _best_trades(heads, sub, wk, c, t, ideal, dp, cap, 1 << 30)
+        assert trades is not None
+        h, b, score, delta, x_mask, y_mask, _ = trades
         got = {(int(i), int(j)): float(v) for i, j, v in zip(h, b, score, strict=True)}
         for hh in heads.tolist():
             for bb in range(nb):
@@ -167,3 +169,17 @@ def test_resplit_keeps_the_cap_and_counts_and_never_raises_any_model() -> None:
 
     prop()
     assert len(runs) >= 30 and sum(runs) >= 10  # the re-split really moved samples
+
+
+def test_resplit_stops_before_passing_its_work_budget() -> None:
+    rng = np.random.default_rng(3)
+    plan = None
+    while plan is None:
+        plan = random_plan(rng, 4, 4, 60)
+    length, labels = plan
+    cost = (length**2).astype(np.float64)
+    kw = {"dp": 4, "m": 4, "cap": 60, "max_rounds": 50}
+    assert np.array_equal(resplit(labels, length, cost, 0 * cost, max_work=0, **kw), labels)
+    assert lockstep(resplit(labels, length, cost, 0 * cost, **kw), cost, 4, 4) < lockstep(
+        labels, cost, 4, 4
+    )

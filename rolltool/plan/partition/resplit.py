@@ -51,6 +51,11 @@ MIN_GAIN = 1e-6
 benchmark's agent steps, trades worth less add rounds (2-3× the time) for 1e-4 at most."""
 
 
+MAX_WORK = 1 << 24
+"""Candidate trades a re-split may look at in all (the search's memory grows with a round's
+share): it stops before a round that would pass it. `benchmarks/lockstep.py`'s agent steps
+look at 0.2-1.2 M, the largest of `plan_hashes.py`'s mixed steps (dp 16 x 256) at 10 M."""
+
 WIDTH_TIERS = 4.0 ** np.arange(-16, 1)
 """Bounds on the width of a (bin, subset)'s interval of planning cost (the bin's room below its
 slot's maximum plus its gap above the slot's other bins), relative to the costliest slot, that
@@ -67,6 +72,7 @@ def resplit(
     m: int,
     cap: int,
     max_rounds: int,
+    max_work: int = MAX_WORK,
 ) -> np.ndarray:
     """Improve ``labels`` (``[n]`` bin of each sample, bin ``j·dp + r`` is rank r's micro-batch
     j); returns new labels. ``cost``: ``[n]`` planning cost, ``quad``: ``[n]`` its L² part (the
@@ -77,8 +83,9 @@ def resplit(
     round's starting point), and the trades are applied best first, each only if no trade
     before it in the round touched its slots (so its score stays exact) and it keeps every
     model at or below where it started. A slot is stuck once it offers nothing (or only trades
-    the models' sums refuse) until one of its bins changes. Stops after ``max_rounds``, or when
-    a round applies nothing."""
+    the models' sums refuse) until one of its bins changes. Stops after ``max_rounds``, when a
+    round applies nothing, or before a round that would look at more than ``max_work``
+    candidate trades in all."""
     lab = labels.copy()
     nb = dp * m
     if len(lab) == 0 or dp < 2 or m == 0:
@@ -98,9 +105,11 @@ def resplit(
         members = np.argsort(lab, kind="stable")
         start = np.r_[0, np.cumsum(np.bincount(lab, minlength=nb))]
         subsets = _subsets(members, start, length, w, cache, dirty)
-        h, b, score, delta, x_mask, y_mask = _best_trades(
-            _heads(c, slots, dp), subsets, w, c, t, ideal, dp, cap
-        )
+        found = _best_trades(_heads(c, slots, dp), subsets, w, c, t, ideal, dp, cap, max_work)
+        if found is None:
+            break
+        h, b, score, delta, x_mask, y_mask, work = found
+        max_work -= work
         good = np.flatnonzero(score <= -MIN_GAIN)
         good = good[np.argsort(score[good], kind="stable")]
         stuck[slots] = True
@@ -215,11 +224,13 @@ def _best_trades(
     ideal: np.ndarray,
     dp: int,
     cap: int,
-) -> tuple[np.ndarray, ...]:
+    max_work: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int] | None:
     """Each pair (h of ``heads``, another bin b) that has a trade lowering the score, with its
     best: ``[P]`` h, b, score (the sum over models of the lockstep cost's change, each relative
-    to its ideal), ``[K, P]`` the changes, and the trade's subsets as masks over h's and b's
-    samples (``_Subsets.mask``)."""
+    to its ideal), ``[K, P]`` the changes, the trade's subsets as masks over h's and b's
+    samples (``_Subsets.mask``), and the candidates looked at; None if they would be more than
+    ``max_work``."""
     k, nb = c.shape
     s = c.reshape(k, nb // dp, dp)
     top = s.max(axis=2)  # [K, m]
@@ -227,7 +238,10 @@ def _best_trades(
     rest = rest_max(s, slot, np.arange(nb) % dp, np.full(nb, -1))  # [K, nb]: slot's max without
     room = top[:, slot] - c  # [K, nb]: how far below its slot's maximum
     gap = top[:, slot] - rest  # [K, nb]: how far above the rest of its slot (0: not its max)
-    ch, cb, cx, cy = _windows(heads, sub, c[0], room[0], gap[0], top[0], dp)
+    windows = _windows(heads, sub, c[0], room[0], gap[0], top[0], dp, max_work)
+    if windows is None:
+        return None
+    ch, cb, cx, cy, work = windows
     dt = sub.tokens[cy] - sub.tokens[cx]  # h's change in tokens
     fits = (t[ch] + dt <= cap) & (t[cb] - dt <= cap)
     ch, cb, cx, cy = ch[fits], cb[fits], cx[fits], cy[fits]
@@ -244,7 +258,7 @@ def _best_trades(
     best = by[np.r_[True, pair[by][1:] != pair[by][:-1]]] if len(by) else by
     best = best[total[best] < 0]
     return (ch[best], cb[best], total[best], d[:, best], sub.mask[cx[best]],
-            sub.mask[cy[best]])  # fmt: skip
+            sub.mask[cy[best]], work)  # fmt: skip
 
 
 def _windows(
@@ -255,7 +269,8 @@ def _windows(
     gap: np.ndarray,
     top: np.ndarray,
     dp: int,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    max_work: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int] | None:
     """Candidate trades (h, b, X, Y as subset indices) that may keep the planning model's
     lockstep cost from rising, from its ``[nb]`` bin costs ``c0``, rooms, gaps and ``[m]`` slot
     maxima ``top``. A trade changes h's cost by D = w(Y) - w(X) and b's by -D.
@@ -267,7 +282,8 @@ def _windows(
     [w(Y) - gap_b, w(Y) + room_b] of the planning cost; the bins are grouped by its width
     (``WIDTH_TIERS``) so that each group is searched by its lower ends in one window per
     (h, X). The windows are widened by a margin for rounding: every candidate is checked
-    exactly after."""
+    exactly after. Also how many the windows held (``work``); None if more than ``max_work``
+    (counted before any is listed)."""
     nb = len(c0)
     slot = np.arange(nb) // dp
     margin = 1e-9 * float(np.abs(sub.cost[0]).max(initial=1.0)) + 1.0
@@ -275,36 +291,40 @@ def _windows(
     qh = np.repeat(heads, nx)  # queries: each head with each of its subsets X
     qx = concat_ranges(sub.first[heads], nx)
     wx = sub.cost[0, qx]
-    out = []
     # other slots: one window per width tier
     lower = sub.cost[0] - gap[sub.bin]
     width = room[sub.bin] + gap[sub.bin]
     tier = np.digitize(width, WIDTH_TIERS * float(top.max(initial=1.0)))
+    spans = []
     for k in np.unique(tier).tolist():
         pool = np.flatnonzero(tier == k)
         pool = pool[np.argsort(lower[pool], kind="stable")]
         most = float(width[pool].max())
         lo = np.searchsorted(lower[pool], wx - gap[qh] - most - margin, side="left")
         hi = np.searchsorted(lower[pool], wx + room[qh] + margin, side="right")
-        n_y = hi - lo
-        cq, cy = np.repeat(np.arange(len(qh)), n_y), pool[concat_ranges(lo, n_y)]
-        cb = sub.bin[cy]
-        ok = (slot[cb] != slot[qh[cq]]) & (lower[cy] + width[cy] >= wx[cq] - gap[qh[cq]] - margin)
-        out.append((qh[cq[ok]], cb[ok], qx[cq[ok]], cy[ok]))
+        spans.append((pool, lo, hi - lo))
     # h's own slot: every other bin, one window per (h, X, b)
     mate = (slot[heads][:, None] * dp + np.arange(dp)).ravel()
     mh = np.repeat(heads, dp)
     mh, mate = mh[mate != mh], mate[mate != mh]
     nx = sub.first[mh + 1] - sub.first[mh]
-    qh, qb = np.repeat(mh, nx), np.repeat(mate, nx)
-    qx = concat_ranges(sub.first[mh], nx)
-    lo, hi = _bin_window(sub, qb, sub.cost[0, qx] - room[qb] - margin,
-                         sub.cost[0, qx] + room[qh] + margin)  # fmt: skip
-    n_y = hi - lo
-    cq, cy = np.repeat(np.arange(len(qh)), n_y), concat_ranges(lo, n_y)
-    out.append((qh[cq], qb[cq], qx[cq], cy))
+    mq, mb = np.repeat(mh, nx), np.repeat(mate, nx)
+    mx = concat_ranges(sub.first[mh], nx)
+    m_lo, m_hi = _bin_window(sub, mb, sub.cost[0, mx] - room[mb] - margin,
+                             sub.cost[0, mx] + room[mq] + margin)  # fmt: skip
+    work = sum(int(n.sum()) for _, _, n in spans) + int((m_hi - m_lo).sum())
+    if work > max_work:
+        return None
+    out = []
+    for pool, lo, n_y in spans:
+        cq, cy = np.repeat(np.arange(len(qh)), n_y), pool[concat_ranges(lo, n_y)]
+        cb = sub.bin[cy]
+        ok = (slot[cb] != slot[qh[cq]]) & (lower[cy] + width[cy] >= wx[cq] - gap[qh[cq]] - margin)
+        out.append((qh[cq[ok]], cb[ok], qx[cq[ok]], cy[ok]))
+    cq, cy = np.repeat(np.arange(len(mq)), m_hi - m_lo), concat_ranges(m_lo, m_hi - m_lo)
+    out.append((mq[cq], mb[cq], mx[cq], cy))
     ch, cb, cx, cy = (np.concatenate([o[i] for o in out]) for i in range(4))
-    return ch, cb, cx, cy
+    return ch, cb, cx, cy, work
 
 
 def _bin_window(
