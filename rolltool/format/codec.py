@@ -290,9 +290,17 @@ def _field_decoder(tp: Any) -> Decoder:
 
 
 def _record_function(tp: Any) -> Decoder | None:
-    """The written decoder of record type `tp` (None when `tp` is no record)."""
+    """The written decoder of record type `tp` (None when `tp` is no record), or, where it
+    cannot be written yet (an annotation of `tp` that does not resolve, say a name imported
+    only for type checkers), its `_Record`, which writes it, or raises why not, on the first
+    value of that type: a field type nothing decodes is never resolved, as before."""
     dec = _field_decoder(tp)
-    return dec.function() if isinstance(dec, _Record) else None
+    if not isinstance(dec, _Record):
+        return None
+    try:
+        return dec.function()
+    except Exception:  # (any error of get_type_hints) raised again when a value needs it
+        return dec
 
 
 def _field_lines(i: int, hint: Any, names: dict[str, Any]) -> list[str]:
@@ -376,7 +384,10 @@ def _record_source(tp: Any) -> tuple[str, dict[str, Any]]:
 
     A missing field with a default gets that default (its factory's value), as the class's
     own ``__init__`` would give it. The instance is made as that ``__init__`` makes it, only
-    faster, where that is all it does (`_plain`); otherwise ``return tp(a=v0, b=v1)``."""
+    faster, where that is all it does (`_plain`). Any other class is called with the fields
+    present in `value` only, as before (its own ``__init__`` gives the missing ones its own
+    defaults): ``b`` missing is ``v1 = _MISSING`` and ``return tp(**_present({"a": v0, "b":
+    v1}))``, or ``return tp(a=v0, b=v1)`` when every field is required."""
     hints = typing.get_type_hints(tp)
     names: dict[str, Any] = {"_MISSING": _MISSING, "_Wrong": _Wrong, "tp": tp}
     lines = [
@@ -386,12 +397,20 @@ def _record_source(tp: Any) -> tuple[str, dict[str, Any]]:
         '    name = ""',
         "    try:",
     ]
+    plain = _plain(tp)
     args: list[tuple[str, str]] = []  # (field name, its variable)
+    optional = False  # a field that may be left out of the class's call (not plain)
     for i, f in enumerate(dataclasses.fields(tp)):
         v = f"v{i}"
         lines += [f"        name = {f.name!r}", f"        {v} = value.get({f.name!r}, _MISSING)"]
         lines.append(f"        if {v} is _MISSING:")
-        if f.default is not dataclasses.MISSING:
+        has_default = (
+            f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+        )
+        if has_default and not plain:  # left to the class's own __init__, as before
+            optional = True
+            lines.append("            pass")
+        elif f.default is not dataclasses.MISSING:
             names[f"default_{i}"] = f.default
             lines.append(f"            {v} = default_{i}")
         elif f.default_factory is not dataclasses.MISSING:
@@ -406,35 +425,59 @@ def _record_source(tp: Any) -> tuple[str, dict[str, Any]]:
         '        e.parts.append(("field", name))',
         "        raise",
     ]
-    if _plain(tp):  # what the class's own __init__ would do, without its per-field setattr
+    fields = ", ".join(f"{name!r}: {v}" for name, v in args)
+    if plain:  # what the class's own __init__ would do, without its per-field setattr
         names["_new"], names["_set"] = object.__new__, object.__setattr__
-        fields = ", ".join(f"{name!r}: {v}" for name, v in args)
         lines += ["    o = _new(tp)", f'    _set(o, "__dict__", {{{fields}}})', "    return o"]
+    elif optional:
+        names["_present"] = _present
+        lines.append(f"    return tp(**_present({{{fields}}}))")
     else:
         lines.append(f"    return tp({', '.join(f'{name}={v}' for name, v in args)})")
     return "\n".join(lines) + "\n", names
 
 
+def _present(kw: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of a value's fields that are present (a record not `_plain`)."""
+    return {name: v for name, v in kw.items() if v is not _MISSING}
+
+
 def _plain(tp: Any) -> bool:
     """Whether an instance of `tp` is exactly its fields in ``__dict__``, set by the
-    ``__init__`` dataclasses wrote for it: no ``__post_init__``, no ``__slots__``, every field
-    an ``__init__`` argument, no ``InitVar`` or ``ClassVar`` pseudo-field, and an ``__init__``
-    that dataclasses wrote (its code compiled from a string). Then the decoder sets
+    ``__init__`` dataclasses wrote for it: a frozen dataclass with no ``__post_init__``, every
+    field an ``__init__`` argument, no ``InitVar`` or ``ClassVar`` pseudo-field, an ``__init__``
+    that dataclasses wrote (compiled from a string, setting fields by the builtin
+    ``object.__setattr__`` it closes over), no ``__new__`` or metaclass ``__call__`` of its own,
+    and no field that a data descriptor on the class (a slot of its own or a base's, a
+    descriptor-typed field) would take instead of ``__dict__``. Then the decoder sets
     ``__dict__`` in one call instead of the frozen ``__init__``'s setattr per field (a third of
     a manifest's decode); any other class is called as usual."""
     params = getattr(tp, "__dataclass_params__", None)
-    init = tp.__dict__.get("__init__")
-    fields = dataclasses.fields(tp) if params is not None else ()
+    if params is None or not (params.init and params.frozen) or hasattr(tp, "__post_init__"):
+        return False
+    code = getattr(tp.__dict__.get("__init__"), "__code__", None)
+    fields = dataclasses.fields(tp)
     return (
-        params is not None
-        and params.init
-        and not hasattr(tp, "__post_init__")
-        and "__slots__" not in tp.__dict__
+        code is not None
+        and code.co_filename.startswith("<")
+        and "__dataclass_builtins_object__" in code.co_freevars
         and all(f.init for f in fields)
         and len(fields) == len(tp.__dataclass_fields__)
-        and init is not None
-        and getattr(getattr(init, "__code__", None), "co_filename", "").startswith("<")
+        and not any("__slots__" in c.__dict__ for c in tp.__mro__[:-1])
+        and tp.__new__ is object.__new__
+        and type(tp).__call__ is type.__call__
+        and not any(_data_descriptor(tp, f.name) for f in fields)
     )
+
+
+def _data_descriptor(tp: type, name: str) -> bool:
+    """Whether class attribute `name` of `tp` (through its bases) is a data descriptor: one
+    that ``__init__``'s setattr goes through, so a value in ``__dict__`` would be ignored."""
+    for c in tp.__mro__:
+        if name in c.__dict__:
+            kind = type(c.__dict__[name])
+            return hasattr(kind, "__set__") or hasattr(kind, "__delete__")
+    return False
 
 
 def _compile_record(tp: Any) -> Decoder:

@@ -224,3 +224,96 @@ def test_a_record_is_made_as_its_own_init_makes_it() -> None:
     with pytest.raises(ValueError, match="low > high"):
         from_json(_Checked, {"low": 3, "high": 2}, "")
     assert from_json(_OwnInit, {"total": 2}, "").total == 4
+
+
+@dataclass(frozen=True, slots=True)
+class _Slotted:
+    low: int
+
+
+@dataclass(frozen=True)
+class _AfterSlots(_Slotted):
+    """Not slotted itself: ``low`` is its base's slot, which a ``__dict__`` entry cannot set."""
+
+    high: int = 0
+
+
+class _Tenfold:
+    """A data descriptor: the frozen ``__init__``'s setattr stores ten times the value."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = "_" + name
+
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        return 0 if obj is None else getattr(obj, self.name)
+
+    def __set__(self, obj: Any, value: int) -> None:
+        object.__setattr__(obj, self.name, value * 10)
+
+
+@dataclass(frozen=True)
+class _Described:
+    size: int = _Tenfold()  # type: ignore[assignment]
+
+
+@dataclass(frozen=True)
+class _OwnNew:
+    size: int
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> _OwnNew:
+        made = super().__new__(cls)
+        object.__setattr__(made, "made_by_new", True)
+        return made
+
+
+@dataclass(frozen=True)
+class _Derived:
+    size: int
+    double: int = dataclasses.field(default=0, init=False)
+
+
+_SCRIPT = """
+@dataclass(frozen=True)
+class Doubled:
+    total: int = 0
+    def __init__(self, total: int = 7) -> None:
+        object.__setattr__(self, "total", total * 2)
+"""
+
+
+def test_a_record_whose_init_is_not_all_is_made_by_its_class() -> None:
+    """Only a class whose instance is its ``__dict__`` as dataclasses' frozen ``__init__``
+    sets it gets that ``__dict__`` set directly: slots (a base's too), a data descriptor, an
+    own ``__new__``, an ``init=False`` field or an own ``__init__`` written in a string (a
+    ``python -c`` script) are made by the class, with the fields present only, as before."""
+    assert from_json(_AfterSlots, {"low": 1, "high": 2}, "").low == 1
+    assert from_json(_Described, {"size": 2}, "").size == 20
+    assert getattr(from_json(_OwnNew, {"size": 2}, ""), "made_by_new", False)
+    assert from_json(_Derived, {"size": 2}, "") == _Derived(2)
+    scope: dict[str, Any] = {"dataclass": dataclass}
+    exec(compile(_SCRIPT, "<string>", "exec"), scope)
+    doubled = scope["Doubled"]
+    assert from_json(doubled, {"total": 2}, "").total == 4
+    assert from_json(doubled, {}, "").total == 14  # its __init__'s default, not a field's
+    for tp in (_AfterSlots, _Described, _OwnNew, _Derived, doubled):
+        assert not codec._plain(tp), tp
+
+
+@dataclass(frozen=True)
+class _Lazily:
+    size: int
+    later: _Unresolved | None = None
+
+
+@dataclass(frozen=True)
+class _Unresolved:
+    kind: _NotDefinedAnywhere  # type: ignore[name-defined]  # noqa: F821
+
+
+def test_a_field_type_nothing_decodes_is_never_resolved() -> None:
+    """A nested record's annotations are resolved when a value of it is decoded, as before:
+    a name imported only for type checkers does not break the records that never hold it."""
+    assert from_json(_Lazily, {"size": 1}, "") == _Lazily(1)
+    assert from_json(_Lazily, {"size": 1, "later": None}, "") == _Lazily(1)
+    with pytest.raises(NameError, match="_NotDefinedAnywhere"):
+        from_json(_Lazily, {"size": 1, "later": {"kind": 1}}, "")
