@@ -167,3 +167,28 @@ def test_repick_equals_the_reference_on_one_row() -> None:
         least = float(rng.integers(1, 25))
         most = least + float(rng.integers(0, 5))
         assert _repick(row, least, most) == pick_reference(row.tolist(), least, most)
+
+
+def test_descending_order_is_the_stable_sort_of_the_negated_weights() -> None:
+    """Every path of ``descending_order`` (16-bit keys, stable sort, packed integer keys,
+    ranks) orders exactly as the stable sort does: heaviest first, ties by index."""
+    rng = np.random.default_rng(23)
+    cases = 0
+    for n in (1, 5, 1023, 1024, 2048, 2049, 5000):
+        for shape in ("lengths", "ties", "wide", "halves", "fractions", "tiny"):
+            if shape == "lengths":
+                w = np.round(rng.lognormal(6, 1.2, n)).clip(1, 32768)
+            elif shape == "ties":
+                w = rng.integers(0, 4, n).astype(np.float64)
+            elif shape == "wide":
+                w = rng.integers(0, 1 << 40, n).astype(np.float64)
+            elif shape == "halves":
+                w = rng.integers(0, 50, n) + 0.5
+            elif shape == "fractions":
+                w = rng.integers(0, 3, n) * rng.choice([1.0, 0.1, 1e-9], n)
+            else:  # below the largest weight's precision: 3 - 1e-17 rounds to 3
+                w = rng.choice([3.0, 0.0, 1e-17, 2e-17], n)
+            want = np.argsort(-w, kind="stable")
+            assert np.array_equal(descending_order(w), want), (n, shape)
+            cases += 1
+    assert cases == 42
