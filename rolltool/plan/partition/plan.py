@@ -339,8 +339,8 @@ slots and do most of the work, the later ones apply a step or two each and cost 
 rounds: ~80% of the gain of 48 for ~5% less plan time)."""
 
 RESPLIT_ROUNDS = 40
-"""The budget of the re-split that follows the polishes (``resplit.py``): rounds of trades of
-up to two samples each way between a slot's costliest bin and any other bin."""
+"""The budget of the re-split of the polished plan (``resplit.py``): rounds of trades of up to
+two samples each way between a slot's costliest bin and any other bin."""
 
 
 def _polished(
@@ -349,9 +349,10 @@ def _polished(
     """A lockstep step with few samples per bin, polished (``polish.py``): of the grids the
     planner looked at with as many micro-batches as ``chosen``, the most robust one (the lowest
     sum of lockstep overheads under the planning model and the ``ROBUST_SCALES`` models), or
-    ``chosen`` itself where that one polishes to a higher lockstep cost than ``chosen`` does.
-    So the polished plan is never costlier than ``chosen`` under the planning model, and never
-    less robust. ``quad``: ``[n]`` the L² part of each sample's cost."""
+    ``chosen`` itself where that one polishes to a higher lockstep cost than ``chosen`` does;
+    then re-split (``_resplit_grid``). So the polished plan is never costlier than ``chosen``
+    under the planning model, and never less robust. ``quad``: ``[n]`` the L² part of each
+    sample's cost."""
     dp, m = len(chosen), len(chosen[0]) if chosen else 0
     n = len(length)
     if dp < 2 or not m or n > POLISH_PER_BIN * dp * m:
@@ -367,7 +368,7 @@ def _polished(
     out = _polish_grid(start, length, cost, quad, cap)
     if start is not chosen and _lockstep_cost(out, cost) > _lockstep_cost(chosen, cost):
         out = _polish_grid(chosen, length, cost, quad, cap)
-    return out
+    return _resplit_grid(out, length, cost, quad, cap)
 
 
 def _polish_grid(
@@ -376,16 +377,32 @@ def _polish_grid(
     """``polish`` a grid, moving and swapping single samples, then from there trading a sample
     also for two (``pairs``: the wider search, started from the narrow one's optimum, keeps
     every step at least as good as the narrow search alone: started cold it ends elsewhere,
-    worse on many agent steps); then ``resplit`` it (trades of several samples at once, never
-    raising any of the polish's three models); then spread each slot's bins over the ranks
-    again (``slots_to_grid``: even rank totals, the same lockstep cost)."""
+    worse on many agent steps); then spread each slot's bins over the ranks again
+    (``slots_to_grid``: even rank totals, the same lockstep cost)."""
     dp, m, n = len(grid), len(grid[0]), len(length)
     labels = grid_labels(grid, n)
     for pairs, rounds, work in ((False, POLISH_ROUNDS, POLISH_WORK),
                                 (True, POLISH_PAIR_ROUNDS, POLISH_PAIR_WORK)):  # fmt: skip
         labels = polish(labels, length, cost, quad, dp=dp, m=m, cap=cap, max_rounds=rounds,
                         max_work=work, pairs=pairs)  # fmt: skip
-    labels = resplit(labels, length, cost, quad, dp=dp, m=m, cap=cap, max_rounds=RESPLIT_ROUNDS)
+    return _spread(labels, cost, dp, m)
+
+
+def _resplit_grid(
+    grid: Grid, length: np.ndarray, cost: np.ndarray, quad: np.ndarray, cap: int
+) -> Grid:
+    """The polished grid ``resplit`` (trades of up to two samples each way, never raising any
+    of the polish's three models above the polished plan's), spread over the ranks again; the
+    grid itself where the re-split changes nothing."""
+    dp, m, n = len(grid), len(grid[0]), len(length)
+    labels = grid_labels(grid, n)
+    out = resplit(labels, length, cost, quad, dp=dp, m=m, cap=cap, max_rounds=RESPLIT_ROUNDS)
+    return grid if np.array_equal(out, labels) else _spread(out, cost, dp, m)
+
+
+def _spread(labels: np.ndarray, cost: np.ndarray, dp: int, m: int) -> Grid:
+    """Bin labels (bin ``j·dp + r``) -> grid, each slot's bins spread over the ranks again
+    (``slots_to_grid``: even rank totals, the same lockstep cost)."""
     bins = members(labels, None, dp * m)
     bin_cost = np.bincount(labels, weights=cost, minlength=dp * m)
     return slots_to_grid(bins, bin_cost, np.arange(dp * m).reshape(m, dp))
