@@ -435,8 +435,8 @@ def placement_problem(samples: Columns, manifest: Manifest) -> str | None:
     step, rank, mb = samples["step"], samples["rank"], samples["micro_batch"]
     m = np.array([s.plan.micro_batches_per_rank for s in manifest.steps], dtype=np.int64)
     bad = (step < 0) | (step >= len(m))
-    placed = np.where(bad, 0, step)
-    bad |= (rank < 0) | (rank >= manifest.dp) | (mb < 0) | (mb >= m[placed])
+    placed = np.where(bad, len(m), step)  # a step outside: the 0 appended (a manifest of none)
+    bad |= (rank < 0) | (rank >= manifest.dp) | (mb < 0) | (mb >= np.append(m, 0)[placed])
     if "cp_degree" in samples:
         k, a, cp = samples["cp_degree"], samples["cp_start"], recorded_split(manifest.config).cp
         bad |= (k < 1) | (a < 0) | (a + k > cp)
@@ -453,7 +453,9 @@ def placement_problem(samples: Columns, manifest: Manifest) -> str | None:
 
 
 def by_step(samples: Columns) -> dict[int, Columns]:
-    """`samples` split by step, each step's rows in their order."""
+    """`samples` split by step, each step's rows in their order (none: no steps)."""
+    if not len(samples["step"]):  # (np.split would give one empty part for no step)
+        return {}
     order = np.argsort(samples["step"], kind="stable")
     steps, first = np.unique(samples["step"][order], return_index=True)
     parts = np.split(order, first[1:])

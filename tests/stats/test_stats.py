@@ -7,6 +7,7 @@ of a packed run), never rolltool's own code.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import shutil
@@ -21,10 +22,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from rolltool.format import MANIFEST, Manifest
 from rolltool.jobs.pack import PackConfig, run_pack
 from rolltool.plan.batches import StepConfig
 from rolltool.stats import ValueCounts, compute_stats
 from rolltool.stats.accumulate import Moments
+from rolltool.stats.packed import placement_problem, read_samples
 
 # --- the JSON contract --------------------------------------------------------------------------
 
@@ -709,6 +712,29 @@ def test_a_samples_file_that_does_not_fit_its_manifest_is_an_error(
     if edit.keys() & {"rank", "micro_batch", "step"}:
         index = table["sample_index"][first].as_py()
         assert f"sample {index} is at step" in result.stderr, result.stderr
+
+
+def test_a_pack_whose_samples_none_trained_is_reported_not_a_traceback(
+    run_cli: Any, packed: Path, tmp_path: Path
+) -> None:
+    """samples.parquet with no trained sample (every status another): each step's figures are
+    of no samples, as before the pyarrow reader, not a ValueError of the split by step; and a
+    manifest of no steps places no trained sample (`placement_problem` names it)."""
+    out = tmp_path / "packed"
+    shutil.copytree(packed, out)
+    table = pq.read_table(out / "samples.parquet")
+    status = table.schema.get_field_index("status")
+    table = table.set_column(status, "status", pa.array(["leftover"] * len(table)))
+    pq.write_table(table, out / "samples.parquet")
+    result = run_cli("stats", out, "--json")  # a traceback fails the test (conftest)
+    assert result.exit_code == 0, result.output
+    assert len(json.loads(result.stdout)["steps"]) == json.loads(result.stdout)["steps_read"] > 0
+    samples, _ = read_samples(packed)
+    manifest = Manifest.from_json(json.loads((packed / MANIFEST).read_text()), "manifest")
+    assert len(samples["step"]) and placement_problem(samples, manifest) is None
+    none = dataclasses.replace(manifest, steps=())
+    wrong = placement_problem(samples, none)
+    assert wrong is not None and f"the manifest has 0 steps of {manifest.dp} ranks" in wrong
 
 
 def test_stats_does_not_import_torch(synth_path: Path, packed: Path) -> None:
