@@ -243,8 +243,10 @@ class _Record:
     (`_record_source`), so a good record costs one call and, per field, one lookup and a type
     test or two. A value of exactly its field's scalar type (or None for an optional field) is
     taken as it is, a nested record or a tuple of records is decoded by the nested class's own
-    function, anything else by the field type's decoder; a wrong value is decoded again by the
-    generic decoders, which name where it is wrong."""
+    function, anything else by the field type's decoder; a wrong value raises `_Wrong`, each
+    level adding its part of the key (the field, the index, the mapping key) on the way up,
+    as the generic decoders do: it is never decoded again (a level that did would decode the
+    levels below it twice each, 2^depth times in all)."""
 
     __slots__ = ("decode", "tp", "writing")
 
@@ -330,10 +332,14 @@ def _field_lines(i: int, hint: Any, names: dict[str, Any]) -> list[str]:
             return [
                 *lines,
                 f"        elif type({v}) is list:",
+                "            out = []",
                 "            try:",
-                f"                {v} = tuple([item_{i}(x) for x in {v}])",
-                "            except _Wrong:",
-                f"                {v} = dec_{i}({v})  # raises again, naming the item",
+                f"                for x in {v}:",
+                f"                    out.append(item_{i}(x))",
+                "            except _Wrong as e:",
+                '                e.parts.append(("index", len(out)))',
+                "                raise",
+                f"            {v} = tuple(out)",
                 f"        else:\n            {v} = dec_{i}({v})",
             ]
     if typing.get_origin(hint) in (Mapping, dict):
@@ -343,10 +349,15 @@ def _field_lines(i: int, hint: Any, names: dict[str, Any]) -> list[str]:
             return [
                 *lines,
                 f"        elif type({v}) is dict:",
+                "            out = {}",
+                "            k = None",
                 "            try:",
-                f"                {v} = {{k: item_{i}(x) for k, x in {v}.items()}}",
-                "            except _Wrong:",
-                f"                {v} = dec_{i}({v})  # raises again, naming the key",
+                f"                for k, x in {v}.items():",
+                f"                    out[k] = item_{i}(x)",
+                "            except _Wrong as e:",
+                '                e.parts.append(("key", k))',
+                "                raise",
+                f"            {v} = out",
                 f"        else:\n            {v} = dec_{i}({v})",
             ]
     return [*lines, f"        else:\n            {v} = dec_{i}({v})"]

@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import json
 import random
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -317,3 +318,28 @@ def test_a_field_type_nothing_decodes_is_never_resolved() -> None:
     assert from_json(_Lazily, {"size": 1, "later": None}, "") == _Lazily(1)
     with pytest.raises(NameError, match="_NotDefinedAnywhere"):
         from_json(_Lazily, {"size": 1, "later": {"kind": 1}}, "")
+
+
+class _CountingDict(dict[str, Any]):
+    """A JSON object that counts the look-ups of its keys."""
+
+    gets = 0
+
+    def get(self, *args: Any) -> Any:
+        _CountingDict.gets += 1
+        return super().get(*args)
+
+
+def test_a_wrong_value_deep_in_nested_records_is_looked_at_once() -> None:
+    """A wrong value 12 records down (tuples and mappings of records) is decoded once, not
+    again by every level above it (3^12 times), and named by its whole path."""
+    for field, at in (("children", "children[1]"), ("by_name", "by_name.b")):
+        bottom = _CountingDict(name=7)
+        doc: Any = bottom
+        for _ in range(12):
+            inner = [{"name": "a"}, doc] if field == "children" else {"a": {"name": "a"}, "b": doc}
+            doc = {"name": "n", field: inner}
+        _CountingDict.gets = 0
+        with pytest.raises(CodecError, match=rf"^'x(\.{re.escape(at)}){{12}}\.name' must be"):
+            from_json(_Node, doc, "x")
+        assert _CountingDict.gets == 1
