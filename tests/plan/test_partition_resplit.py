@@ -5,6 +5,7 @@ raises any of the three models' lockstep cost."""
 from __future__ import annotations
 
 import itertools
+import warnings
 
 import numpy as np
 from hypothesis import given, settings
@@ -183,3 +184,16 @@ def test_resplit_stops_before_passing_its_work_budget() -> None:
     assert lockstep(resplit(labels, length, cost, 0 * cost, **kw), cost, 4, 4) < lockstep(
         labels, cost, 4, 4
     )
+
+
+def test_resplit_of_costless_samples_warns_nothing() -> None:
+    """Zero-length samples under a workload without a per-sample constant cost nothing: every
+    model's ideal is 0, and the scores relative to it must not divide 0 by 0 (a RuntimeWarning
+    on the user's stderr; an error under -W error)."""
+    length = np.zeros(6, dtype=np.int64)
+    cost = np.zeros(6)
+    labels = np.array([0, 0, 1, 2, 3, 3])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = resplit(labels, length, cost, cost, dp=2, m=2, cap=4, max_rounds=5)
+    assert np.array_equal(got, labels)

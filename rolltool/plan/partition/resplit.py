@@ -92,6 +92,8 @@ def resplit(
         return lab
     w: np.ndarray = np.stack([cost, *(cost + (f - 1.0) * quad for f in ROBUST_SCALES)])  # [K, n]
     ideal = w.sum(axis=1) / dp
+    if not (ideal > 0).all():  # samples that cost nothing (zero lengths): no score is defined
+        return lab
     spent = np.zeros(len(w))  # each model's lockstep change so far
     stuck = np.zeros(m, dtype=bool)
     cache: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = [(_NONE, w[:, :0], _NONE)] * nb
