@@ -123,13 +123,19 @@ def targets(every: list[dict[str, float]], what: str) -> None:
 
 
 def compare(now: dict[str, list[dict[str, float]]], path: str) -> None:
-    """Step by step against a ``--save``d run: how many steps changed, how many got costlier
-    under any of the three models, and any change in micro-batch count."""
+    """Step by step against a ``--save``d run: how many steps were compared, changed, got
+    costlier under any of the three models or changed micro-batch count; and the steps the saved
+    run lacks (other sigmas, fewer seeds), named rather than silently left out."""
     with open(path) as f:
         before = json.load(f)
-    changed = costlier = recounted = 0
+    changed = costlier = recounted = compared = 0
+    unmatched = []  # steps of this run the saved one lacks (other sigmas or fewer seeds)
     for name, rs in now.items():
-        for seed, (r, o) in enumerate(zip(rs, before.get(name, []), strict=False)):
+        old = before.get(name, [])
+        if len(rs) > len(old):
+            unmatched.append(f"{name} ({len(rs) - len(old)} of {len(rs)})")
+        for seed, (r, o) in enumerate(zip(rs, old, strict=False)):
+            compared += 1
             keys = [f"x{f}" for f in SCALES]
             changed += any(r[k] != o[k] for k in keys)
             worse = [k for k in keys if r[k] > o[k] * (1 + 1e-12)]
@@ -137,8 +143,10 @@ def compare(now: dict[str, list[dict[str, float]]], path: str) -> None:
             recounted += r["dM"] != o["dM"]
             if worse:
                 print(f"- {name} seed {seed}: costlier under {', '.join(worse)}")
-    print(f"\n- against {path}: {changed} steps changed, {costlier} costlier under any model, "
-          f"{recounted} with another micro-batch count")  # fmt: skip
+    print(f"\n- against {path}: {compared} steps compared, {changed} changed, {costlier} costlier "
+          f"under any model, {recounted} with another micro-batch count")  # fmt: skip
+    if unmatched:
+        print(f"- NOT compared (not in {path}): {', '.join(unmatched)}")
 
 
 def _met(ok: bool) -> str:
