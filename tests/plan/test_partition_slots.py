@@ -209,3 +209,28 @@ def test_members_lists_each_bins_samples_ascending() -> None:
         assert [g.tolist() for g in got] == want
         paths["permutation" if whole and n else "part"] += 1
     assert min(paths.values()) >= 50, paths
+
+
+def test_refill_of_every_sample_keeps_float_costs() -> None:
+    """With every sample taken out (few samples per bin), the bins' running costs start as
+    float64, not as bincount-of-nothing's int64: fractional costs (a calibrated workload's
+    seconds) were truncated, and a flops cost past int64 (a ~4 M-token sample: 6e5 * L^2 ~
+    9.6e18) raised OverflowError."""
+    plan = plan_step(np.full(2, 4_000_000), dp=2, max_tokens=4_000_000)
+    assert plan.num_micro_batches == 1
+    checked = 0
+    for seed in range(40):
+        rng = np.random.default_rng(seed)
+        grid, length = random_grid(rng, 12, 2, 100)
+        cost = length * 1e-3 + rng.random(len(length)) * 1e-3  # seconds: all under 1
+        got = refill(grid, length, cost, 100, len(length))  # every sample out
+        want = reference_refill(grid, length.tolist(), cost.tolist(), 100, len(length))
+        assert (got is None) == (want is None)
+        if got is None or want is None:
+            continue
+        checked += 1
+        for j in range(len(grid[0])):
+            assert sorted(map(sorted, (row[j] for row in as_sets(got)))) == sorted(
+                map(sorted, (row[j] for row in want))
+            )
+    assert checked >= 20

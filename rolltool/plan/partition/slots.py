@@ -164,7 +164,9 @@ def refill(
     where = np.empty(nb, dtype=np.int64)
     where[slots] = np.arange(nb)
     labels = where[labels]
-    c = np.bincount(labels[keep], weights=cost[keep], minlength=nb)
+    # float64 even when every sample is out (bincount of nothing is int64: costs truncated,
+    # and an int64 overflow past 9.2e18, a flops cost of a ~4 M-token sample)
+    c = np.bincount(labels[keep], weights=cost[keep], minlength=nb).astype(np.float64, copy=False)
     t = np.bincount(labels[keep], weights=length[keep], minlength=nb)
     if not _put_back(short, length, cost, cap, labels, c, t, dp):
         return None
@@ -199,7 +201,7 @@ def _put_back(
     # ufuncs and methods called directly: the same arithmetic, fewer Python layers per call
     add, sub, mul, maximum, minimum = np.add, np.subtract, np.multiply, np.maximum, np.minimum
     where, any_of, top_of = np.where, np.logical_or.reduce, np.maximum.reduce
-    over = np.empty(len(c))  # float64 as c + ci - top is (c is int64 if every sample is out)
+    over = np.empty(len(c))  # float64, as c + ci - top is
     for i, ti, ci in zip(items.tolist(), length[items].tolist(), cost[items].tolist(), strict=True):
         ok = room >= ti
         sub(add(c, ci, out=over), top, out=over)  # <= 0: stays under the slot's max
