@@ -49,6 +49,24 @@ def out(pristine: Path, tmp_path: Path) -> Path:
     return tmp_path / "out"
 
 
+@pytest.fixture(scope="module")
+def padded_pristine(tmp_path_factory: pytest.TempPathFactory, synth_table: pa.Table) -> Path:
+    """The same pack with every row padded to 4,096 tokens (``--row-len``): padding segments
+    (sample_index -1) beside trainable tokens in every shard, whatever the plan (a plan with no
+    empty micro-batch has none otherwise)."""
+    tmp = tmp_path_factory.mktemp("integrity-padded")
+    pq.write_table(synth_table, tmp / "in.parquet")
+    pack(tmp / "in.parquet", tmp / "out", "--dp", DP, "--batch-size", 24, "--keep-last",
+         "--micro-batch-tokens", 4096, "--row-len", 4096, "--shard-mb", 0.05)  # fmt: skip
+    return tmp / "out"
+
+
+@pytest.fixture
+def padded_out(padded_pristine: Path, tmp_path: Path) -> Path:
+    shutil.copytree(padded_pristine, tmp_path / "out")
+    return tmp_path / "out"
+
+
 # -- helpers ---------------------------------------------------------------------------------
 
 
@@ -194,9 +212,10 @@ VALUE_CORRUPTIONS = [
 
 @pytest.mark.parametrize(("name", "where", "value", "match"), VALUE_CORRUPTIONS)
 def test_a_corrupted_value_is_refused(
-    out: Path, name: str, where: Callable[[Any], int], value: Any, match: str
+    padded_out: Path, name: str, where: Callable[[Any], int], value: Any, match: str
 ) -> None:
     # a shard with padding (sample_index -1) and a trainable token, so every case applies
+    out = padded_out
     step, rank, f, a = next(
         (s, r, f, a) for s, r, f in _refs(out) if _has_padding_and_trained(a := _head(out / f.path))
     )
