@@ -40,6 +40,7 @@ balance over every GPU (``gpu_imbalance``, ``gpu_lockstep_overhead`` = Σ_j max_
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
@@ -408,12 +409,13 @@ def read_samples(path: Path, remote: Location | None = None) -> tuple[Columns, l
 
     where = path if remote is None else remote.shown
     try:
-        source: Any = (
-            path / "samples.parquet"
-            if remote is None
-            else remote.fs.open_input_file(remote.join("samples.parquet"))
-        )
-        with pq.ParquetFile(source) as pf:
+        with contextlib.ExitStack() as stack:
+            source: Any = (
+                path / "samples.parquet"
+                if remote is None
+                else stack.enter_context(remote.fs.open_input_file(remote.join("samples.parquet")))
+            )  # a file handed to ParquetFile is the caller's to close
+            pf = stack.enter_context(pq.ParquetFile(source))
             extra = [c for c in _HYBRID if c in pf.schema_arrow.names]
             table = pf.read(columns=[*_READ, "env", "status", *extra], use_threads=False)
         status, statuses = string_codes(table.column("status"))

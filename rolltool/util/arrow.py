@@ -13,7 +13,8 @@ import numpy as np
 
 def int_column(column: Any) -> np.ndarray:
     """A Parquet integer column (a pyarrow ChunkedArray or Array) as [n] int64, from its data
-    buffers. ValueError for a column that is not integers without nulls."""
+    buffers. ValueError for a column that is not integers without nulls, or a uint64 value
+    int64 cannot hold."""
     import pyarrow as pa
 
     parts = []
@@ -23,9 +24,12 @@ def int_column(column: Any) -> np.ndarray:
         kind = "u" if pa.types.is_unsigned_integer(chunk.type) else "i"
         dtype = np.dtype(f"<{kind}{chunk.type.bit_width // 8}")
         data = chunk.buffers()[1]
-        parts.append(
-            np.frombuffer(data, dtype=dtype, count=len(chunk), offset=chunk.offset * dtype.itemsize)
+        part = np.frombuffer(
+            data, dtype=dtype, count=len(chunk), offset=chunk.offset * dtype.itemsize
         )
+        if dtype == np.uint64 and len(part) and int(part.max()) >= 2**63:
+            raise ValueError(f"{chunk.type} with a value of {int(part.max())}, past int64")
+        parts.append(part)
     return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
 
 

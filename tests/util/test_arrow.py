@@ -22,6 +22,10 @@ def test_parquet_integers_are_read_as_pyarrow_reads_them(kind: str) -> None:
     for bad in (pa.chunked_array([pa.array([1, None])]), pa.chunked_array([pa.array([1.5])])):
         with pytest.raises(ValueError):
             int_column(bad)
+    big = pa.array([1, 2**63], pa.uint64())
+    with pytest.raises(ValueError, match="past int64"):
+        int_column(big)
+    assert int_column(pa.array([1, 2**63 - 1], pa.uint64())).tolist() == [1, 2**63 - 1]
 
 
 @pytest.mark.parametrize("large", [False, True])
