@@ -975,16 +975,9 @@ class PackedReader:
         """[n] int64: each input sample's length (tokens), samples.parquet's ``length`` by
         ``sample_index`` (its first epoch's rows with --epochs): two columns, read on the first
         shard mapped (through the directory's filesystem: only those column chunks)."""
-        import pyarrow.parquet as pq  # pyarrow itself is imported by rolltool.storage.fs
-
         where = self._at(SAMPLES)
         try:
-            source = (
-                self.path / SAMPLES
-                if self._remote is None
-                else self.location.fs.open_input_file(self.location.join(SAMPLES))
-            )  # a ParquetFile, not read_table: that imports pyarrow.dataset (~0.5 s)
-            with pq.ParquetFile(source) as pf:
+            with self.location.parquet(SAMPLES) as pf:
                 t = pf.read(columns=["sample_index", "length"], use_threads=False)
             index, length = int_column(t.column("sample_index")), int_column(t.column("length"))
         except (OSError, ValueError, KeyError) as e:  # pyarrow's errors are OSError/ValueError

@@ -40,7 +40,6 @@ balance over every GPU (``gpu_imbalance``, ``gpu_lockstep_overhead`` = Σ_j max_
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
@@ -400,22 +399,14 @@ _READ = ("step", "rank", "micro_batch", "length", "sample_index")
 _HYBRID = ("cp_start", "cp_degree")
 
 
-def read_samples(path: Path, remote: Location | None = None) -> tuple[Columns, list[str]]:
-    """The trained samples of a packed directory (`Columns`, in samples.parquet's row order)
-    and the env names their ``env`` codes stand for (of a `remote` directory, through its
-    filesystem). pyarrow's Parquet reader, the columns from their buffers: no pandas, no polars
+def read_samples(location: Location) -> tuple[Columns, list[str]]:
+    """The trained samples of the packed directory at `location` (`Columns`, in
+    samples.parquet's row order) and the env names their ``env`` codes stand for. pyarrow's
+    Parquet reader (`Location.parquet`), the columns from their buffers: no pandas, no polars
     (``stats`` of a pack starts faster)."""
-    import pyarrow.parquet as pq
-
-    where = path if remote is None else remote.shown
+    where = location.shown
     try:
-        with contextlib.ExitStack() as stack:
-            source: Any = (
-                path / "samples.parquet"
-                if remote is None
-                else stack.enter_context(remote.fs.open_input_file(remote.join("samples.parquet")))
-            )  # a file handed to ParquetFile is the caller's to close
-            pf = stack.enter_context(pq.ParquetFile(source))
+        with location.parquet("samples.parquet") as pf:
             extra = [c for c in _HYBRID if c in pf.schema_arrow.names]
             table = pf.read(columns=[*_READ, "env", "status", *extra], use_threads=False)
         status, statuses = string_codes(table.column("status"))
@@ -439,8 +430,9 @@ def placement_problem(samples: Columns, manifest: Manifest) -> str | None:
     bad = (step < 0) | (step >= len(m))
     placed = np.where(bad, len(m), step)  # a step outside: the 0 appended (a manifest of none)
     bad |= (rank < 0) | (rank >= manifest.dp) | (mb < 0) | (mb >= np.append(m, 0)[placed])
+    cp = recorded_split(manifest.config).cp
     if "cp_degree" in samples:
-        k, a, cp = samples["cp_degree"], samples["cp_start"], recorded_split(manifest.config).cp
+        k, a = samples["cp_degree"], samples["cp_start"]
         bad |= (k < 1) | (a < 0) | (a + k > cp)
     if not bad.any():
         return None
@@ -450,7 +442,7 @@ def placement_problem(samples: Columns, manifest: Manifest) -> str | None:
     if 0 <= step[i] < len(m):
         has += f", step {int(step[i])} {int(m[step[i]])} micro-batches a rank"
     if "cp_degree" in samples:
-        has += f", cp {recorded_split(manifest.config).cp}"
+        has += f", cp {cp}"
     return f"sample {int(samples['sample_index'][i])} is at {where}; the manifest has {has}"
 
 
@@ -495,7 +487,7 @@ def packed_stats(
     shown = ds.path if ds.location.local else ds.location.shown
     n_steps = _steps_read(shown, manifest.num_steps, step, limit)
     workload = Workload.from_record(manifest.workload)
-    samples, envs = read_samples(ds.path, None if ds.location.local else ds.location)
+    samples, envs = read_samples(ds.location)
     wrong = placement_problem(samples, manifest)
     if wrong is not None:
         raise RolltoolError(

@@ -28,6 +28,7 @@ from rolltool.plan.batches import StepConfig
 from rolltool.stats import ValueCounts, compute_stats
 from rolltool.stats.accumulate import Moments
 from rolltool.stats.packed import placement_problem, read_samples
+from rolltool.storage.fs import locate
 
 # --- the JSON contract --------------------------------------------------------------------------
 
@@ -729,7 +730,7 @@ def test_a_pack_whose_samples_none_trained_is_reported_not_a_traceback(
     result = run_cli("stats", out, "--json")  # a traceback fails the test (conftest)
     assert result.exit_code == 0, result.output
     assert len(json.loads(result.stdout)["steps"]) == json.loads(result.stdout)["steps_read"] > 0
-    samples, _ = read_samples(packed)
+    samples, _ = read_samples(locate(str(packed)))
     manifest = Manifest.from_json(json.loads((packed / MANIFEST).read_text()), "manifest")
     assert len(samples["step"]) and placement_problem(samples, manifest) is None
     none = dataclasses.replace(manifest, steps=())
