@@ -31,6 +31,7 @@ import numpy as np
 
 from rolltool.errors import RolltoolError
 from rolltool.format.codec import to_json
+from rolltool.util.ranges import slices
 
 if TYPE_CHECKING:
     from rolltool.schema import Rollouts
@@ -342,8 +343,7 @@ def _estimate(name: str, stats: GroupStats, mask: np.ndarray, eps: float) -> np.
     if name not in ELEMENTWISE or n <= CHUNK:
         return np.asarray(estimator(stats, mask, eps), dtype=np.float64)
     out = np.empty(n, dtype=np.float64)
-    for a in range(0, n, CHUNK):
-        part = slice(a, a + CHUNK)
+    for part in slices(n, CHUNK):
         tokens = None if stats.trainable is None else stats.trainable[part]
         sub = replace(stats, group=stats.group[part], reward=stats.reward[part], trainable=tokens)
         out[part] = estimator(sub, mask[part], eps)

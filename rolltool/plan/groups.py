@@ -23,6 +23,7 @@ import numpy as np
 
 from rolltool.plan.batches import Groups
 from rolltool.schema import Rollouts
+from rolltool.util.ranges import slices
 
 
 @dataclass(frozen=True)
@@ -69,10 +70,6 @@ CHUNK = 1 << 20
 counts summed chunk by chunk are the same integers, in a few MB of scratch."""
 
 
-def _chunks(n: int) -> list[slice]:
-    return [slice(a, min(a + CHUNK, n)) for a in range(0, n, CHUNK)]
-
-
 def assembly_groups(ro: Rollouts, trained: np.ndarray, uniform: np.ndarray) -> Groups:
     """`Groups` for step assembly: per group code, its env and the rollouts, samples and
     sampled tokens of its `trained` ([n] bool) samples; `uniform`: [G] bool.
@@ -86,14 +83,14 @@ def assembly_groups(ro: Rollouts, trained: np.ndarray, uniform: np.ndarray) -> G
     r_group[ro.rollout] = ro.group
     samples = np.zeros(G, dtype=np.int64)
     tokens = np.zeros(G, dtype=np.int64)
-    for part in _chunks(len(trained)):
+    for part in slices(len(trained), CHUNK):
         keep = trained[part]
         g = ro.group[part][keep]
         r_has[ro.rollout[part][keep]] = True
         samples += np.bincount(g, minlength=G)
         tokens += np.bincount(g, weights=ro.length[part][keep], minlength=G).astype(np.int64)
     rollouts = np.zeros(G, dtype=np.int64)
-    for part in _chunks(R):
+    for part in slices(R, CHUNK):
         rollouts += np.bincount(r_group[part][r_has[part]], minlength=G)
     env = np.zeros(G, dtype=np.int32)
     env[ro.group] = ro.env

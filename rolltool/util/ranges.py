@@ -1,4 +1,5 @@
-"""Index ranges laid end to end: the flat indices of many [start, start + length) at once."""
+"""Index ranges: laid end to end (the flat indices of many [start, start + length) at once), or
+one range cut into consecutive slices."""
 
 from __future__ import annotations
 
@@ -14,3 +15,9 @@ def concat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         return np.zeros(0, np.int64)
     ends = np.cumsum(lengths)
     return np.arange(total, dtype=np.int64) + np.repeat(starts - (ends - lengths), lengths)
+
+
+def slices(n: int, size: int) -> list[slice]:
+    """[0, n) cut into consecutive slices of `size` (the last one shorter), for passes over an
+    array a few MB at a time: ``slices(5, 2)`` is ``[slice(0, 2), slice(2, 4), slice(4, 5)]``."""
+    return [slice(a, min(a + size, n)) for a in range(0, n, size)]

@@ -30,6 +30,7 @@ from rolltool.plan.schedule import Schedule, schedule
 from rolltool.plan.step_plan import PlannedStep
 from rolltool.plan.workload import make_workload
 from rolltool.schema import Rollouts, scan
+from rolltool.util.ranges import slices
 
 
 def _light(tmp: Path, rng: np.random.Generator) -> Rollouts:
@@ -195,6 +196,6 @@ def test_assembly_groups_counted_by_chunks(tmp_path: Path, monkeypatch: pytest.M
         chunk = [1, 3, 7, 1 << 20][k % 4]
         monkeypatch.setattr(groups_mod, "CHUNK", chunk)
         got = groups_mod.assembly_groups(ro, trained, np.zeros(ro.num_groups, dtype=bool))
-        assert chunk > ro.num_samples or len(groups_mod._chunks(ro.num_samples)) > 1
+        assert chunk > ro.num_samples or len(slices(ro.num_samples, groups_mod.CHUNK)) > 1
         for name, values in want.items():
             assert np.array_equal(getattr(got, name), values), name

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from rolltool.util.ranges import concat_ranges
+from rolltool.util.ranges import concat_ranges, slices
 
 
 def test_concat_ranges_equals_the_concatenated_aranges() -> None:
@@ -15,3 +15,14 @@ def test_concat_ranges_equals_the_concatenated_aranges() -> None:
         want = np.concatenate([np.zeros(0, np.int64), *slow]).astype(np.int64)
         got = concat_ranges(starts, lengths)
         assert got.dtype == np.int64 and np.array_equal(got, want)
+
+
+def test_slices_cover_the_range_once_in_order() -> None:
+    for n in (0, 1, 5, 6, 7, 100):
+        for size in (1, 2, 3, 7, 200):
+            parts = slices(n, size)
+            assert np.concatenate(
+                [np.arange(n)[p] for p in parts] or [np.zeros(0)]
+            ).tolist() == list(range(n))
+            assert all(p.stop - p.start == size for p in parts[:-1])
+            assert not parts or 0 < parts[-1].stop - parts[-1].start <= size
