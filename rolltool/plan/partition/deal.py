@@ -95,26 +95,9 @@ def transfer_rounds(
 
 def _transfers(loads: np.ndarray, target: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Northwest-corner transfers (supplier, receiver, amount): suppliers heaviest first,
-    receivers lightest first, each transfer the smaller of what is left on either side."""
-    over = np.flatnonzero(loads > target)
-    over = over[np.argsort(-loads[over], kind="stable")]
-    under = np.flatnonzero(loads < target)
-    under = under[np.argsort(loads[under], kind="stable")]
-    supply = (loads[over] - target).tolist()
-    room = (target - loads[under]).tolist()
-    src: list[int] = []
-    dst: list[int] = []
-    amount: list[float] = []
-    i = j = 0
-    while i < len(supply) and j < len(room):
-        d = min(supply[i], room[j])
-        src.append(int(over[i]))
-        dst.append(int(under[j]))
-        amount.append(d)
-        supply[i] -= d
-        room[j] -= d
-        i += supply[i] <= 0
-        j += room[j] <= 0
+    receivers lightest first, each transfer the smaller of what is left on either side
+    (`_windows`' supplier, receiver and least amount, as arrays)."""
+    src, dst, amount, _ = _windows(loads.tolist(), target)
     return (np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64),
             np.array(amount, dtype=np.float64))  # fmt: skip
 
