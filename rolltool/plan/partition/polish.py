@@ -122,7 +122,7 @@ def _best_steps(
     slot); the three models score the candidates left, each relative to its ideal."""
     k, nb = c.shape
     s = c.reshape(k, m, dp)
-    heads, model = _heads(s, slots, dp)
+    heads, model = slot_heads(s, slots, dp)
     is_head = np.zeros(nb, dtype=bool)
     is_head[heads] = True
     hx = np.flatnonzero(is_head[lab])  # samples in a head bin
@@ -242,7 +242,7 @@ def _pair_trades(
     return px, p0[at], p1[at], pb[at]
 
 
-def _heads(s: np.ndarray, slots: np.ndarray, dp: int) -> tuple[np.ndarray, np.ndarray]:
+def slot_heads(s: np.ndarray, slots: np.ndarray, dp: int) -> tuple[np.ndarray, np.ndarray]:
     """Each slot's costliest bin under each model, without repeats (sorted), and the first
     model under which it is the costliest."""
     k = s.shape[0]

@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from rolltool.plan.partition.polish import ROBUST_SCALES, rest_max
+from rolltool.plan.partition.polish import ROBUST_SCALES, rest_max, slot_heads
 from rolltool.util.ranges import concat_ranges
 
 __all__ = ["MAX_BIN", "MAX_MOVED", "MIN_GAIN", "resplit"]
@@ -140,10 +140,10 @@ def resplit(
 
 
 def _heads(c: np.ndarray, slots: np.ndarray, dp: int) -> np.ndarray:
-    """Each of ``slots``' costliest bins under each model, without repeats (sorted)."""
+    """Each of ``slots``' costliest bins under each model, without repeats (sorted): the
+    polish's `slot_heads` of the ``[K, nb]`` bin costs."""
     k, nb = c.shape
-    s = c.reshape(k, nb // dp, dp)
-    return np.unique((slots[None, :] * dp + np.argmax(s[:, slots, :], axis=2)).ravel())
+    return slot_heads(c.reshape(k, nb // dp, dp), slots, dp)[0]
 
 
 class _Subsets(NamedTuple):
