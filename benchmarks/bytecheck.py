@@ -10,8 +10,10 @@ commands earlier sessions checked: the example data with ``--dp 8`` and ``--dp 2
 ``--share-prefix``. Then per command: how many shards differ, whether samples.parquet does, and
 whether the manifest does once paths, ``created_at`` and the command line are set aside; where it
 does, how many steps changed and whether each changed step's recorded cost (lockstep overhead or
-imbalance) went down or up, and any step whose micro-batch count changed. A change that does
-not come from a deliberate change of the plan is a regression.
+imbalance) went down or up, and any step whose micro-batch count changed; and whether each
+tree's ``rolltool stats DIR --json`` of its own pack says the same (paths set aside; it re-plans
+each step's token and count alternatives, so a deliberate change of the plan shows there too).
+A change that does not come from a deliberate change of the plan is a regression.
 """
 
 from __future__ import annotations
@@ -40,12 +42,14 @@ COMMANDS: dict[str, tuple[str, list[str]]] = {
 }
 
 
-def rolltool(tree: Path, cwd: Path, *args: str) -> None:
+def rolltool(tree: Path, cwd: Path, *args: str) -> str:
+    """Run `tree`'s ``rolltool ARGS`` from `cwd`; its stdout."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
     cmd = [sys.executable, "-m", "rolltool", *args]
     done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"failed ({tree}): {' '.join(args)}\n{done.stderr[-2000:]}")
+    return done.stdout
 
 
 def pack_all(tree: Path, out: Path, synth: Path) -> None:
@@ -56,6 +60,8 @@ def pack_all(tree: Path, out: Path, synth: Path) -> None:
     for name, (data, args) in COMMANDS.items():
         source = EXAMPLE if data == "example" else synth
         rolltool(tree, out.parent, "pack", str(source), *args, "-o", str(out / name), "--force")
+        report = rolltool(tree, out.parent, "stats", str(out / name), "--json")
+        (out / f"{name}.stats.json").write_text(report.replace(str(out / name), "ROOT"))
 
 
 def _manifest(path: Path) -> dict[str, Any]:
@@ -64,6 +70,10 @@ def _manifest(path: Path) -> dict[str, Any]:
     doc.pop("created_at", None)
     doc.pop("command", None)
     return doc
+
+
+def _same(old: Path, new: Path, name: str) -> bool:
+    return (old / name).read_bytes() == (new / name).read_bytes()
 
 
 def compare(old: Path, new: Path) -> None:
@@ -79,8 +89,9 @@ def compare(old: Path, new: Path) -> None:
         shards = sum(f.endswith(".safetensors") for f in differ)
         ma, mb = _manifest(a), _manifest(b)
         samples = "differs" if "samples.parquet" in differ else "same"
+        stats = "same" if _same(old, new, f"{name}.stats.json") else "differs"
         print(f"{name:11}  {len(files):4} files  {shards:3} shards differ  samples.parquet {samples}"
-              f"  manifest {'same' if ma == mb else 'differs'}")  # fmt: skip
+              f"  manifest {'same' if ma == mb else 'differs'}  stats {stats}")  # fmt: skip
         if ma == mb:
             continue
         steps_a, steps_b = ma.get("steps", []), mb.get("steps", [])

@@ -406,7 +406,8 @@ def read_samples(location: Location) -> tuple[Columns, list[str]]:
     (``stats`` of a pack starts faster)."""
     where = location.shown
     try:
-        with location.parquet("samples.parquet") as pf:
+        # the two string columns as dictionaries: codes without pyarrow.compute
+        with location.parquet("samples.parquet", read_dictionary=["env", "status"]) as pf:
             extra = [c for c in _HYBRID if c in pf.schema_arrow.names]
             table = pf.read(columns=[*_READ, "env", "status", *extra], use_threads=False)
         status, statuses = string_codes(table.column("status"))
