@@ -3,8 +3,11 @@
     python benchmarks/startup.py [--repeats 7]
 
 Runs each command as a fresh process (``sys.executable``), the commands interleaved, ``--repeats``
-rounds, and prints the median wall time of each and what a ``-X importtime`` run of it imports
-(modules, and whether torch, pyarrow's S3 filesystem, polars or pyarrow are among them):
+rounds after one warm-up round, and prints the median wall and CPU time of each and what a
+``-X importtime`` run of it imports (modules, and whether torch, pyarrow's S3 filesystem, polars
+or pyarrow are among them). The children may write bytecode (``PYTHONDONTWRITEBYTECODE`` is
+dropped from their environment), as an installed package has it: a checkout without
+``__pycache__`` would otherwise compile rolltool's modules at every start (~0.1 s).
 
   python -c pass                      the interpreter alone
   python -c "import polars, json"     the floor issue 25 compares with
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -67,19 +71,31 @@ def main() -> None:
     args = p.parse_args()
     cmds = commands()
     env = {**os.environ, "COLUMNS": "100"}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     times: dict[str, list[float]] = {k: [] for k in cmds}
-    for _ in range(args.repeats):
+    cpu: dict[str, list[float]] = {k: [] for k in cmds}
+    for round_ in range(args.repeats + 1):
         for name, cmd in cmds.items():
-            start = time.perf_counter()
+            start, used = time.perf_counter(), _children_cpu()
             subprocess.run(cmd, check=True, capture_output=True, env=env)
-            times[name].append(time.perf_counter() - start)
+            if round_:  # round 0 warms the page cache and writes bytecode
+                times[name].append(time.perf_counter() - start)
+                cpu[name].append(_children_cpu() - used)
     floor = statistics.median(times['python -c "import polars, json"'])
-    print(f"{'command':34s} {'median s':>9s} {'x floor':>8s} {'modules':>8s}  heavy imports")
+    print(f"{'command':34s} {'median s':>9s} {'x floor':>8s} {'CPU s':>6s} {'modules':>8s}  "
+          "heavy imports")  # fmt: skip
     for name, cmd in cmds.items():
         mods = imported(cmd)
         heavy = [h for h in HEAVY if h in mods]
-        t = statistics.median(times[name])
-        print(f"{name:34s} {t:9.3f} {t / floor:8.2f} {len(mods):8d}  {', '.join(heavy) or '-'}")
+        t, c = statistics.median(times[name]), statistics.median(cpu[name])
+        print(f"{name:34s} {t:9.3f} {t / floor:8.2f} {c:6.3f} {len(mods):8d}  "
+              f"{', '.join(heavy) or '-'}")  # fmt: skip
+
+
+def _children_cpu() -> float:
+    """User + system CPU seconds of this process's finished children."""
+    use = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return use.ru_utime + use.ru_stime
 
 
 if __name__ == "__main__":
