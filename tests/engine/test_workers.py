@@ -80,6 +80,30 @@ def test_iter_in_order_yields_each_result_when_it_is_asked_for() -> None:
     ]
 
 
+def test_the_pool_runs_at_most_a_window_ahead_of_the_caller() -> None:
+    """While the caller holds its first result, the workers compute only the first chunk and
+    those of the window after it (`WINDOW_PER_WORKER` per worker, of at most `MAX_CHUNK` items
+    each: the next is submitted as the first is collected), not every item:
+    finished results wait in the driver only until their turn. A shared counter (inherited by
+    the forked workers) counts the items computed."""
+    import multiprocessing
+    import time
+
+    done = multiprocessing.get_context("fork").Value("i", 0)
+
+    def count(x: int) -> int:
+        with done.get_lock():
+            done.value += 1
+        return x
+
+    n, ahead = 40 * workers.MAX_CHUNK, (1 + 2 * workers.WINDOW_PER_WORKER) * workers.MAX_CHUNK
+    it = workers.iter_in_order(count, list(range(n)), 2)
+    assert next(it) == 0
+    time.sleep(0.5)  # time for a pool that ran ahead unbounded to compute far more
+    assert workers.MAX_CHUNK <= done.value <= ahead
+    assert list(it) == list(range(1, n)) and done.value == n
+
+
 def test_an_error_in_a_worker_is_the_serial_error(tmp_path: Path) -> None:
     config = PackConfig.from_options(dp=7, batch_size=32, equal_count=True)
     messages = []
