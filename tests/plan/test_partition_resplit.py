@@ -5,6 +5,7 @@ raises any of the three models' lockstep cost."""
 from __future__ import annotations
 
 import itertools
+import tracemalloc
 import warnings
 
 import numpy as np
@@ -197,3 +198,54 @@ def test_resplit_of_costless_samples_warns_nothing() -> None:
         warnings.simplefilter("error")
         got = resplit(labels, length, cost, cost, dp=2, m=2, cap=4, max_rounds=5)
     assert np.array_equal(got, labels)
+
+
+def test_best_trades_are_the_same_in_chunks_of_any_size() -> None:
+    """Scored a query at a time (chunk 1), the best trades are those scored all at once, ties
+    included (every cost a multiple of 4: many trades tie)."""
+    rng = np.random.default_rng(11)
+    checked = 0
+    while checked < 40:
+        dp, m, cap = int(rng.integers(2, 5)), int(rng.integers(1, 5)), int(rng.integers(8, 40))
+        plan = random_plan(rng, dp, m, cap)
+        if plan is None:
+            continue
+        length, labels = plan
+        quad = 4.0 * (length // 2) ** 2
+        w = np.stack(models(4.0 * length + quad, quad))
+        nb = dp * m
+        c = np.stack([np.bincount(labels, weights=v, minlength=nb) for v in w])
+        t = np.bincount(labels, weights=length, minlength=nb).astype(np.int64)
+        members = np.argsort(labels, kind="stable")
+        start = np.r_[0, np.cumsum(np.bincount(labels, minlength=nb))]
+        cache = [(np.zeros(0, dtype=np.int64), w[:, :0], np.zeros(0, dtype=np.int64))] * nb
+        sub = _subsets(members, start, length, w, cache, np.arange(nb))
+        args = (_heads(c, np.arange(m), dp), sub, w, c, t, w.sum(axis=1) / dp, dp, cap, 1 << 30)
+        whole, each = _best_trades(*args, chunk=1 << 30), _best_trades(*args, chunk=1)
+        assert whole is not None and each is not None
+        for a, b in zip(whole, each, strict=True):
+            assert np.array_equal(a, b)
+        checked += len(whole[0]) > 0
+    assert checked == 40
+
+
+def test_a_round_holds_a_bounded_amount_of_memory() -> None:
+    """dp 16 x 16 bins of 8 samples dealt at random: the first round looks at more than 2 M
+    candidate trades (it stops before them under a budget of 2 M), which held ~300 bytes each
+    when scored at once (> 600 MB); in chunks of ``CHUNK`` the round's peak stays under 96 MB."""
+    rng = np.random.default_rng(0)
+    dp, m, per, cap = 16, 16, 8, 32768
+    length = rng.integers(200, cap // per, dp * m * per)
+    labels = rng.permutation(np.repeat(np.arange(dp * m), per))
+    quad = 1e-3 * length.astype(np.float64) ** 2
+    cost = 20.0 * length + quad
+    kw = {"dp": dp, "m": m, "cap": cap, "max_rounds": 1}
+    assert np.array_equal(resplit(labels, length, cost, quad, max_work=2_000_000, **kw), labels)
+    tracemalloc.start()
+    try:
+        got = resplit(labels, length, cost, quad, **kw)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert not np.array_equal(got, labels)  # the round ran and traded
+    assert peak < 96 * 2**20, f"{peak / 2**20:.0f} MB"

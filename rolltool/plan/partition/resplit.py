@@ -20,7 +20,8 @@ result is never costlier than its input under any of them.
 Every pair's trades are found at once: each bin's subsets of up to ``MAX_MOVED`` samples are
 listed with their tokens and costs, sorted by (bin, planning cost); for h's subset X, the
 trades with b that can keep the planning cost from rising have w(Y) - w(X) in a window (see
-``_windows``), found by binary search; the token cap and the exact scores are checked after.
+``_windows``), found by binary search; the token cap and the exact scores are checked after,
+``CHUNK`` candidates at a time (a round's memory is bounded, however many it looks at).
 
 Example (dp 2, cost = L², cap 10): slots {2 | 4} (4 | 16) and {5 | 4} (25 | 16) step in 16 + 25
 = 41. The polish moves nothing: the 4 would raise the other slot's maximum (to 81 beside the 5,
@@ -31,6 +32,7 @@ to 32 beside the 4). The re-split trades it anyway, to the other 4 (16 down, 7 u
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import numpy as np
@@ -52,9 +54,17 @@ benchmark's agent steps, trades worth less add rounds (2-3× the time) for 1e-4 
 
 
 MAX_WORK = 1 << 24
-"""Candidate trades a re-split may look at in all (the search's memory grows with a round's
-share): it stops before a round that would pass it. `benchmarks/lockstep.py`'s agent steps
-look at 0.2-1.2 M, the largest of `plan_hashes.py`'s mixed steps (dp 16 x 256) at 10 M."""
+"""Candidate trades a re-split may look at in all (its time grows with them; its memory does
+not, see ``CHUNK``): it stops before a round that would pass it. `benchmarks/lockstep.py`'s
+agent steps look at 0.2-1.2 M, the largest of `plan_hashes.py`'s mixed steps (dp 16 x 256) at
+10 M."""
+
+CHUNK = 1 << 17
+"""Candidate trades listed and scored at once (``_best_trades``). Each holds ~300-500 bytes
+while scored, so a round holds ~50 MB however many it looks at: a re-split of dp 16 x 32 bins
+of 8 samples dealt at random looks at ~10 M in its first round, which held 2.2 GB when they
+were scored all at once. Its time hardly depends on the size (2^15-2^19: within 10%)."""
+
 
 WIDTH_TIERS = 4.0 ** np.arange(-16, 1)
 """Bounds on the width of a (bin, subset)'s interval of planning cost (the bin's room below its
@@ -227,12 +237,15 @@ def _best_trades(
     dp: int,
     cap: int,
     max_work: int,
+    chunk: int = CHUNK,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int] | None:
     """Each pair (h of ``heads``, another bin b) that has a trade lowering the score, with its
     best: ``[P]`` h, b, score (the sum over models of the lockstep cost's change, each relative
     to its ideal), ``[K, P]`` the changes, the trade's subsets as masks over h's and b's
     samples (``_Subsets.mask``), and the candidates looked at; None if they would be more than
-    ``max_work``."""
+    ``max_work``. The candidates are listed and scored about ``chunk`` at a time (``CHUNK``),
+    each chunk's best per pair kept with the best so far; ties go to the candidate listed
+    first, as if all were scored at once."""
     k, nb = c.shape
     s = c.reshape(k, nb // dp, dp)
     top = s.max(axis=2)  # [K, m]
@@ -240,27 +253,89 @@ def _best_trades(
     rest = rest_max(s, slot, np.arange(nb) % dp, np.full(nb, -1))  # [K, nb]: slot's max without
     room = top[:, slot] - c  # [K, nb]: how far below its slot's maximum
     gap = top[:, slot] - rest  # [K, nb]: how far above the rest of its slot (0: not its max)
-    windows = _windows(heads, sub, c[0], room[0], gap[0], top[0], dp, max_work)
-    if windows is None:
+    windows = _windows(heads, sub, c[0], room[0], gap[0], top[0], dp)
+    work = sum(int(seg.n.sum()) for seg in windows)
+    if work > max_work:
         return None
-    ch, cb, cx, cy, work = windows
-    dt = sub.tokens[cy] - sub.tokens[cx]  # h's change in tokens
-    fits = (t[ch] + dt <= cap) & (t[cb] - dt <= cap)
-    ch, cb, cx, cy = ch[fits], cb[fits], cx[fits], cy[fits]
-    d = np.zeros((k, len(ch)))
-    for q in range(k):  # the planning model first: most candidates raise it, dropped at once
-        dw = sub.cost[q, cy] - sub.cost[q, cx]
-        d[q] = _change(c[q], top[q], rest[q], s[q], ch, cb, dw, dp)
-        if q == 0:
-            keep = d[0] <= 0
-            ch, cb, cx, cy, d = ch[keep], cb[keep], cx[keep], cy[keep], d[:, keep]
-    total = (d / ideal[:, None]).sum(axis=0)
-    pair = ch * nb + cb
-    by = np.lexsort((total, pair))  # per pair, its best trade first
+    best = _Found(_NONE, _NONE, _NONE, _NONE, np.zeros((k, 0)), np.zeros(0))
+    for ch, cb, cx, cy in _listed(windows, sub, slot, chunk):
+        dt = sub.tokens[cy] - sub.tokens[cx]  # h's change in tokens
+        fits = (t[ch] + dt <= cap) & (t[cb] - dt <= cap)
+        ch, cb, cx, cy = ch[fits], cb[fits], cx[fits], cy[fits]
+        d = np.zeros((k, len(ch)))
+        for q in range(k):  # the planning model first: most candidates raise it, dropped at once
+            dw = sub.cost[q, cy] - sub.cost[q, cx]
+            d[q] = _change(c[q], top[q], rest[q], s[q], ch, cb, dw, dp)
+            if q == 0:
+                keep = d[0] <= 0
+                ch, cb, cx, cy, d = ch[keep], cb[keep], cx[keep], cy[keep], d[:, keep]
+        total = (d / ideal[:, None]).sum(axis=0)
+        lower = total < 0  # only these can be a pair's best
+        found = _Found(ch[lower], cb[lower], cx[lower], cy[lower], d[:, lower], total[lower])
+        best = _per_pair(best, found, nb)
+    return (best.h, best.b, best.total, best.d, sub.mask[best.x], sub.mask[best.y],
+            work)  # fmt: skip
+
+
+class _Found(NamedTuple):
+    """Candidate trades: ``[P]`` h, b, X and Y (subset indices), ``[K, P]`` each model's
+    change, ``[P]`` the score."""
+
+    h: np.ndarray
+    b: np.ndarray
+    x: np.ndarray
+    y: np.ndarray
+    d: np.ndarray
+    total: np.ndarray
+
+
+def _per_pair(before: _Found, more: _Found, nb: int) -> _Found:
+    """Each pair (h, b)'s best trade (lowest score) of ``before`` then ``more``, the first
+    listed among equals, by pair."""
+    f = _Found(*(np.concatenate([a, b], axis=-1) for a, b in zip(before, more, strict=True)))
+    pair = f.h * nb + f.b
+    by = np.lexsort((f.total, pair))  # per pair, its best trade first
     best = by[np.r_[True, pair[by][1:] != pair[by][:-1]]] if len(by) else by
-    best = best[total[best] < 0]
-    return (ch[best], cb[best], total[best], d[:, best], sub.mask[cx[best]],
-            sub.mask[cy[best]], work)  # fmt: skip
+    return _Found(*(a[..., best] for a in f))
+
+
+class _Segment(NamedTuple):
+    """Queries (h, X) and, per query, the window of candidate subsets Y: ``pool[lo : lo + n]``
+    (``pool`` None: the subsets ``lo : lo + n`` themselves, all of b's, in h's slot), to keep
+    where the subset's interval reaches ``floor`` (``upper[Y] >= floor``; None: keep all)."""
+
+    h: np.ndarray  # [Q] the head bin
+    x: np.ndarray  # [Q] X, a subset index
+    lo: np.ndarray  # [Q]
+    n: np.ndarray  # [Q]
+    pool: np.ndarray | None
+    floor: np.ndarray | None  # [Q]
+    upper: np.ndarray | None  # [S]
+
+
+def _listed(
+    segments: list[_Segment], sub: _Subsets, slot: np.ndarray, chunk: int
+) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """The candidate trades of ``segments`` (h, b, X, Y), in order, in pieces of about
+    ``chunk`` (whole queries: at least one, however many candidates it has): the other slots'
+    bins kept where Y's interval reaches the query's window and b is in another slot."""
+    for seg in segments:
+        ends = np.cumsum(seg.n)
+        a = 0
+        while a < len(seg.n):
+            done = int(ends[a - 1]) if a else 0
+            z = max(int(np.searchsorted(ends, done + chunk, side="right")), a + 1)
+            n = seg.n[a:z]
+            cq = np.repeat(np.arange(a, z), n)
+            at = concat_ranges(seg.lo[a:z], n)
+            cy = at if seg.pool is None else seg.pool[at]
+            cb = sub.bin[cy]
+            ch = seg.h[cq]
+            if seg.floor is not None and seg.upper is not None:
+                ok = (slot[cb] != slot[ch]) & (seg.upper[cy] >= seg.floor[cq])
+                cq, cy, cb, ch = cq[ok], cy[ok], cb[ok], ch[ok]
+            yield ch, cb, seg.x[cq], cy
+            a = z
 
 
 def _windows(
@@ -271,11 +346,11 @@ def _windows(
     gap: np.ndarray,
     top: np.ndarray,
     dp: int,
-    max_work: int,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int] | None:
+) -> list[_Segment]:
     """Candidate trades (h, b, X, Y as subset indices) that may keep the planning model's
     lockstep cost from rising, from its ``[nb]`` bin costs ``c0``, rooms, gaps and ``[m]`` slot
-    maxima ``top``. A trade changes h's cost by D = w(Y) - w(X) and b's by -D.
+    maxima ``top``, as windows over the subsets per query (h, X) (``_listed`` lists them). A
+    trade changes h's cost by D = w(Y) - w(X) and b's by -D.
 
     b in h's slot j: both bins must stay at most the slot's maximum, D in [-room_b, room_h].
     b in another slot: the two slots' maxima, now top_j + top_j2, become at least c_h + D +
@@ -284,8 +359,8 @@ def _windows(
     [w(Y) - gap_b, w(Y) + room_b] of the planning cost; the bins are grouped by its width
     (``WIDTH_TIERS``) so that each group is searched by its lower ends in one window per
     (h, X). The windows are widened by a margin for rounding: every candidate is checked
-    exactly after. Also how many the windows held (``work``); None if more than ``max_work``
-    (counted before any is listed)."""
+    exactly after. The windows' sizes (``_Segment.n``) are the candidates looked at, known
+    before any is listed."""
     nb = len(c0)
     slot = np.arange(nb) // dp
     margin = 1e-9 * float(np.abs(sub.cost[0]).max(initial=1.0)) + 1.0
@@ -296,15 +371,17 @@ def _windows(
     # other slots: one window per width tier
     lower = sub.cost[0] - gap[sub.bin]
     width = room[sub.bin] + gap[sub.bin]
+    upper = lower + width
+    floor = wx - gap[qh] - margin
     tier = np.digitize(width, WIDTH_TIERS * float(top.max(initial=1.0)))
-    spans = []
+    out = []
     for k in np.unique(tier).tolist():
         pool = np.flatnonzero(tier == k)
         pool = pool[np.argsort(lower[pool], kind="stable")]
         most = float(width[pool].max())
         lo = np.searchsorted(lower[pool], wx - gap[qh] - most - margin, side="left")
         hi = np.searchsorted(lower[pool], wx + room[qh] + margin, side="right")
-        spans.append((pool, lo, hi - lo))
+        out.append(_Segment(qh, qx, lo, hi - lo, pool, floor, upper))
     # h's own slot: every other bin, one window per (h, X, b)
     mate = (slot[heads][:, None] * dp + np.arange(dp)).ravel()
     mh = np.repeat(heads, dp)
@@ -314,19 +391,8 @@ def _windows(
     mx = concat_ranges(sub.first[mh], nx)
     m_lo, m_hi = _bin_window(sub, mb, sub.cost[0, mx] - room[mb] - margin,
                              sub.cost[0, mx] + room[mq] + margin)  # fmt: skip
-    work = sum(int(n.sum()) for _, _, n in spans) + int((m_hi - m_lo).sum())
-    if work > max_work:
-        return None
-    out = []
-    for pool, lo, n_y in spans:
-        cq, cy = np.repeat(np.arange(len(qh)), n_y), pool[concat_ranges(lo, n_y)]
-        cb = sub.bin[cy]
-        ok = (slot[cb] != slot[qh[cq]]) & (lower[cy] + width[cy] >= wx[cq] - gap[qh[cq]] - margin)
-        out.append((qh[cq[ok]], cb[ok], qx[cq[ok]], cy[ok]))
-    cq, cy = np.repeat(np.arange(len(mq)), m_hi - m_lo), concat_ranges(m_lo, m_hi - m_lo)
-    out.append((mq[cq], mb[cq], mx[cq], cy))
-    ch, cb, cx, cy = (np.concatenate([o[i] for o in out]) for i in range(4))
-    return ch, cb, cx, cy, work
+    out.append(_Segment(mq, mx, m_lo, m_hi - m_lo, None, None, None))
+    return out
 
 
 def _bin_window(
