@@ -4,12 +4,16 @@ textbook KK, and ``auto`` with the exact path never heavier than without it."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from partition_refs import reference_kk
 
 from rolltool.plan.partition import balance_labels
+from rolltool.plan.partition import kk as kk_module
 from rolltool.plan.partition.balance import (
     EXACT_PER_PART,
     METHODS,
@@ -147,6 +151,37 @@ def test_kk_reads_its_links_alike_below_and_above_the_python_limit() -> None:
             got = sorted(sorted(np.flatnonzero(labels == p).tolist()) for p in range(k))
             ref = reference_kk(sorted(w, reverse=True), k, eq)
             assert got == sorted(sorted(s) for s in ref)
+
+
+def test_kk_labels_equal_the_textbook_slot_for_slot(monkeypatch: pytest.MonkeyPatch) -> None:
+    """KK's labels (not only its parts) are the textbook's slot order, on inputs with many
+    ties and zero weights, where the singleton-first shortcut must give way to the merge; the
+    counters make sure the shortcut, its way out and the zero-weight naming all ran."""
+    calls = {"shortcut": 0, "merge": 0, "zero names": 0}
+    first, names = kk_module._singleton_first, kk_module._names_with_empty
+
+    def counted_first(*args: Any) -> int:
+        p = first(*args)
+        calls["shortcut" if p >= 0 else "merge"] += 1
+        return p
+
+    def counted_names(ia: tuple[int, ...], *args: Any) -> Any:
+        calls["zero names"] += ia.count(-1) != len(ia) - ia.index(-1)
+        return names(ia, *args)
+
+    monkeypatch.setattr(kk_module, "_singleton_first", counted_first)
+    monkeypatch.setattr(kk_module, "_names_with_empty", counted_names)
+    rng = np.random.default_rng(7)
+    for trial in range(600):
+        n, k, eq = int(rng.integers(1, 200)), int(rng.integers(2, 10)), trial % 4 == 0
+        w = sorted(rng.integers(0, [3, 50, 5000][trial % 3], n).astype(float).tolist())[::-1]
+        ws = np.array(w + [0.0] * (-n % k if eq else 0))
+        labels = kk_sorted(ws, k, eq)[:n]
+        want = np.empty(n, dtype=np.int64)
+        for part, items in enumerate(reference_kk(w, k, eq)):
+            want[sorted(items)] = part
+        assert np.array_equal(labels, want), (trial, n, k, eq)
+    assert min(calls.values()) >= 20, calls
 
 
 def pick_reference(row: list[float], least: float, most: float) -> int:

@@ -17,8 +17,8 @@ textbook heap-of-lists implementation (the tests compare the two).
 How it is fast (plain Python; per merge a few C-level list operations, no NumPy):
 
 * Slots hold no item lists. A slot is named after one of its items (its *representative*); a
-  merge of slots x and y keeps x's name (partition a's), or ``max(x, y)`` where a's slot may be
-  empty (-1), and records the link from the other name. The parts are read off the links once
+  merge of slots x and y keeps x's name (partition a's), or y's where a's slot is empty (-1),
+  and records the link from the other name (any name of a slot's items gives the same parts). The parts are read off the links once
   at the end (NumPy pointer jumping): O(n·k) work in all.
 * Sums are stored negated, so a partition is an ascending tuple (heaviest slot first) and the
   merged slot order is ``sorted(range(k), key=...)``, applied with one ``itemgetter``.
@@ -191,61 +191,96 @@ def _push_block(
 def _kk_free(nw: list[float], k: int, los: list[int], his: list[int]) -> tuple[int, ...]:
     """No count constraint: start from singletons (see the module docstring).
 
-    The merges are written out in the loop (no call per merge), a partition and a singleton too
-    (the singleton goes into the lightest slot, found by one ``bisect``; the other slots keep
-    their order; it is the newest item, so it names the slot). A NaN after the last singleton
-    ends every comparison with it, and a sentinel with key +inf at the heap's bottom stands for
+    The merges are written out in the loop (no call per merge). A singleton meeting a
+    partition goes into its lightest slot (one ``bisect``; the other slots keep their order; it
+    is the newest item, so it names the slot), replacing the heap's top (one sift): where the
+    partition comes first, after slots of equal sum (the merge's stable sort keeps a's order),
+    and it does come first when the singleton is at most both of the top's children; where the
+    singleton comes first, as ``_singleton_first`` says. A NaN after the last singleton ends
+    every comparison with it, and two sentinels with key +inf at the heap's bottom stand for
     "no partition" (no bounds checks).
     """
     n = len(nw)
     nw = [*nw, float("nan")]  # compares false: "no singleton left"
     zeros = (0.0,) * (k - 1)
     empty = (-1,) * (k - 1)
-    heap: list[tuple[float, int, tuple[float, ...], tuple[int, ...]]] = [(_INF, -1, (), ())]
+    heap: list[tuple[float, int, tuple[float, ...], tuple[int, ...]]] = [
+        (_INF, -2, (), ()),
+        (_INF, -1, (), ()),
+    ]
     pop, push, replace = heapq.heappop, heapq.heappush, heapq.heapreplace
     slots = range(k)
     i = 0  # next singleton: key (nw[i], i), older than every partition (seq >= n)
     seq = n
-    while (n - i) + len(heap) > 2:  # singletons and partitions left (and the sentinel)
+    while (n - i) + len(heap) > 3:  # singletons and partitions left (and the sentinels)
         hk = heap[0][0]
         x = nw[i]
+        p = -1  # singleton i goes into the top partition's lightest slot at p (-1: it does not)
         if x <= hk:  # the first is singleton i
             y = nw[i + 1]
-            if y <= hk:  # ... and the second singleton i + 1
-                if k > 2 and y < 0.0:  # a block: i, i+1 and the next ones that fit
-                    i = _push_block(nw, i, hk, k, heap, seq)
-                    seq += 1
-                    continue
+            if not y <= hk:  # ... and the second the top partition (y is NaN: none left)
+                p = _singleton_first(heap[0][2], heap[0][3], x, k)
+            elif k > 2 and y < 0.0:  # ... and singleton i + 1: a block, and the next that fit
+                i, seq = _push_block(nw, i, hk, k, heap, seq), seq + 1
+                continue
+            else:
                 push(heap, (y, i + 1, (y, *zeros), (i + 1, *empty)))  # now the heap's top
+        elif x <= heap[1][0] and x <= heap[2][0]:  # a partition, then singleton i
+            p = bisect_right(heap[0][2], heap[0][2][-1] + x, 0, k - 1)
+        if p >= 0:
+            _, _, ns, ids = heap[0]
+            los.append(ids[-1])
+            his.append(i)
+            s = (*ns[:p], ns[-1] + x, *ns[p:-1])
+            replace(heap, (s[0] - s[-1], seq, s, (*ids[:p], i, *ids[p:-1])))
+            seq, i = seq + 1, i + 1
+            continue
+        if x <= hk:
             na, ia = (x, *zeros), (i, *empty)
             i += 2 if y <= hk else 1
         else:
             _, _, na, ia = pop(heap)
-            if x <= heap[0][0]:  # a partition, then singleton i: into its lightest slot
-                v = na[-1] + x
-                p = bisect_right(na, v, 0, k - 1)
-                los.append(ia[-1])
-                his.append(i)
-                s = (*na[:p], v, *na[p:-1])
-                push(heap, (s[0] - s[-1], seq, s, (*ia[:p], i, *ia[p:-1])))
-                seq += 1
-                i += 1
-                continue
         _, _, nb, ib = heap[0]  # b: replaced by the merged partition (one heap sift, not two)
         # merge: slot t of a with slot k-1-t of b; a merged slot keeps a's name, or b's where
-        # a's slot is empty (then the larger name, -1 being empty, links the smaller)
-        rb = ib[::-1]
+        # a's slot is empty (-1), and links the other name to it
         nc = list(map(add, na, nb[::-1]))
         get = itemgetter(*sorted(slots, key=nc.__getitem__))
         s = get(nc)
         if -1 in ia:
-            names: list[int] | tuple[int, ...] = list(map(max, ia, rb))
-            los += map(min, ia, rb)
-            his += names
-        else:  # a full partition (most merges): no name to choose
+            names = _names_with_empty(ia, ib[::-1], los, his)
+        else:  # a full partition (most merges)
             names = ia
-            los += rb
+            los += ib[::-1]
             his += ia
         replace(heap, (s[0] - s[-1], seq, s, get(names)))
         seq += 1
-    return heap[0][3] if len(heap) > 1 else (n - 1, *empty)  # else a single item
+    return heap[0][3] if len(heap) > 2 else (n - 1, *empty)  # else a single item
+
+
+def _singleton_first(nb: tuple[float, ...], ib: tuple[int, ...], x: float, k: int) -> int:
+    """Where a singleton x merged with partition b (the singleton older) lands among b's
+    slots, kept in their order: before the slots of equal sum (the merge's stable sort puts a's
+    slot first), which is the merge's order where b's only ties are its empty slots (sum 0,
+    name -1); -1 where two of b's named slots tie (the merge reverses b's slots: it must run)."""
+    e = ib.count(-1)
+    if len(set(nb)) + max(e - 1, 0) < k:
+        return -1
+    return bisect_left(nb, nb[-1] + x, 0, k - 1)
+
+
+def _names_with_empty(
+    ia: tuple[int, ...], rb: tuple[int, ...], los: list[int], his: list[int]
+) -> tuple[int, ...]:
+    """The merged slots' names where partition a has empty slots (name -1) and ``rb`` are b's
+    names in merge order: a's name where a's slot holds items (b's linked to it), else b's.
+    The empty slots are last but for zero weights (sum 0 like them): then slot by slot, the
+    larger name, -1 being empty, linking the smaller."""
+    f = ia.index(-1)
+    if ia.count(-1) == len(ia) - f:
+        los += rb[:f]
+        his += ia[:f]
+        return (*ia[:f], *rb[f:])
+    names = tuple(map(max, ia, rb))
+    los += map(min, ia, rb)
+    his += names
+    return names
