@@ -11,7 +11,8 @@ its ideal: a step must not raise the planning model's and must lower their sum; 
 step is applied (lowest sum).
 The slots' steps are found together and applied in rounds (see ``polish``). The micro-batch
 count, the cap and every sample's presence are unchanged; the planning model's lockstep cost
-never rises.
+never rises, in exact sums of the float64 costs (where those sum with rounding, a step must
+lower it by more than the rounding could hide: ``rounding_bound``).
 
 Example (dp 2, cost = L, cap 10): slots {6, 3 | 2} (9 | 2) and {5 | 4} (5 | 4) step in
 9 + 5 = 14; moving 3 to its slot's other bin gives {6 | 2, 3} (6 | 5): 6 + 5 = 11. Then 6 can
@@ -30,7 +31,7 @@ import numpy as np
 
 from rolltool.util.ranges import concat_ranges
 
-__all__ = ["ROBUST_SCALES", "polish", "rest_max"]
+__all__ = ["ROBUST_SCALES", "polish", "rest_max", "rounding_bound"]
 
 ROBUST_SCALES = (0.5, 2.0)
 """The L² coefficient's factors the polish also scores a step under (besides 1.0)."""
@@ -70,32 +71,29 @@ def polish(
     if len(lab) == 0 or dp < 2 or m == 0:
         return lab
     w: np.ndarray = np.stack([cost, *(cost + (f - 1.0) * quad for f in ROBUST_SCALES)])  # [K, n]
-    c: np.ndarray = np.stack([np.bincount(lab, weights=wk, minlength=nb) for wk in w])  # [K, nb]
-    t = np.bincount(lab, weights=length, minlength=nb)
+    if not (w.sum(axis=1) > 0).all():  # samples that cost nothing: no score is defined
+        return lab
+    tol = rounding_bound(w)
     stuck = np.zeros(m, dtype=bool)
     for _ in range(max_rounds):
         if max_work <= 0 or stuck.all():
             break
+        # the bins' costs summed afresh each round: their rounding never accumulates
+        c = np.stack([np.bincount(lab, weights=wk, minlength=nb) for wk in w])  # [K, nb]
+        t = np.bincount(lab, weights=length, minlength=nb)
         slots = np.flatnonzero(~stuck)
-        steps, work = _best_steps(w, c, t, lab, length, slots, dp, m, cap, pairs)
+        steps, work = _best_steps(w, c, t, lab, length, slots, dp, m, cap, pairs, tol)
         max_work -= work
         stuck[slots] = True
         touched: set[int] = set()
         for _, j, x, y, y2, b2 in steps:
-            b = int(lab[x])
             j2 = b2 // dp
             if j in touched or j2 in touched:
                 continue
             touched.update((j, j2))
             ys = [i for i in (y, y2) if i >= 0]
-            dx = w[:, x] - w[:, ys].sum(axis=1)
-            c[:, b] -= dx
-            c[:, b2] += dx
-            tx = float(length[x] - length[ys].sum())
-            t[b] -= tx
-            t[b2] += tx
+            lab[ys] = lab[x]
             lab[x] = b2
-            lab[ys] = b
         if not touched:
             break
         stuck[list(touched)] = False
@@ -113,10 +111,13 @@ def _best_steps(
     m: int,
     cap: int,
     pairs: bool,
+    tol: np.ndarray,
 ) -> tuple[list[tuple[float, int, int, int, int, int]], int]:
     """For each of ``slots``, its best step out of one of its costliest bins (one per model)
     as (score, slot, x, y or -1, y2 or -1, x's new bin), best score first; and the candidates
-    looked at. The pairs (``pairs``) come after the one-sample steps, which win ties.
+    looked at. The pairs (``pairs``) come after the one-sample steps, which win ties. ``tol``:
+    ``[K]`` the models' ``rounding_bound``: a slot's maximum counts as risen unless it is at
+    least that far below where it was (0 where the costs sum exactly).
 
     The head's own model filters first (token cap, x costlier than y, no rise in another
     slot); the three models score the candidates left, each relative to its ideal."""
@@ -161,11 +162,12 @@ def _best_steps(
     same = j2 == j
     rest = rest_max(s, j, hb - j * dp, np.where(same, b2 - j * dp, -1))
     new_j = np.maximum(rest, np.where(same, np.maximum(cb, cb2), cb))
-    fits = same | (cb2 <= top[:, j2]).all(axis=0)  # another slot's maximum rises in no model
+    # another slot's maximum rises in no model (by more than rounding could hide)
+    fits = same | (cb2 <= top[:, j2] - tol[:, None]).all(axis=0)
     delta = new_j - top[:, j]  # [K, cand]
     ideal = c.sum(axis=1, keepdims=True) / dp
     total = (delta / ideal).sum(axis=0)
-    good = np.flatnonzero(fits & (delta[0] <= 0) & (total < -1e-12))
+    good = np.flatnonzero(fits & (delta[0] <= -tol[0]) & (total < -1e-12))
     if len(good) == 0:
         return [], work
     pick = good[np.lexsort((total[good], j[good]))]  # by slot, best first
@@ -263,3 +265,28 @@ def rest_max(s: np.ndarray, j: np.ndarray, p1: np.ndarray, p2: np.ndarray) -> np
     free = (o != p1[None, :, None]) & (o != p2[None, :, None])
     first = np.argmax(free, axis=2)  # the first of the three left free (one always is)
     return np.take_along_axis(v, first[:, :, None], axis=2)[:, :, 0]
+
+
+def rounding_bound(w: np.ndarray) -> np.ndarray:
+    """``[K]`` per model (``w``: ``[K, n]`` each sample's cost): how far a lockstep cost's
+    change computed in float64 from these costs (bin sums, a trade's subsets, their
+    differences, the slots' maxima) may lie from the true one, that of the exact sums of the
+    same float64 values. 0 where every computation is exact: every cost a multiple of one
+    power of two u and Σ|w| at most 2^52·u, so every sum of costs and every difference of two
+    such sums is a whole number of u below 2^53·u (FLOPs and token costs: whole numbers, or
+    halves for the L² ×0.5 model, so the plans are those an exact search makes). Otherwise
+    (calibrated seconds, say) ``16·(n + 4)·ε·Σ|w|`` (ε = 2^-53): a change's few terms each err
+    by at most n·ε·Σ|w| (the sequential sum of a bin's costs, which every sum it takes part in
+    inherits) plus ε of its size; a change is then taken as a rise unless it is at most
+    minus the bound, which only refuses (~1e-12 of the ideal, against ``MIN_GAIN`` 1e-6).
+
+    Example: costs [0.1, 0.2, 0.3] (none a multiple of a power of two that sums exactly:
+    0.1 + 0.2 is 0.30000000000000004 in float64) give a bound > 0; [3, 5, 0.5] give 0."""
+    n = w.shape[1]
+    mag = np.abs(w).sum(axis=1)
+    mant, exp = np.frexp(w)  # w = mant·2^exp, |mant| in [0.5, 1): mant·2^53 is a whole number
+    whole = np.abs(mant * 2.0**53).astype(np.int64)
+    low = np.log2(whole & -whole, where=whole > 0, out=np.full(w.shape, np.inf))  # trailing zeros
+    unit = np.min(exp - 53 + low, axis=1, initial=np.inf)  # the largest u = 2^unit dividing all
+    exact = (mag == 0) | (mag <= np.exp2(np.minimum(unit + 52, 1023.0)))
+    return np.where(exact, 0.0, 16.0 * (n + 4) * 2.0**-53 * mag)

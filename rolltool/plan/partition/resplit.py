@@ -15,7 +15,10 @@ each relative to its ideal. A trade must not raise the planning model's, must lo
 by ``MIN_GAIN``, and may let b's slot rise by less than h's slot falls. The trades applied
 never raise any of the three models' cost above where the re-split started (each model's
 changes so far are summed, and a trade that would take one above zero is skipped), so its
-result is never costlier than its input under any of them.
+result is never costlier than its input under any of them, in exact sums of the float64 costs:
+where these sum with rounding (not whole numbers of a power of two, as calibrated seconds), a
+trade counts as a rise unless its change is below minus the rounding's bound
+(``polish.rounding_bound``, 0 for FLOPs and token costs).
 
 Every pair's trades are found at once: each bin's subsets of up to ``MAX_MOVED`` samples are
 listed with their tokens and costs, sorted by (bin, planning cost); for h's subset X, the
@@ -37,7 +40,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from rolltool.plan.partition.polish import ROBUST_SCALES, rest_max, slot_heads
+from rolltool.plan.partition.polish import ROBUST_SCALES, rest_max, rounding_bound, slot_heads
 from rolltool.util.ranges import concat_ranges
 
 __all__ = ["MAX_BIN", "MAX_MOVED", "MIN_GAIN", "resplit"]
@@ -104,7 +107,8 @@ def resplit(
     ideal = w.sum(axis=1) / dp
     if not (ideal > 0).all():  # samples that cost nothing (zero lengths): no score is defined
         return lab
-    spent = np.zeros(len(w))  # each model's lockstep change so far
+    tol = rounding_bound(w)  # [K]: 0 where the costs sum exactly (FLOPs, tokens)
+    spent = np.zeros(len(w))  # each model's lockstep change so far, plus tol per trade
     stuck = np.zeros(m, dtype=bool)
     cache: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = [(_NONE, w[:, :0], _NONE)] * nb
     dirty = np.arange(nb)
@@ -117,7 +121,8 @@ def resplit(
         members = np.argsort(lab, kind="stable")
         start = np.r_[0, np.cumsum(np.bincount(lab, minlength=nb))]
         subsets = _subsets(members, start, length, w, cache, dirty)
-        found = _best_trades(_heads(c, slots, dp), subsets, w, c, t, ideal, dp, cap, max_work)
+        heads = _heads(c, slots, dp)  # each slot's costliest bins
+        found = _best_trades(heads, subsets, w, c, t, ideal, dp, cap, max_work, tol=float(tol[0]))
         if found is None:
             break
         h, b, score, delta, x_mask, y_mask, work = found
@@ -132,9 +137,9 @@ def resplit(
             if j in touched or j2 in touched:
                 stuck[j] = False  # offered a trade; try again next round
                 continue
-            if (spent + delta[:, i] > 0).any():
+            if (spent + delta[:, i] + tol > 0).any():  # some model would end above its start
                 continue
-            spent += delta[:, i]
+            spent += delta[:, i] + tol  # the change's rounding may hide up to tol of a rise
             touched.update((j, j2))
             changed += [int(h[i]), int(b[i])]
             hm = members[start[h[i]] : start[h[i] + 1]]
@@ -238,6 +243,7 @@ def _best_trades(
     cap: int,
     max_work: int,
     chunk: int = CHUNK,
+    tol: float = 0.0,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int] | None:
     """Each pair (h of ``heads``, another bin b) that has a trade lowering the score, with its
     best: ``[P]`` h, b, score (the sum over models of the lockstep cost's change, each relative
@@ -245,7 +251,8 @@ def _best_trades(
     samples (``_Subsets.mask``), and the candidates looked at; None if they would be more than
     ``max_work``. The candidates are listed and scored about ``chunk`` at a time (``CHUNK``),
     each chunk's best per pair kept with the best so far; ties go to the candidate listed
-    first, as if all were scored at once."""
+    first, as if all were scored at once. A trade raises the planning model unless its
+    change is at most ``-tol`` (its ``rounding_bound``: 0 where the costs sum exactly)."""
     k, nb = c.shape
     s = c.reshape(k, nb // dp, dp)
     top = s.max(axis=2)  # [K, m]
@@ -267,7 +274,7 @@ def _best_trades(
             dw = sub.cost[q, cy] - sub.cost[q, cx]
             d[q] = _change(c[q], top[q], rest[q], s[q], ch, cb, dw, dp)
             if q == 0:
-                keep = d[0] <= 0
+                keep = d[0] <= -tol
                 ch, cb, cx, cy, d = ch[keep], cb[keep], cx[keep], cy[keep], d[:, keep]
         total = (d / ideal[:, None]).sum(axis=0)
         lower = total < 0  # only these can be a pair's best
