@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -194,14 +195,14 @@ def read_header(path: Path) -> ShardHeader:
     return ShardHeader(size=size, meta=meta, tensors=header, base=8 + n)
 
 
-def header_of(data: bytes, where: str) -> ShardHeader:
-    """`read_header` of a shard's bytes held in memory (a shard read from object storage);
-    `where` names it in errors."""
+def header_of(data: bytes | mmap.mmap | np.ndarray, where: str) -> ShardHeader:
+    """`read_header` of a shard's bytes held in memory (bytes read from object storage, a
+    memory map, or a uint8 array read whole); `where` names it in errors."""
     try:
         n = int.from_bytes(data[:8], "little")
         if not 0 < n <= len(data) - 8:
             raise ValueError(f"header size {n} does not fit a file of {len(data)} bytes")
-        header = json.loads(data[8 : 8 + n])
+        header = json.loads(bytes(data[8 : 8 + n]))  # a slice of an array is an array
     except ValueError as e:
         raise RolltoolError(
             f"{where}: not a readable safetensors shard ({e})", hint=_HINT

@@ -14,7 +14,7 @@ consumer contract). The modules of `rolltool.packed`, each importing only those 
 ``read_rows(..., torch=True)`` converts with `rolltool.packed.tensors.to_tensors`, imported
 only then (it imports torch; opening and reading NumPy rows never does). ``sourced_rows`` also
 says where each row lies (`RowSource`): `rebuild_row` makes the same row in another process of
-the machine from it, mapping the shard there, if it is still the file checked (a DataLoader's
+the machine from it, reading the shard there, if it is still the file checked (a DataLoader's
 main process: `rolltool.packed.torch_data.WorkerItem`).
 
 **Integrity.** The reader never serves a row it can tell is wrong; whatever it refuses is a
@@ -175,50 +175,97 @@ class PrivateMap(mmap.mmap):
     of it are read-only, and a tensor may wrap it without a copy (`rolltool.packed.tensors`):
     a write to such a tensor copies the page written into this process's memory, never into
     the file or another process's view of it (what torch's own ``from_file(shared=False)``
-    and safetensors' torch loader do)."""
+    and safetensors' torch loader do). A shard over `READ_WHOLE_BYTES`; a smaller one is a
+    `PrivateRead`."""
 
     copy_on_write = True
     path: str = ""
-    """The file mapped (absolute), set by `_map_file`."""
+    """The file mapped (absolute), set by `_open_local`."""
     identity: FileIdentity = (0, 0, 0, 0)
     """The file's `FileIdentity` when it was mapped (``fstat`` of the descriptor mapped)."""
+
+
+class PrivateRead(np.ndarray):
+    """A shard read whole into this process's own memory (uint8, the array that owns it): as
+    private as a `PrivateMap` (a write to a tensor wrapping it changes this process's copy,
+    never the file), with the same ``path`` and ``identity``. A shard of at most
+    `READ_WHOLE_BYTES`, whose ``read`` into memory the heap already holds costs less than
+    mapping it and faulting its pages in (`_open_local`)."""
+
+    copy_on_write = True
+    path: str = ""
+    """The file read (absolute), set by `_open_local`."""
+    identity: FileIdentity = (0, 0, 0, 0)
+    """The file's `FileIdentity` when it was read (``fstat`` of the descriptor read)."""
+
+
+PrivateShard = PrivateMap | PrivateRead
+"""A local shard's bytes as the reader holds them, private to this process."""
 
 
 def _identity(st: os.stat_result) -> FileIdentity:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
-def _map_file(path: str | Path) -> PrivateMap | None:
-    """The whole file memory-mapped (one open; the map outlives the descriptor) as a
-    `PrivateMap`, or None when it cannot be (missing, unreadable, empty): the caller's reader
-    says why. Cheaper than ``np.memmap`` (~0.1 ms a shard), whose subclass the reader never
-    used."""
+READ_WHOLE_BYTES = 4 << 20
+"""A local shard of at most this size is read whole (`PrivateRead`), a larger one mapped
+(`PrivateMap`). Reading ~0.9 MB into memory the heap keeps (`prime_allocator` raised glibc's
+mmap threshold to 4 MB, so such blocks come from the heap and are not faulted in again) costs
+~47 us on the development VM against ~106 us to map it and fault in its pages (~11 faults of
+16 pages each, ~5-10 us a fault there); over 4 MB the buffer would be a fresh mmap of its own,
+faulted in page by page, and mapping the file wins."""
+
+
+def _open_local(path: str | Path) -> PrivateShard | None:
+    """The whole file as a `PrivateShard` (one open: read into memory up to
+    `READ_WHOLE_BYTES`, memory-mapped above; the map outlives the descriptor), or None when it
+    cannot be (missing, unreadable, empty, shorter than it said): the caller's reader says why
+    (`read_header`)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
         return None
     try:
-        mapped = PrivateMap(fd, 0, access=mmap.ACCESS_COPY)
-        mapped.path, mapped.identity = os.path.abspath(path), _identity(os.fstat(fd))
-        return mapped
+        st = os.fstat(fd)
+        shard: PrivateShard
+        if 0 < st.st_size <= READ_WHOLE_BYTES:
+            shard = PrivateRead(st.st_size, np.uint8)
+            if _read_into(fd, shard) != st.st_size:
+                return None
+        else:
+            shard = PrivateMap(fd, 0, access=mmap.ACCESS_COPY)
+        shard.path, shard.identity = os.path.abspath(path), _identity(st)
+        return shard
     except (OSError, ValueError):
         return None
     finally:
         os.close(fd)
 
 
-def _private_map(a: np.ndarray) -> PrivateMap | None:
-    """The `PrivateMap` array `a` is a view of, or None (bytes read whole, `map_tensors`)."""
+def _read_into(fd: int, buf: np.ndarray) -> int:
+    """Bytes read from `fd`'s start into `buf`, until it is full or the file ends."""
+    got, view = 0, buf.data
+    while got < len(buf):
+        n = os.preadv(fd, [view[got:]], got)
+        if n <= 0:
+            break
+        got += n
+    return got
+
+
+def _private_shard(a: np.ndarray) -> PrivateShard | None:
+    """The `PrivateShard` array `a` is a view of, or None (bytes read from a remote,
+    `map_tensors`)."""
     owner: object = a
-    while isinstance(owner, np.ndarray):
+    while isinstance(owner, np.ndarray) and not isinstance(owner, PrivateRead):
         owner = owner.base
     if isinstance(owner, memoryview):  # np.frombuffer's hold on the map
         owner = owner.obj
-    return owner if isinstance(owner, PrivateMap) else None
+    return owner if isinstance(owner, PrivateShard) else None
 
 
 def _writable(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Writable views of a `PrivateMap`'s read-only arrays (after the checks): what
+    """Writable views of a `PrivateShard`'s read-only arrays (after the checks): what
     `rolltool.packed.tensors.to_tensors` wraps a stored array in (a write copies the page
     written, never reaching the file), made once a shard instead of once for each array of
     each row (~1 us each: the map found through the array's bases, a view made)."""
@@ -251,7 +298,7 @@ _VIEW_DTYPES: dict[str, np.dtype[Any]] = {
 
 
 def _views(mapped: Any, head: ShardHeader, where: str) -> dict[str, np.ndarray]:
-    """`rolltool.format.shards.tensors_in` of a shard's whole bytes (a `PrivateMap`, or bytes),
+    """`rolltool.format.shards.tensors_in` of a shard's whole bytes (a `PrivateShard`, or bytes),
     one ``np.frombuffer`` per tensor: the same views, read-only. A tensor it does not take as it
     is (an offset outside the file, a size that is no whole number of its dtype, another dtype
     code, a malformed entry) sends the shard to `tensors_in`, which says why (or reads it)."""
@@ -510,7 +557,7 @@ class RowSource(NamedTuple):
     which the process that made this ran on the file `identity` names. A NamedTuple: made for
     every row, pickled for every DataLoader worker's item (~0.5 kB with it)."""
 
-    path: str  # the shard (absolute), as `_map_file` mapped it
+    path: str  # the shard (absolute), as `_open_local` opened it
     identity: FileIdentity  # that file's, when mapped (and checked)
     row: int  # its row in the shard
     recipe: RowRecipe
@@ -528,13 +575,13 @@ _REBUILT_LOCK = threading.Lock()  # the DataLoader's pin-memory thread unpickles
 
 def rebuild_row(source: RowSource) -> dict[str, np.ndarray]:
     """The row `source` names, made in this process as the process that checked it made it:
-    the shard mapped private here (the maps of the last few kept), the same views of it
-    (`_views`) and `RowRecipe.make`, no checks. A shard that is no longer the file checked
+    the shard read or mapped private here (`_open_local`; the last few kept), the same views
+    of it (`_views`) and `RowRecipe.make`, no checks. A shard that is no longer the file checked
     (another `FileIdentity`: replaced, rewritten, gone) is a `RolltoolError`, never other rows.
 
-    A shard mapped here is the file checked for as long as its map is kept: a file replaced
-    since leaves the map as it was (its old inode); only a write into the file itself reaches
-    a map, as for any reader of a memory-mapped file."""
+    A shard kept here is the file checked for as long as it is kept: a file replaced since
+    leaves it as it was (its old inode); only a write into the file itself reaches a map (a
+    shard over `READ_WHOLE_BYTES`), as for any reader of a memory-mapped file."""
     with _REBUILT_LOCK:
         kept = _REBUILT.get(source.path)
         if kept is None or kept[0] != source.identity:
@@ -571,7 +618,7 @@ def release_rebuilt_maps() -> None:
 
 
 def _remap(source: RowSource) -> dict[str, np.ndarray]:
-    mapped = _map_file(source.path)
+    mapped = _open_local(source.path)
     if mapped is None or mapped.identity != source.identity:
         was = dict(zip(("device", "inode", "size", "mtime_ns"), source.identity, strict=True))
         now = (
@@ -588,7 +635,7 @@ def _remap(source: RowSource) -> dict[str, np.ndarray]:
             f"checked it ({now}); its rows are not served",
             hint="do not rewrite or replace a packed directory while a trainer reads it; " + _HINT,
         )
-    return _views(mapped, header_of(mapped, source.path), source.path)  # type: ignore[arg-type]
+    return _views(mapped, header_of(mapped, source.path), source.path)
 
 
 @dataclass(frozen=True)
@@ -602,7 +649,7 @@ class RowRef:
 
 
 def sha256_of(data: Any) -> str:
-    """The hex sha256 of a shard's bytes (a `PrivateMap` or bytes read from a remote)."""
+    """The hex sha256 of a shard's bytes (a `PrivateShard` or bytes read from a remote)."""
     return hashlib.sha256(data).hexdigest()
 
 
@@ -642,8 +689,8 @@ class PackedReader:
         prime_allocator()
         self.verify: VerifyMode = verify
         self.location: Location = locate(path)
-        """Where the directory is (`rolltool.storage.fs`): local shards are memory-mapped, remote ones
-        (object storage) read whole."""
+        """Where the directory is (`rolltool.storage.fs`): local shards are read whole or
+        memory-mapped (`_open_local`), remote ones (object storage) read whole."""
         self.path = Path(path) if scheme(os.fspath(path)) is None else Path(self.location.path)
         self._remote: dict[str, int] | None = None
         """A remote directory's files and sizes, listed once on open."""
@@ -846,7 +893,7 @@ class PackedReader:
         for_tensors: bool = False,
     ) -> Iterator[tuple[dict[str, np.ndarray], RowSource | None]]:
         """`read_rows`' NumPy rows, each with its `RowSource`: where another process finds it
-        (`rebuild_row`); None for a shard in no `PrivateMap` (read whole from object storage,
+        (`rebuild_row`); None for a shard in no `PrivateShard` (read whole from object storage,
         or through `map_tensors`). ``for_tensors``: rows about to be wrapped as tensors
         (`rolltool.packed.tensors.to_tensors`), their stored arrays writable views of the
         private map (`_writable`)."""
@@ -855,7 +902,7 @@ class PackedReader:
         for ref in refs:
             if ref.file.path != path:
                 path, arrays = ref.file.path, self._open_shard(ref.file)
-                mapped = _private_map(arrays["row_offsets"])
+                mapped = _private_shard(arrays["row_offsets"])
                 if for_tensors and mapped is not None:
                     arrays = _writable(arrays)
             assert arrays is not None
@@ -909,17 +956,17 @@ class PackedReader:
         the manifest lists it for, its size, rows and values); ``verify="hash"``: its sha256 on
         the first read too.
 
-        A local shard is opened once: memory-mapped whole (`_map_file`), its header read from
-        the map, its arrays views of it (`_views`; a file that cannot be mapped as it is, empty
-        or unreadable, goes through `read_header` and `map_tensors`, which say why). A remote
-        one is read whole."""
+        A local shard is opened once: read whole or memory-mapped (`_open_local`), its header
+        read from those bytes, its arrays views of them (`_views`; a file that cannot be opened
+        so, empty or unreadable, goes through `read_header` and `map_tensors`, which say why).
+        A remote one is read whole."""
         where = self._shown(f.path)
-        mapped: Any = None  # the shard's bytes: a PrivateMap, or bytes read from a remote
+        mapped: Any = None  # the shard's bytes: a PrivateShard, or bytes read from a remote
         if self._remote is not None:
             mapped = self.location.read_bytes(f.path)
             head = header_of(mapped, where)
         else:
-            mapped = _map_file(where)
+            mapped = _open_local(where)
             head = read_header(self.path / f.path) if mapped is None else header_of(mapped, where)
         self._check_identity(f, head.meta)
         record = self.manifest.files[f.path]

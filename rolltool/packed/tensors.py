@@ -5,12 +5,12 @@ and the torch adapter (`rolltool.packed.torch_data`, for every item it yields); 
 other module of `rolltool.packed`. It imports torch, so the reader imports it only when asked
 for tensors: ``import rolltool`` and reading NumPy rows never load torch.
 
-**Copies.** Plain tensors copy nothing. Local shard files are mapped private (copy-on-write,
-`rolltool.packed.core.PrivateMap`): a stored array (``input_ids``, ``loss_mask``, ``logprobs``,
-``sample_index``) is wrapped as it lies in the map, and a write to its tensor copies the page
-written into this process's memory, never into the file or another read of it (the reader's
-NumPy views of the map stay read-only; a tensor and the NumPy row it was made from share that
-memory). Derived arrays are computed into fresh memory and wrapped. An array of a read-only
+**Copies.** Plain tensors copy nothing. Local shard files are held private to the process
+(`rolltool.packed.core.PrivateShard`: read whole into its memory, or over 4 MB mapped
+copy-on-write): a stored array (``input_ids``, ``loss_mask``, ``logprobs``, ``sample_index``)
+is wrapped as it lies there, and a write to its tensor changes this process's copy (a mapped
+page is copied first), never the file or another read of it (the reader's NumPy views stay
+read-only; a tensor and the NumPy row it was made from share that memory). Derived arrays are computed into fresh memory and wrapped. An array of a read-only
 map or of bytes read whole (a remote shard) is copied once. Pinned or shared, every array of a
 row is copied once into one buffer (see `to_tensors`).
 """
@@ -34,13 +34,14 @@ def _block(nbytes: int, *, pin: bool, shared: bool) -> torch.Tensor:
 
 def _wrappable(a: np.ndarray) -> np.ndarray:
     """`a` itself when writable (a derived array), a writable view of it when it lies in a
-    private copy-on-write map of a shard (`rolltool.packed.core.PrivateMap`: a write copies
-    the page, never reaches the file), else a copy (a read-only map, bytes read whole)."""
+    shard's bytes private to this process (`rolltool.packed.core.PrivateShard`: a copy-on-write
+    map, whose write copies the page, or the shard read whole into this process's memory: a
+    write never reaches the file), else a copy (a read-only map, bytes read whole)."""
     if a.flags.writeable:
         return a
     owner: object = a
-    while isinstance(owner, np.ndarray):
-        owner = owner.base
+    while isinstance(owner, np.ndarray) and not getattr(owner, "copy_on_write", False):
+        owner = owner.base  # up to the map's memoryview, or a shard read whole (PrivateRead)
     if isinstance(owner, memoryview):  # np.frombuffer's hold on the map
         owner = owner.obj
     if getattr(owner, "copy_on_write", False):

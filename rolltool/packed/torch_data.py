@@ -24,16 +24,17 @@ that says so, instead of torch's stack error.
 micro_batch + 1). ``state_dict()`` / ``load_state_dict()`` make the dataset ``Stateful`` for
 torchdata's ``StatefulDataLoader``, which saves and restores each worker's position.
 
-**Copies.** Shard files are memory-mapped private (copy-on-write): a plain item's tensors copy
-nothing, stored arrays (``input_ids``, ``loss_mask``, ``logprobs``, ``sample_index``) wrapped in
-the map (a write to one copies the page written, never reaching the file) and derived arrays
+**Copies.** Shard files are held private to the process (read whole, or over 4 MB mapped
+copy-on-write: `rolltool.packed.core.PrivateShard`): a plain item's tensors copy nothing,
+stored arrays (``input_ids``, ``loss_mask``, ``logprobs``, ``sample_index``) wrapped where they
+lie (a write to one changes the process's copy, never the file) and derived arrays
 computed into fresh memory (`rolltool.packed.tensors.to_tensors`). With ``pin_memory=True`` (no
 workers) every array is copied once into one pinned buffer per row, ready for ``.to(device,
 non_blocking=True)``; `prefetch` issues the next row's transfer while the current one is used.
 
 **Workers.** A worker's item crosses to the main process by reference (`WorkerItem`): the
 worker maps and checks the shard and makes the item; the DataLoader's queue carries where its
-row lies (~0.5 kB); the main process maps the same file private itself (kept per process),
+row lies (~0.5 kB); the main process reads or maps the same file itself (kept per process),
 refuses it if it is not the file the worker checked (device, inode, size, mtime) and makes the
 same tensors as a 0-worker read (`_rebuild`). No tensor goes through shared memory, whose
 fresh pages made two workers ~10x slower than none on the development VM; an item of a remote
@@ -95,9 +96,9 @@ class WorkerItem(MicroBatch):
     The DataLoader's queue pickles every worker item (torch's ``ForkingPickler``, which moves a
     tensor's storage into shared memory: fresh memory for every row, whose page faults made two
     workers ~10x slower than none on the development VM). This item pickles as its
-    `rolltool.packed.core.RowSource` (~0.5 kB): the main process maps the same shard private
+    `rolltool.packed.core.RowSource` (~0.5 kB): the main process reads the same shard private
     (kept per process) and makes the row as a 0-worker read does (`_rebuild`): the same
-    tensors, the stored arrays wrapped in the map, the derived ones computed again (~0.05-0.2 ms a
+    tensors, the stored arrays wrapped in its copy, the derived ones computed again (~0.05-0.2 ms a
     row; sent through the queue's pipe instead they cost the main process ~1.5-2.7 ms). A shard
     that is no longer the file the worker checked is refused there. An item changed in the
     worker after it was made (a key added or replaced, a tensor written by torch or through

@@ -212,13 +212,13 @@ def test_a_rank_reads_only_its_own_files(out: Path, monkeypatch: pytest.MonkeyPa
     import rolltool.packed.core as reader
 
     opened: list[Path] = []
-    real = reader._map_file  # where the reader opens and maps a local shard
+    real = reader._open_local  # where the reader opens (reads or maps) a local shard
 
     def spy(path: str | Path) -> Any:
         opened.append(Path(path))
         return real(path)
 
-    monkeypatch.setattr(reader, "_map_file", spy)
+    monkeypatch.setattr(reader, "_open_local", spy)
     ds = rolltool.open_packed(out)
     rows = sum(1 for _ in ds.torch_dataset(2))
     assert rows == len(_stream(ds, 2)) > len(set(opened))  # a shard is mapped once, not per row

@@ -44,7 +44,7 @@ def _shard(out: Path, padded: bool = False) -> tuple[Any, Any]:
     """The first shard of rank 1 (`padded`: the first with padding and samples)."""
     ds = rolltool.open_packed(out)
     for ref in ds.rank_rows(1):
-        mapped = core._map_file(out / ref.file.path)
+        mapped = core._open_local(out / ref.file.path)
         assert mapped is not None
         head = header_of(mapped, "shard")
         index = core._views(mapped, head, "shard")["sample_index"]
@@ -75,7 +75,7 @@ def test_views_are_tensors_in(out: Path) -> None:
         lambda: tensors_in(_read_only(mapped), head, "shard")
     )
     assert not any(a.flags.writeable for a in views.values())  # read-only views of the map
-    assert isinstance(mapped, core.PrivateMap) and mapped.copy_on_write
+    assert isinstance(mapped, core.PrivateRead) and mapped.copy_on_write  # a small shard, read
     assert set(core._VIEW_DTYPES) <= set(_DTYPES)
     assert all(np.dtype(_DTYPES[k]) == v for k, v in core._VIEW_DTYPES.items())
 

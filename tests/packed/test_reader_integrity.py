@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,26 @@ def pristine(tmp_path_factory: pytest.TempPathFactory, synth_table: pa.Table) ->
     pack(tmp / "in.parquet", tmp / "out", "--dp", DP, "--batch-size", 24, "--keep-last",
          "--micro-batch-tokens", 4096, "--shard-mb", 0.05)  # fmt: skip
     return tmp / "out"
+
+
+@pytest.fixture(autouse=True, params=["read", "mapped"])
+def opened_as(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Every test twice: the reader reading each shard whole (`core.PrivateRead`, as it does
+    these small ones) and mapping it (`core.PrivateMap`, as it does a shard over
+    `core.READ_WHOLE_BYTES`): the same refusals with the same messages either way."""
+    want = core.PrivateRead if request.param == "read" else core.PrivateMap
+    if request.param == "mapped":
+        monkeypatch.setattr(core, "READ_WHOLE_BYTES", 0)
+    real, opened = core._open_local, []
+
+    def spy(path: Any) -> Any:
+        shard = real(path)
+        opened.append(type(shard))
+        return shard
+
+    monkeypatch.setattr(core, "_open_local", spy)
+    yield request.param
+    assert all(kind in (want, type(None)) for kind in opened), opened
 
 
 @pytest.fixture
@@ -261,7 +281,7 @@ def test_hash_mode_hashes_the_bytes_it_serves_not_the_path(
     with safe_open(out / f.path, framework="numpy") as st:
         token = int(st.get_tensor("input_ids")[3])
     _poke(out / f.path, "input_ids", 3, token ^ 1)  # a valid token id: only a hash sees it
-    real = core._map_file
+    real = core._open_local
 
     def map_then_replace(path: Any) -> Any:
         mapped = real(path)
@@ -269,7 +289,7 @@ def test_hash_mode_hashes_the_bytes_it_serves_not_the_path(
             good.replace(out / f.path)
         return mapped
 
-    monkeypatch.setattr(core, "_map_file", map_then_replace)
+    monkeypatch.setattr(core, "_open_local", map_then_replace)
     with pytest.raises(RolltoolError, match=f"{f.path}: sha256 differs"):
         rolltool.open_packed(out, verify="hash").micro_batches(step, rank)
 
