@@ -20,12 +20,10 @@ with the torch dataset and resuming.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
+from _child import run_child
 from open import packed_dir
 
 HERE = Path(__file__).resolve().parent
@@ -58,9 +56,10 @@ print(json.dumps({{"manifest": median_ms(lambda: Manifest.loads(raw)),
 
 
 def measure(tree: Path, path: Path, repeats: int) -> dict[str, float]:
-    code = _CHILD.format(tree=str(tree), path=str(path), repeats=repeats)
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    got: dict[str, float] = run_child(
+        _CHILD.format(tree=str(tree), path=str(path), repeats=repeats)
+    )
+    return got
 
 
 def main() -> None:
