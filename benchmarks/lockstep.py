@@ -3,12 +3,21 @@
 Run:  python benchmarks/lockstep.py                 (a few minutes; --quick: 3 seeds, 3 sigmas)
       python benchmarks/lockstep.py --sigmas 0.6,0.9 --seeds 5
       python benchmarks/lockstep.py --save new.json --compare old.json   (step by step)
+      python benchmarks/lockstep.py --mixed --save new.json --compare old.json
+
+Two trees: run it on each (``PYTHONPATH=TREE``, from a folder outside both, or from each tree's
+``benchmarks`` folder) and ``--compare`` the second with the first's ``--save``: how many steps
+changed, and every step costlier under any of the three models or with another micro-batch
+count (a changed plan must be neither).
 
 Agent regime: dp 8 x 128 samples, log-normal lengths (median 6,000 tokens, sigma 0.6 ... 1.2),
 rounded and clipped to [200, 32,768], max_tokens 32,768, costs flops(dense-7b). Synth regime:
-dp 8 x 1,024 samples from synth_lengths. Lockstep overhead = Σ_j max_r cost(r, j) / (Σ cost / dp),
-scored on the planning model and on the same model with its L² coefficient x0.5 and x2 (the
-plan is made on the planning model only). Plan times are CPU-time medians (one core).
+dp 8 x 1,024 samples from synth_lengths. With ``--mixed``, also `plan_hashes.py`'s 200 mixed
+steps (dp 2-16, 4-256 samples per rank, caps 4,096-32,768, FLOPs or token costs), each scored
+on its own workload (no aim is set for them: a table, and the step-by-step comparison).
+Lockstep overhead = Σ_j max_r cost(r, j) / (Σ cost / dp), scored on the planning model and on
+the same model with its L² coefficient x0.5 and x2 (the plan is made on the planning model
+only). Plan times are CPU-time medians (one core).
 
 "lower bound": no plan can do better, whatever its micro-batch count (`lower_bound`). A bin
 whose longest sample is l holds at most cap tokens, so it costs at most U(l) = a·cap + b·(l² +
@@ -75,16 +84,18 @@ def lower_bound(lengths: np.ndarray, wl: Workload, dp: int, cap: int) -> float:
     return best[-1] / dp / ideal
 
 
-def run(lengths: np.ndarray, wl: Workload) -> dict[str, float]:
+def run(lengths: np.ndarray, wl: Workload, dp: int = DP, cap: int = CAP) -> dict[str, float]:
+    """One step planned (lockstep, ``max_tokens=cap``): its plan CPU ms, micro-batches past
+    FFD's (``dM``), and per model its lockstep overhead (``x1.0`` ...) and lower bound."""
     t = time.process_time()
-    plan = plan_step(lengths, dp=DP, max_tokens=CAP, workload=wl)
+    plan = plan_step(lengths, dp=dp, max_tokens=cap, workload=wl)
     ms = (time.process_time() - t) * 1e3
     out = {"ms": ms, "dM": plan.num_micro_batches - (plan.ffd_micro_batches or 0)}
     for f in SCALES:
         scored = dataclasses.replace(wl, b=wl.b * f)
         x = metrics.grid_costs(plan.micro_batches, scored.cost(lengths))
         out[f"x{f}"] = metrics.lockstep_overhead(x)
-        out[f"lb{f}"] = 1.0 + lower_bound(lengths, scored, DP, CAP)
+        out[f"lb{f}"] = 1.0 + lower_bound(lengths, scored, dp, cap)
     return out
 
 
@@ -159,6 +170,7 @@ def main() -> None:
     parser.add_argument("--sigmas", default="0.6,0.7,0.8,0.9,1.0,1.1,1.2")
     parser.add_argument("--seeds", type=int, default=20, help="agent steps per sigma")
     parser.add_argument("--synth-seeds", type=int, default=5, help="synth steps (dp 8 x 1,024)")
+    parser.add_argument("--mixed", action="store_true", help="also plan_hashes.py's mixed steps")
     parser.add_argument("--save", help="write every step's scores to this JSON file")
     parser.add_argument("--compare", help="compare step by step with a --save'd JSON file")
     args = parser.parse_args()
@@ -184,6 +196,12 @@ def main() -> None:
     targets(every, "agent")
     if synth["synth"]:
         targets(table(synth, f"synth steps (dp {DP} x 1,024, synth_lengths)"), "synth")
+    if args.mixed:
+        from plan_hashes import regimes  # plan_hashes imports this module: not at the top
+
+        mixed = {"mixed": [run(length, w, dp, cap) for length, dp, cap, w in regimes()["mixed"]]}
+        table(mixed, "mixed steps (plan_hashes.py: dp 2-16, caps 4,096-32,768, FLOPs or tokens)")
+        synth |= mixed
     if args.save:
         with open(args.save, "w") as f:
             json.dump({**rows, **synth}, f)
