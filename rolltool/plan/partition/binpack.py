@@ -10,6 +10,9 @@ tokens in a bin.
   still has room for it; ``None`` when some item fits nowhere. Equal-cost bins are what lockstep
   execution wants; the cap is respected first.
 
+* ``first_fit_fits``: whether FFD (any first fit) needs at most ``bins`` bins, from the free
+  space alone: the planner's FFD count without the FFD, where it is the token bound's.
+
 * ``split_tokens``: exactly ``bins`` bins balanced by *tokens* (LPT or Karmarkar-Karp, the peers'
   way), ``None`` when a bin ends up over the cap. At a tight cap an even token split can fit where
   neither FFD nor cost-balanced packing does (the count search in ``plan.py`` tries all three).
@@ -76,6 +79,32 @@ def ffd(tokens: np.ndarray, cap: int) -> tuple[np.ndarray, int]:
                 break
             free[node] = room
     return np.array(labels, dtype=np.int64), opened
+
+
+def first_fit_fits(tokens: np.ndarray, cap: int, bins: int) -> bool:
+    """Whether first fit puts ``[n]`` tokens (in this order, each <= cap) into at most ``bins``
+    bins, mostly told by the free space alone: before item j the bins have
+    ``bins · cap - (tokens before j)`` free tokens in all, and when that is more than
+    ``bins · (t_j - 1)`` some bin has ``t_j`` free (pigeonhole): item j cannot open bin
+    ``bins + 1``. The items where that does not hold are packed (``ffd``) up to the last of them
+    when they are among the first quarter (a few samples as long as the cap, typically): if
+    those fit the bins, the rest cannot fail. False: it may or may not fit (the caller runs
+    ``ffd``). So the planner has FFD's count, where it is the token bound's, without its FFD.
+
+    Example: tokens 7, 5, 3, 2 into 2 bins of 10: free before each 20, 13, 8, 5 > 12, 8, 4, 2:
+    True (FFD: {7, 3}, {5, 2}). Tokens 10, 10, 2, 2, 2, 1, 1, 1 into 3 bins of 10: free 30, 20,
+    10, 8, 6, 4, 3, 2 against 27, 27, 3, 3, 3, 0, 0, 0: only the second 10 is unsure; packed,
+    the two 10s take 2 bins <= 3: True. Tokens 6, 6, 6 into 2 bins of 10: False (FFD needs 3).
+    """
+    if bins < 1:
+        return len(tokens) == 0
+    t = np.asarray(tokens, dtype=np.int64)
+    before = np.cumsum(t) - t  # tokens placed before each item
+    unsure = np.flatnonzero(bins * cap - before <= bins * (t - 1))
+    if not len(unsure):
+        return True
+    upto = int(unsure[-1]) + 1
+    return upto <= len(t) // 4 and ffd(t[:upto], cap)[1] <= bins
 
 
 LINEAR_UP_TO = 40

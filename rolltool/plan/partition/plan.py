@@ -46,7 +46,7 @@ from rolltool.plan.partition.balance import (
     refined_and_lpt_labels,
     split_labels,
 )
-from rolltool.plan.partition.binpack import ffd, pack_balanced, split_tokens
+from rolltool.plan.partition.binpack import ffd, first_fit_fits, pack_balanced, split_tokens
 from rolltool.plan.partition.metrics import ALIGNS
 from rolltool.plan.partition.polish import ROBUST_SCALES, polish
 from rolltool.plan.partition.resplit import resplit
@@ -303,14 +303,20 @@ def _lockstep_grid(
         order = descending_order(length)
     cs, ts = cost[order], length[order]
     min_m = max(1, -(-int(length.sum()) // (dp * cap)))
-    ffd_labels, ffd_bins = ffd(ts, cap)
-    ffd_m = max(1, -(-ffd_bins // dp))
+    ffd_labels: np.ndarray | None = None
+    if first_fit_fits(ts, cap, dp * min_m):  # FFD needs at most the bound's bins: its count
+        ffd_m = min_m  # (~10% of a synth step's plan: the FFD of 1,024 samples, not run)
+    else:
+        ffd_labels, ffd_bins = ffd(ts, cap)
+        ffd_m = max(1, -(-ffd_bins // dp))
     found = _fewest_bins(cs, ts, cap, dp, min_m, ffd_m - 1)
-    m, labels, balanced = found if found is not None else (ffd_m, ffd_labels, False)
     if found is None:
         balanced_ffd = pack_balanced(cs, ts, cap, dp * ffd_m)
         if balanced_ffd is not None:
-            labels, balanced = balanced_ffd, True
+            found = ffd_m, balanced_ffd, True
+        else:  # FFD's own bins
+            found = ffd_m, ffd(ts, cap)[0] if ffd_labels is None else ffd_labels, False
+    m, labels, balanced = found
     grid = _robust(bins_to_slots(labels, order, cost, dp, m), length, cost, cap, seen, order)
     if not balanced:
         # no cost-balanced packing at m: one more micro-batch if that steps faster by WIDER_GAIN
