@@ -142,15 +142,17 @@ def pack_balanced(costs: np.ndarray, tokens: np.ndarray, cap: int, bins: int) ->
     if n == 0:
         return np.empty(0, dtype=np.int64)
     ts = tokens.tolist()
-    # smallest token count still to come: a bin with less room than that is closed for good
-    rest_min = np.minimum.accumulate(tokens[::-1])[::-1].tolist()
+    # a bin with less room than the shortest item is closed for good (one bound for every item,
+    # not the shortest still to come: a waiting bin comes back only for an item that fits it,
+    # so a looser bound gives the same labels, and the items come longest first anyway)
+    least = int(np.minimum.reduce(tokens))
     ready = [(0.0, b) for b in range(bins)]  # (cost so far, bin): bins with room for the item
     waiting: list[tuple[int, float, int]] = []  # (-room, cost so far, bin)
     room = [cap] * bins
     labels: list[int] = []
     put = labels.append
     pop, push, replace = heapq.heappop, heapq.heappush, heapq.heapreplace
-    for c, t, least in zip(costs.tolist(), ts, rest_min, strict=True):
+    for c, t in zip(costs.tolist(), ts, strict=True):
         while waiting and -waiting[0][0] >= t:
             _, load, b = pop(waiting)
             push(ready, (load, b))

@@ -636,11 +636,14 @@ def _rank_first_grids(
         order = descending_order(length)
     orders = [order[p] for p in split_labels(rank[order], dp)]
     by_rank = np.concatenate(orders)
-    per_rank_tokens = [int(length[o].sum()) for o in orders]
-    min_m = max(1, max(-(-t // cap) for t in per_rank_tokens))
-    ffds = [ffd(length[o], cap) for o in orders]
+    # each rank's lengths and costs: views of one gather, cut at the ranks' ends
+    ends = np.cumsum([len(o) for o in orders]).tolist()
+    by_rank_length, by_rank_cost = length[by_rank], cost[by_rank]
+    lengths = [by_rank_length[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]
+    costs = [by_rank_cost[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]
+    min_m = max(1, max(-(-int(np.add.reduce(x)) // cap) for x in lengths))
+    ffds = [ffd(x, cap) for x in lengths]
     ffd_m = max(1, max(b for _, b in ffds))
-    by_rank_cost = cost[by_rank]
 
     def grid_of(m: int, packed: list[np.ndarray]) -> tuple[Grid, int, int]:
         # every rank's bins at once: bin r·m + label, each rank's bins costliest first
@@ -655,25 +658,25 @@ def _rank_first_grids(
     for packing in packings:
         balanced = None
         if packing == "balanced":
-            balanced = _pack_ranks_balanced(cost, length, orders, cap, min_m, ffd_m)
+            balanced = _pack_ranks_balanced(costs, lengths, cap, min_m, ffd_m)
         plans.append(grid_of(*balanced) if balanced is not None
                      else grid_of(ffd_m, [labels for labels, _ in ffds]))  # fmt: skip
     return plans
 
 
 def _pack_ranks_balanced(
-    cost: np.ndarray,
-    length: np.ndarray,
-    orders: list[np.ndarray],
+    costs: list[np.ndarray],
+    lengths: list[np.ndarray],
     cap: int,
     min_m: int,
     max_m: int,
 ) -> tuple[int, list[np.ndarray]] | None:
     """The fewest bins per rank, from ``min_m`` to ``max_m``, into which every rank's samples
-    (``orders[r]``, longest first) fit, each rank by balanced packing or else by a token split
-    (``_fewest_bins``), with each rank's bin labels; ``None`` if none fits (then FFD's)."""
+    (``costs[r]`` and ``lengths[r]``, longest first) fit, each rank by balanced packing or else
+    by a token split (``_fewest_bins``), with each rank's bin labels; ``None`` if none fits
+    (then FFD's)."""
     for m in range(min_m, max_m + 1):
-        packed = [_fewest_bins(cost[o], length[o], cap, 1, m, m) for o in orders]
+        packed = [_fewest_bins(c, x, cap, 1, m, m) for c, x in zip(costs, lengths, strict=True)]
         if all(p is not None for p in packed):
             return m, [cast(tuple[int, np.ndarray, bool], p)[1] for p in packed]
     return None
