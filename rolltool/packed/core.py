@@ -574,9 +574,10 @@ _REBUILT_LOCK = threading.Lock()  # the DataLoader's pin-memory thread unpickles
 
 
 def rebuild_row(source: RowSource) -> dict[str, np.ndarray]:
-    """The row `source` names, made in this process as the process that checked it made it:
-    the shard read or mapped private here (`_open_local`; the last few kept), the same views
-    of it (`_views`) and `RowRecipe.make`, no checks. A shard that is no longer the file checked
+    """The row `source` names, made in this process as the process that checked it made it
+    (for tensors, `PackedReader.sourced_rows`): the shard read or mapped private here
+    (`_open_local`; the last few kept), the same writable views of it (`_views`, `_writable`)
+    and `RowRecipe.make`, no checks. A shard that is no longer the file checked
     (another `FileIdentity`: replaced, rewritten, gone) is a `RolltoolError`, never other rows.
 
     A shard kept here is the file checked for as long as it is kept: a file replaced since
@@ -635,7 +636,7 @@ def _remap(source: RowSource) -> dict[str, np.ndarray]:
             f"checked it ({now}); its rows are not served",
             hint="do not rewrite or replace a packed directory while a trainer reads it; " + _HINT,
         )
-    return _views(mapped, header_of(mapped, source.path), source.path)
+    return _writable(_views(mapped, header_of(mapped, source.path), source.path))
 
 
 @dataclass(frozen=True)
@@ -876,13 +877,14 @@ class PackedReader:
         """The rows `refs` point to, in order; a shard is mapped (and checked) once while
         consecutive refs stay in it. ``torch=True``: tensors (`rolltool.packed.tensors`).
         ``sp_rank`` / ``cp_rank``: that GPU's view of each row (see `gpu_view`)."""
-        to_tensors: Callable[[dict[str, np.ndarray]], dict[str, Any]] | None = None
+        to_tensors: Callable[..., dict[str, Any]] | None = None
         if torch:
             # below this module; imported here, not on top, because it imports torch
             from rolltool.packed.tensors import to_tensors
         rows = self.sourced_rows(refs, sp_rank=sp_rank, cp_rank=cp_rank, for_tensors=torch)
-        for row, _ in rows:
-            yield to_tensors(row) if to_tensors is not None else row
+        for row, source in rows:
+            # a row of a shard private to this process (source) is writable throughout
+            yield row if to_tensors is None else to_tensors(row, writable=source is not None)
 
     def sourced_rows(
         self,

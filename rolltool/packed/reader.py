@@ -79,9 +79,10 @@ class PackedDataset(PackedReader):
     ) -> RankRows:
         """Rank `rank`'s rows from (start_step, start_micro_batch) on as a torch
         ``IterableDataset`` of `rolltool.packed.torch_data.MicroBatch` dicts (tensors, plus ints
-        ``step`` and ``micro_batch``): use ``DataLoader(..., batch_size=None)``; any
-        ``num_workers`` gives the same order; ``state_dict``/``load_state_dict`` resume it
-        (see `rolltool.packed.torch_data.RankRows`). ``sp_rank`` / ``cp_rank``: one GPU's view."""
+        ``step`` and ``micro_batch``): use ``DataLoader(..., batch_size=None,
+        collate_fn=rolltool.packed.torch_data.as_is)``; any ``num_workers`` gives the same
+        order; ``state_dict``/``load_state_dict`` resume it (see
+        `rolltool.packed.torch_data.RankRows`). ``sp_rank`` / ``cp_rank``: one GPU's view."""
         # below this module; imported here, not on top, because it imports torch
         from rolltool.packed.torch_data import RankRows
 

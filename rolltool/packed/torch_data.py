@@ -5,9 +5,9 @@ and on `rolltool.packed.tensors.to_tensors`; the reader never imports this modul
 ``ds.torch_dataset(rank)`` (`rolltool.packed.reader.PackedDataset`, the layer above) makes a
 `RankRows`, importing this module then: ``import rolltool`` and the CLI never import torch.
 
->>> data = ds.torch_dataset(rank, start_step=12)               # doctest: +SKIP
->>> loader = DataLoader(data, batch_size=None, num_workers=2)  # each item is one micro-batch
->>> for mb in prefetch(loader, "cuda"):                         # next one's copy in flight
+>>> data = ds.torch_dataset(rank, start_step=12)                 # doctest: +SKIP
+>>> loader = DataLoader(data, batch_size=None, collate_fn=as_is)  # each item is one micro-batch
+>>> for mb in prefetch(loader, "cuda"):                           # next one's copy in flight
 ...     mb["step"], mb["micro_batch"], mb["input_ids"], mb["cu_seqlens"], ...
 
 **Order.** A rank's *stream* is its rows in (step, micro_batch) order (`PackedDataset.rank_rows`).
@@ -16,8 +16,10 @@ stream, so the DataLoader's in-order round robin gives exactly the single-proces
 W = 2 and rows r0..r4, worker 0 yields r0 r2 r4, worker 1 yields r1 r3, the loader r0 r1 r2 r3 r4.
 
 **Batching.** Every item is already a packed micro-batch of its own length: use
-``batch_size=None``. The default ``batch_size=1`` (or any other) is refused with a ValueError
-that says so, instead of torch's stack error.
+``batch_size=None``, and ``collate_fn=as_is``, which hands each item on as it is (without it
+torch's ``default_convert`` copies every item's dict and visits each of its 14 values: ~10-25
+us a row, a tenth of a 0-worker pass over ~27k-token rows). The default ``batch_size=1`` (or
+any other) is refused with a ValueError that says so, instead of torch's stack error.
 
 **Resume.** ``start_step=`` / ``start_micro_batch=`` start the stream anywhere (the rows of
 (s, j) onward, with any number of workers): resume at the last consumed item's (step,
@@ -170,7 +172,7 @@ def _rebuild(source: RowSource, keys: tuple[str, ...], step: int, micro_batch: i
     try:
         row = rebuild_row(source)
         item = MicroBatch(step=step, micro_batch=micro_batch)
-        item.update(to_tensors(row))
+        item.update(to_tensors(row, writable=True))
         if tuple(item) != keys:  # pragma: no cover - one recipe makes both: a bug
             raise AssertionError(f"rebuilt {tuple(item)}, the worker made {keys}")
     except Exception:
@@ -195,6 +197,16 @@ def _register_refusal() -> None:
 
 
 _register_refusal()
+
+
+def as_is(item: Any) -> Any:
+    """The DataLoader's ``collate_fn`` for `RankRows` (with ``batch_size=None``): each item
+    handed on as it is, already a micro-batch of tensors (the default, ``default_convert``,
+    copies its dict and visits every value). A batch (a list of items: any ``batch_size``) is
+    refused with the sentence the default collate's refusal gives."""
+    if not isinstance(item, MicroBatch):
+        _refuse_batching(item)
+    return item
 
 
 class RankRows(IterableDataset[MicroBatch]):
@@ -264,11 +276,14 @@ class RankRows(IterableDataset[MicroBatch]):
         )
         for ref, (row, source) in zip(refs, rows, strict=True):
             item: MicroBatch
+            # a row of a shard private to this process (source) is writable throughout
             if shared and source is not None:
-                item = WorkerItem.of(ref.step, ref.micro_batch, to_tensors(row), source)
+                tensors = to_tensors(row, writable=True)
+                item = WorkerItem.of(ref.step, ref.micro_batch, tensors, source)
             else:
                 item = MicroBatch(step=ref.step, micro_batch=ref.micro_batch)
-                item.update(to_tensors(row, pin_memory=self.pin_memory, shared=shared))
+                pin, mine = self.pin_memory, source is not None
+                item.update(to_tensors(row, pin_memory=pin, shared=shared, writable=mine))
             self._next += stride  # before yielding: state_dict() now names the next row
             yield item
 

@@ -199,13 +199,33 @@ def test_stateful_dataloader(out: Path, workers: int) -> None:
         assert seen + _keys(again) == stream
 
 
+@pytest.mark.parametrize("collate", ["default", "as_is"])
 @pytest.mark.parametrize("batch_size", [1, 2])  # 1: DataLoader's default
-def test_a_batch_size_is_refused_with_a_sentence(out: Path, batch_size: int) -> None:
+def test_a_batch_size_is_refused_with_a_sentence(out: Path, batch_size: int, collate: str) -> None:
     # (in a worker the same collate raises; torch re-raises it naming the worker, but a loader
     # whose worker failed takes ~5 s to shut down, too slow for this suite)
     ds = rolltool.open_packed(out)
+    kw = {"collate_fn": torch_data.as_is} if collate == "as_is" else {}
     with pytest.raises(ValueError, match=r"use DataLoader\(\.\.\., batch_size=None\)"):
-        next(iter(DataLoader(ds.torch_dataset(0), batch_size=batch_size)))
+        next(iter(DataLoader(ds.torch_dataset(0), batch_size=batch_size, **kw)))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_as_is_hands_on_the_items_the_default_would(out: Path, workers: int) -> None:
+    """``collate_fn=as_is`` (the recipe) gives the items of the default ``default_convert``:
+    the same MicroBatch keys, ints and tensors, in the same order."""
+    ds = rolltool.open_packed(out)
+    plain = list(DataLoader(ds.torch_dataset(1), batch_size=None))
+    kept = list(
+        DataLoader(ds.torch_dataset(1), batch_size=None, num_workers=workers,
+                   collate_fn=torch_data.as_is)
+    )  # fmt: skip
+    assert len(kept) == len(plain) == len(_stream(ds, 1)) > 0
+    for a, b in zip(kept, plain, strict=True):
+        assert type(a) is torch_data.MicroBatch and list(a) == list(b)
+        assert all(
+            torch.equal(x, b[k]) if isinstance(x, torch.Tensor) else x == b[k] for k, x in a.items()
+        )
 
 
 def test_a_rank_reads_only_its_own_files(out: Path, monkeypatch: pytest.MonkeyPatch) -> None:

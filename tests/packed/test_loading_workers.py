@@ -15,6 +15,7 @@ import os
 import pickle
 import re
 import shutil
+import warnings
 from collections.abc import Iterator
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
@@ -121,6 +122,30 @@ def test_two_workers_give_the_tensors_of_none(
             assert not any(t.is_shared() for x in got for t in x.values() if torch.is_tensor(t))
             served += len(got)
     assert len(rebuilt) == served > 0  # every item came by reference, none through shared memory
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_rows_made_for_tensors_are_writable_throughout(packs: dict[str, Path], layout: str) -> None:
+    """What ``to_tensors(row, writable=True)`` relies on when it wraps a row without looking:
+    every array of every row (each GPU view) made for tensors from a local shard is writable,
+    in the process that checked it and as the main process rebuilds it; torch never warns."""
+    from rolltool.packed.core import rebuild_row
+
+    ds = rolltool.open_packed(packs[layout])
+    rows = 0
+    for view in LAYOUTS[layout][2]:
+        refs = ds.rank_rows(0)
+        for row, source in ds.sourced_rows(refs, for_tensors=True, **view):
+            assert source is not None
+            again = rebuild_row(source)
+            assert list(again) == list(row)
+            for made in (row, again):
+                assert [k for k, a in made.items() if not a.flags.writeable] == []
+            rows += 1
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # torch warns when it wraps a read-only array
+            assert len(list(ds.torch_dataset(0, **view))) == len(refs)
+    assert rows > 0
 
 
 class _ReplaceShard(IterableDataset[Any]):
