@@ -324,14 +324,16 @@ def _listed(
     segments: list[_Segment], sub: _Subsets, slot: np.ndarray, chunk: int
 ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
     """The candidate trades of ``segments`` (h, b, X, Y), in order, in pieces of about
-    ``chunk`` (whole queries: at least one, however many candidates it has): the other slots'
-    bins kept where Y's interval reaches the query's window and b is in another slot."""
+    ``chunk`` (whole queries, of one segment or several: at least one, however many candidates
+    it has): the other slots' bins kept where Y's interval reaches the query's window and b
+    is in another slot."""
+    pieces: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+    room = chunk
     for seg in segments:
         ends = np.cumsum(seg.n)
-        a = 0
-        while a < len(seg.n):
-            done = int(ends[a - 1]) if a else 0
-            z = max(int(np.searchsorted(ends, done + chunk, side="right")), a + 1)
+        a, done = 0, 0
+        while done < (int(ends[-1]) if len(ends) else 0):
+            z = max(int(np.searchsorted(ends, done + room, side="right")), a + 1)
             n = seg.n[a:z]
             cq = np.repeat(np.arange(a, z), n)
             at = concat_ranges(seg.lo[a:z], n)
@@ -341,8 +343,24 @@ def _listed(
             if seg.floor is not None and seg.upper is not None:
                 ok = (slot[cb] != slot[ch]) & (seg.upper[cy] >= seg.floor[cq])
                 cq, cy, cb, ch = cq[ok], cy[ok], cb[ok], ch[ok]
-            yield ch, cb, seg.x[cq], cy
-            a = z
+            pieces.append((ch, cb, seg.x[cq], cy))
+            room -= int(ends[z - 1]) - done
+            a, done = z, int(ends[z - 1])
+            if room <= 0:
+                yield _joined(pieces)
+                pieces, room = [], chunk
+    if pieces:
+        yield _joined(pieces)
+
+
+def _joined(
+    pieces: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The pieces' (h, b, X, Y) laid end to end, in order."""
+    if len(pieces) == 1:
+        return pieces[0]
+    ch, cb, cx, cy = (np.concatenate([p[i] for p in pieces]) for i in range(4))
+    return ch, cb, cx, cy
 
 
 def _windows(
