@@ -11,6 +11,9 @@ alternated ``--rounds`` times, and prints per round the median over ``--repeats`
   json ms         ``json.loads`` of the same bytes alone: the floor under the decode
   first row ms    ``rolltool.open_packed(path)`` and rank 0's first row (NumPy views, every
                   check on), warm page cache
+  resume ms       a fresh ``open_packed(path).torch_dataset(0)``, ``load_state_dict`` of a state
+                  saved halfway through rank 0, and its first item (no DataLoader; torch
+                  imported after the columns above, which it would otherwise move)
 
 CPU time of the process (``time.process_time``), not wall time: on a shared machine other jobs
 move wall time more than the code does. ``open.py`` measures the same first row in wall time,
@@ -49,9 +52,23 @@ def median_ms(fn):
         times.append(time.process_time() - t)
     return sorted(times)[len(times) // 2] * 1e3
 
-print(json.dumps({{"manifest": median_ms(lambda: Manifest.loads(raw)),
-                  "json": median_ms(lambda: json.loads(raw)),
-                  "first_row": median_ms(first_row)}}))
+got = {{"manifest": median_ms(lambda: Manifest.loads(raw)),
+       "json": median_ms(lambda: json.loads(raw)),
+       "first_row": median_ms(first_row)}}
+import torch  # noqa: F401  (imported here, outside the timed calls)
+data = rolltool.open_packed(path).torch_dataset(0)
+it = iter(data)
+for _ in range(len(data) // 2):
+    next(it)
+state = data.state_dict()
+
+def resume():
+    data = rolltool.open_packed(path).torch_dataset(0)
+    data.load_state_dict(state)
+    return next(iter(data))
+
+got["resume"] = median_ms(resume)
+print(json.dumps(got))
 """
 
 
@@ -76,19 +93,20 @@ def main() -> None:
         for tree in trees:
             got[tree].append(measure(tree, path, args.repeats))
     width = max(len(str(t)) for t in trees)
-    print(
-        f"{'tree':{width}}  {'manifest ms':>20}  {'json ms':>17}  {'first row ms':>20}  (per round)"
+    keys, heads = (
+        ("manifest", "json", "first_row", "resume"),
+        ("manifest", "json", "first row", "resume"),
     )
+    print(f"{'tree':{width}}  " + "  ".join(f"{h + ' ms':>20}" for h in heads) + "  (per round)")
     for tree, rounds in got.items():
-        cols = [
-            " / ".join(f"{r[k]:.1f}" for r in rounds) for k in ("manifest", "json", "first_row")
-        ]
-        print(f"{tree!s:{width}}  {cols[0]:>20}  {cols[1]:>17}  {cols[2]:>20}")
-        mid = {
-            k: statistics.median(r[k] for r in rounds) for k in ("manifest", "json", "first_row")
-        }
-        print(f"{'':{width}}  median: manifest {mid['manifest']:.1f}, json {mid['json']:.1f}, "
-              f"first row {mid['first_row']:.1f} ms")  # fmt: skip
+        cols = [" / ".join(f"{r[k]:.1f}" for r in rounds) for k in keys]
+        print(f"{tree!s:{width}}  " + "  ".join(f"{c:>20}" for c in cols))
+        mid = {k: statistics.median(r[k] for r in rounds) for k in keys}
+        print(
+            f"{'':{width}}  median: "
+            + ", ".join(f"{h} {mid[k]:.1f}" for k, h in zip(keys, heads, strict=True))
+            + " ms"
+        )
 
 
 if __name__ == "__main__":

@@ -4,23 +4,25 @@
 
 Packs a synth dataset (cached under /tmp, shared with the other benchmarks) with --dp 2, warms
 the page cache, then times one full pass over rank 0's rows per variant:
-  numpy views        ds.rank_iter(0): stored arrays are views of the mapped file (no copy),
-                     derived ones (position_ids, advantages, loss_weight, cu_seqlens) computed
-  copy every array   the reader's torch=True before rolltool.packed.torch_data: np.array(v) of every
-                     field, then torch.from_numpy (derived arrays copied a second time)
-  torch_dataset      iterating ds.torch_dataset(0): every array wrapped (stored ones in the
-                     shard's private copy-on-write map), none copied
-  DataLoader W=0     the same through DataLoader(batch_size=None)
-  DataLoader W=k     k workers; tensors allocated in shared memory, so the hand-over to the main
-                     process copies nothing
-  W=k private        the same with ordinary tensors: torch moves each into shared memory when it
-                     crosses the process boundary (one more copy of every array)
+  numpy views        ds.rank_iter(0): stored arrays are views of the shard's bytes (read whole,
+                     or mapped over 4 MB: no copy), derived ones (position_ids, advantages,
+                     loss_weight, cu_seqlens, targets) computed
+  copy every array   np.array(v) of every field, then torch.from_numpy (what a reader that
+                     copies would cost)
+  torch_dataset      iterating ds.torch_dataset(0) itself (0 workers need no DataLoader): every
+                     array wrapped (stored ones where they lie in the shard's private bytes)
+  DataLoader W=0     the same through DataLoader(batch_size=None, collate_fn=as_is), the
+                     documented recipe (rolltool.packed.torch_data.as_is)
+  default collate    DataLoader(batch_size=None) alone: torch's default_convert copies each item
+  DataLoader W=k     k workers (the recipe): each item crosses by reference, the main process
+                     makes its tensors again from the same shard
   pinned W=0         ds.torch_dataset(0, pin_memory=True): the one copy lands in pinned memory
   pinned W=k         DataLoader(pin_memory=True) pins the workers' tensors (a second copy)
   + prefetch cuda    rolltool.packed.torch_data.prefetch(loader, "cuda"): the next row's transfer in
                      flight while the current one is handed out (synchronised at the end)
 The pinned and cuda rows need an accelerator and print "-" without one. Prints rows/s, tokens/s
-GB/s of stored bytes (9 per token) for the median pass, and its time to the first row.
+GB/s of stored bytes (9 per token) for the median pass, and its time to the first row; the
+passes are wall time (`read_cpu.py` measures CPU time, each reader in a fresh process).
 """
 
 from __future__ import annotations
@@ -64,26 +66,14 @@ def copy_every_array(ds: Any) -> Iterable[Any]:
         yield {k: torch.from_numpy(np.array(v)) for k, v in row.items()}
 
 
-def private_tensors(row: dict[str, np.ndarray], **kw: Any) -> dict[str, torch.Tensor]:
-    return _to_tensors(row, pin_memory=kw.get("pin_memory", False), shared=False)
-
-
-_to_tensors = torch_data.to_tensors
-
-
 def variants(ds: Any, workers: int) -> dict[str, Callable[[], Iterable[Any]] | None]:
     cuda = torch.cuda.is_available()
+    as_is = torch_data.as_is
 
     def loader(**kw: Any) -> Callable[[], Iterable[Any]]:
         pin = kw.pop("pin_dataset", False)
+        kw.setdefault("collate_fn", as_is)
         return lambda: DataLoader(ds.torch_dataset(0, pin_memory=pin), batch_size=None, **kw)
-
-    def private() -> Iterable[Any]:
-        torch_data.to_tensors = private_tensors  # type: ignore[assignment]  # forked workers see it
-        try:
-            yield from DataLoader(ds.torch_dataset(0), batch_size=None, num_workers=workers)
-        finally:
-            torch_data.to_tensors = _to_tensors
 
     def prefetched() -> Iterable[Any]:
         yield from torch_data.prefetch(loader(pin_dataset=True)(), "cuda")
@@ -94,8 +84,8 @@ def variants(ds: Any, workers: int) -> dict[str, Callable[[], Iterable[Any]] | N
         "copy every array": lambda: copy_every_array(ds),
         "torch_dataset": lambda: ds.torch_dataset(0),
         "DataLoader W=0": loader(),
+        "default collate W=0": loader(collate_fn=None),
         f"DataLoader W={workers}": loader(num_workers=workers),
-        f"W={workers} private": private,
         "pinned W=0": loader(pin_dataset=True) if cuda else None,
         f"pinned W={workers}": loader(num_workers=workers, pin_memory=True) if cuda else None,
         "pinned W=0 + prefetch cuda": prefetched if cuda else None,

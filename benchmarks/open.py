@@ -13,7 +13,9 @@ the directory anew and reads every micro-batch of every rank:
                      (`floor_rows`: positions, advantages, loss weights, cu_seqlens, targets)
   numpy views        ``rolltool.open_packed(path)``, ``ds.rank_iter(rank)`` for every rank
   verify=hash        the same, each shard's sha256 checked on its first read
-  torch W=0          ``DataLoader(ds.torch_dataset(rank), batch_size=None)`` for every rank
+  torch dataset      ``ds.torch_dataset(rank)`` iterated itself for every rank (no DataLoader)
+  torch W=0          ``DataLoader(ds.torch_dataset(rank), batch_size=None, collate_fn=as_is)``
+                     for every rank (`rolltool.packed.torch_data.as_is`, the documented recipe)
   torch W=k          the same with ``num_workers=k`` (workers started for every rank)
   loader floor W=k   no rolltool in the loop: a ``DataLoader`` with k workers for every rank over
                      a dataset yielding a one-int dict per row (each row's token count): what
@@ -131,15 +133,37 @@ def numpy_views(out: Path, verify: str = "checks") -> Pass:
     return run
 
 
-def torch_loader(out: Path, workers: int) -> Pass:
+def torch_loader(out: Path, workers: int, recipe: bool = True) -> Pass:
+    """`recipe`: the documented ``collate_fn=as_is`` (a checkout older than it: the default);
+    else torch's default ``default_convert``."""
     from torch.utils.data import DataLoader
+
+    import rolltool.packed.torch_data as torch_data
+
+    as_is = getattr(torch_data, "as_is", None) if recipe else None
 
     def run() -> tuple[float, int, int]:
         start, first, rows, tokens = time.perf_counter(), 0.0, 0, 0
         ds = rolltool.open_packed(out)
         for rank in range(ds.dp):
-            loader = DataLoader(ds.torch_dataset(rank), batch_size=None, num_workers=workers)
+            data = ds.torch_dataset(rank)
+            loader = DataLoader(data, batch_size=None, num_workers=workers, collate_fn=as_is)
             for item in loader:
+                first = first or time.perf_counter() - start
+                rows, tokens = rows + 1, tokens + len(item["input_ids"])
+        return first, rows, tokens
+
+    return run
+
+
+def torch_items(out: Path) -> Pass:
+    """``ds.torch_dataset(rank)`` iterated itself, no DataLoader (0 workers need none)."""
+
+    def run() -> tuple[float, int, int]:
+        start, first, rows, tokens = time.perf_counter(), 0.0, 0, 0
+        ds = rolltool.open_packed(out)
+        for rank in range(ds.dp):
+            for item in ds.torch_dataset(rank):
                 first = first or time.perf_counter() - start
                 rows, tokens = rows + 1, tokens + len(item["input_ids"])
         return first, rows, tokens
@@ -235,6 +259,7 @@ def main() -> None:
         "raw floor": lambda: (raw_floor(out), None),
         "numpy views": lambda: (numpy_views(out), None),
         "verify=hash": lambda: (numpy_views(out, "hash"), None),
+        "torch dataset": lambda: (torch_items(out), None),
         "torch W=0": lambda: (torch_loader(out, 0), resume(out, 0)),
         f"torch W={w}": lambda: (torch_loader(out, w), resume(out, w)),
         f"loader floor W={w}": lambda: (loader_floor(out, w), None),

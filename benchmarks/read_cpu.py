@@ -7,9 +7,10 @@
 through a 0-worker DataLoader, ...: `READERS`), each in its own process (page cache warmed as
 `open.py` does, torch imported, one pass not counted), the readers alternated ``--rounds``
 times. Prints per reader the median CPU seconds of a pass (``time.process_time``: the process's
-own work, which other jobs on a shared machine move less than wall time) in each round, Mtok per
-CPU second, and x floor: the floor's CPU seconds over the reader's in the same round (above 1:
-faster than the floor). In one process the readers' order and glibc's heap state move each
+own work, which other jobs on a shared machine move less than wall time, plus its DataLoader
+workers', counted when they are joined) in each round, Mtok per CPU second, x floor: the floor's
+CPU seconds over the reader's in the same round (above 1: faster than the floor), and the
+median wall seconds of a pass over the rounds. In one process the readers' order and glibc's heap state move each
 other's figures (`open.py`'s notes); here each starts alike. ``--trees A B`` reads with the
 rolltool of each checkout (e.g. a ``git worktree`` of an older commit), alternated too; the floor
 runs once a round, from the first tree.
@@ -28,7 +29,9 @@ HERE = Path(__file__).resolve().parent
 READERS = {
     "floor": "bench.raw_floor(out)",
     "numpy": "bench.numpy_views(out)",
+    "torch dataset": "bench.torch_items(out)",
     "torch W=0": "bench.torch_loader(out, 0)",
+    "torch W=0 default": "bench.torch_loader(out, 0, recipe=False)",
     "torch W=2": "bench.torch_loader(out, 2)",
     "loader floor W=2": "bench.loader_floor(out, 2)",
 }
@@ -45,12 +48,20 @@ bench.warm(out)
 import torch  # noqa: F401  (as open.py's process has it)
 run = {make}
 run()
-times, tokens = [], 0
+import resource
+
+def children_s():  # DataLoader workers, counted once joined
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+times, walls, tokens = [], [], 0
 for _ in range({passes}):
-    t = time.process_time()
+    t, c, w = time.process_time(), children_s(), time.perf_counter()
     _, _, tokens = run()
-    times.append(time.process_time() - t)
-print(json.dumps({{"cpu_s": statistics.median(times), "tokens": tokens}}))
+    walls.append(time.perf_counter() - w)
+    times.append(time.process_time() - t + children_s() - c)
+print(json.dumps({{"cpu_s": statistics.median(times), "wall_s": statistics.median(walls),
+                  "tokens": tokens}}))
 """
 
 
@@ -82,7 +93,7 @@ def main() -> None:
     named = {t: t.name if len(trees) > 1 else "" for t in trees}
     width = max(len(f"{r} {named[t]}".strip()) for r, t in runs)
     print(f"{'reader':{width}}  {'CPU s a pass (per round)':>26}  {'Mtok/CPU-s':>10}  "
-          f"{'x floor':>16}")  # fmt: skip
+          f"{'x floor':>16}  {'wall s':>6}")  # fmt: skip
     for (reader, tree), rounds in got.items():
         cpu = " / ".join(f"{r['cpu_s']:.3f}" for r in rounds)
         rate = statistics.median(r["tokens"] / r["cpu_s"] / 1e6 for r in rounds)
@@ -91,7 +102,8 @@ def main() -> None:
             for f, r in zip(got["floor", trees[0]], rounds, strict=True)
         )
         name = f"{reader} {named[tree]}".strip()
-        print(f"{name:{width}}  {cpu:>26}  {rate:>10.0f}  {ratio:>16}")
+        wall = statistics.median(r["wall_s"] for r in rounds)
+        print(f"{name:{width}}  {cpu:>26}  {rate:>10.0f}  {ratio:>16}  {wall:6.3f}")
 
 
 if __name__ == "__main__":
