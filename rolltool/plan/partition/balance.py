@@ -42,6 +42,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from itertools import accumulate
 
 import numpy as np
 
@@ -109,10 +110,12 @@ def _max_load(ws: np.ndarray, labels: np.ndarray, k: int) -> float:
     return float(np.bincount(labels, weights=ws, minlength=k).max())
 
 
-def _lightest(ws: np.ndarray, k: int, candidates: list[np.ndarray]) -> np.ndarray:
-    """The candidate labelling with the lightest heaviest part (the first on ties)."""
+def _lightest(ws: np.ndarray, k: int, candidates: list[np.ndarray]) -> tuple[np.ndarray, float]:
+    """The candidate labelling with the lightest heaviest part (the first on ties), and that
+    part's weight."""
     loads = [_max_load(ws, c, k) for c in candidates]
-    return candidates[loads.index(min(loads))]
+    top = min(loads)
+    return candidates[loads.index(top)], top
 
 
 def _auto(ws: np.ndarray, k: int, equal_count: bool) -> np.ndarray:
@@ -126,8 +129,7 @@ def _auto(ws: np.ndarray, k: int, equal_count: bool) -> np.ndarray:
         dealt = _deal(ws, k, equal_count, floor)
         if _max_load(ws, dealt, k) <= floor:
             return dealt
-    out = _refined(ws, k, equal_count, floor)
-    top = _max_load(ws, out, k)
+    out, top = _refined_top(ws, k, equal_count, floor)
     if floor is not None and top <= floor:
         return out
     bound = max(lower_bound(ws, k, equal_count=equal_count), floor or 0.0)
@@ -158,12 +160,24 @@ def _refined(
     floor: float | None = None,
     lpt: np.ndarray | None = None,
 ) -> np.ndarray:
+    """``_refined_top``'s labels."""
+    return _refined_top(ws, k, equal_count, floor, lpt)[0]
+
+
+def _refined_top(
+    ws: np.ndarray,
+    k: int,
+    equal_count: bool,
+    floor: float | None = None,
+    lpt: np.ndarray | None = None,
+) -> tuple[np.ndarray, float]:
     """LPT and KK (when cheap), the lighter refined under a budget, and up to
     ``EXHAUSTIVE_UP_TO`` items both refined by the exhaustive pairwise search; the lightest.
 
     With a ``floor`` (a bound no split can beat) it stops at the first labelling that reaches
     it; without one it is ``auto`` as it was before issue 23, labelling for labelling.
     ``lpt``: LPT's labels of ``ws`` if the caller has them (`refined_and_lpt_labels`).
+    Returns the labels and their heaviest part's weight.
     """
     with_kk = (len(ws) // k if equal_count else len(ws)) <= KK_AUTO_MERGES
     # The candidates are [LPT, KK] in that order, but the one likelier to reach the floor is
@@ -175,15 +189,15 @@ def _refined(
         return lpt if lpt is not None else _lpt(ws, k, equal_count)
 
     starts = [_kk(ws, k, equal_count) if first_kk else lpt_labels()]
-    if floor is not None and _max_load(ws, starts[0], k) <= floor:
-        return starts[0]
+    if floor is not None and (top := _max_load(ws, starts[0], k)) <= floor:
+        return starts[0], top
     if first_kk:
         starts.insert(0, lpt_labels())
     elif with_kk:
         starts.append(_kk(ws, k, equal_count))
-    best = _lightest(ws, k, starts)
-    if floor is not None and _max_load(ws, best, k) <= floor:
-        return best
+    best, top = _lightest(ws, k, starts)
+    if floor is not None and top <= floor:
+        return best, top
     reached = floor or 0.0
     small = len(ws) <= EXHAUSTIVE_UP_TO
     refined = [
@@ -198,8 +212,8 @@ def _refined(
                          floor=bound)
             for s in starts
         ]  # fmt: skip
-    better = _lightest(ws, k, refined)
-    return better if _max_load(ws, better, k) <= _max_load(ws, best, k) else best
+    better, better_top = _lightest(ws, k, refined)
+    return (better, better_top) if better_top <= top else (best, top)
 
 
 def _deal(ws: np.ndarray, k: int, equal_count: bool, floor: float) -> np.ndarray:
@@ -253,7 +267,7 @@ def _check(weights: np.ndarray, k: int, method: str) -> np.ndarray:
     w = np.asarray(weights, dtype=np.float64)
     if w.ndim != 1:
         raise RolltoolError(f"weights must be one-dimensional, got shape {w.shape}")
-    if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 1:
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
         raise RolltoolError(f"the number of parts must be an integer >= 1, got {k!r}")
     if method not in METHODS:
         raise RolltoolError(
@@ -367,10 +381,14 @@ def descending_order(w: np.ndarray) -> np.ndarray:
 def split_labels(labels: np.ndarray, k: int) -> list[np.ndarray]:
     """``[n]`` part per item -> ``k`` ascending index arrays (the inverse of a labelling)."""
     # a stable sort of 16-bit keys is a radix sort: several times faster than on int64
-    keys = labels.astype(np.int16) if k <= np.iinfo(np.int16).max else labels
+    keys = labels.astype(np.int16) if k <= INT16_MAX else labels
     order = np.argsort(keys, kind="stable").astype(np.int64, copy=False)
-    ends = np.cumsum(np.bincount(labels, minlength=k)).tolist()
+    ends = list(accumulate(np.bincount(labels, minlength=k).tolist()))
     return [order[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]
+
+
+INT16_MAX = 32767
+"""The largest 16-bit key (``np.iinfo(np.int16).max``, which builds an object per call)."""
 
 
 def part_loads(weights: np.ndarray, parts: Sequence[np.ndarray]) -> np.ndarray:

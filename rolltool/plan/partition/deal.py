@@ -270,14 +270,20 @@ def deal_exact(
         return None
     parts = np.arange(n, dtype=np.int64).reshape(m, k).T.copy()  # parts[p]: p's items
     parts[:, 1::2] = parts[::-1, 1::2]  # the serpentine deal: heaviest first in every part
-    loads: list[float] = ws[parts].sum(axis=1).tolist()
+    items = ws[parts]  # the items' weights, ``[k, m]``
+    loads: list[float] = items.sum(axis=1).tolist()
+    top = float(ws[0])
     rounds = 0
     while max(loads) > target:
-        if rounds == max_rounds or not _exact_round(ws, parts, loads, target, rounds == 0):
+        if rounds == max_rounds:
+            return None
+        if rounds:
+            items = ws[parts]
+        if not _exact_round(items, parts, loads, target, top, rows_sorted=rounds == 0):
             return None
         rounds += 1
     labels = np.empty(n, dtype=np.int64)
-    labels[parts] = np.arange(k, dtype=np.int64)[:, None]
+    labels[parts.ravel()] = np.arange(k, dtype=np.int64).repeat(m)
     return labels
 
 
@@ -310,22 +316,29 @@ def _windows(
 
 
 def _exact_round(
-    ws: np.ndarray, parts: np.ndarray, loads: list[float], target: float, rows_sorted: bool
+    items: np.ndarray,
+    parts: np.ndarray,
+    loads: list[float],
+    target: float,
+    top: float,
+    *,
+    rows_sorted: bool,
 ) -> int:
-    """One round of ``deal_exact`` on ``parts`` (``[k, m]`` items of each part) and ``loads``, in
-    place; returns the swaps applied. ``rows_sorted``: every part's items are heaviest first."""
+    """One round of ``deal_exact`` on ``parts`` (``[k, m]`` items of each part, ``items`` their
+    weights) and ``loads``, in place (``items`` is left as it was); returns the swaps applied.
+    ``top``: the largest weight; ``rows_sorted``: every part's items are heaviest first."""
     src, dst, least, most = _windows(loads, target)
     if not src:
         return 0
-    items = ws[parts]
     cand, x_col, planned = exact_pairs(items, src, dst, least, most, rows_sorted=rows_sorted,
-                                       top=float(ws[0]))  # fmt: skip
+                                       top=top)  # fmt: skip
     swaps = _apply_in_window(src, dst, cand, x_col, planned, loads, target)
-    if swaps:
-        ra, xc, rb, yb = (list(c) for c in zip(*swaps, strict=True))
-        keep = parts[ra, xc]
-        parts[ra, xc] = parts[rb, yb]
-        parts[rb, yb] = keep
+    if swaps:  # swap by flat positions: x's for y's
+        m = parts.shape[1]
+        fx = [a * m + x for a, x, _, _ in swaps]
+        fy = [b * m + y for _, _, b, y in swaps]
+        flat = parts.reshape(-1)
+        flat[fx + fy] = flat[fy + fx]
     return len(swaps)
 
 
@@ -354,31 +367,34 @@ def exact_pairs(
     nt, m = len(src), items.shape[1]
     t = np.arange(nt)
     top = float(items.max()) if top is None else top
-    off = 2.0 * top + max(most) + 1.0  # transfer t's keys lie in [t·off, t·off + top]
+    big = max(most)
+    off = 2.0 * top + big + 1.0  # transfer t's keys lie in [t·off, t·off + top]
     shift = (t * off)[:, None]
     keys = np.empty(nt * m + 2)  # -inf, the keys, inf: every query falls between two
     keys[0], keys[-1] = -np.inf, np.inf
+    rows = items[src]
     if rows_sorted:  # ascending keys: columns m-1 .. 0
-        np.add(items[src][:, ::-1], shift, out=keys[1:-1].reshape(nt, m))
+        np.add(rows[:, ::-1], shift, out=keys[1:-1].reshape(nt, m))
     else:
-        order = items[src].argsort(axis=1)
-        np.add(items[src][t[:, None], order], shift, out=keys[1:-1].reshape(nt, m))
-    lo = np.array(least)[:, None]
-    q = items[dst] + (shift + lo)  # y + least, shifted
-    j = keys.searchsorted(q)  # keys[j]: the first x >= y + least (another transfer's: > most)
-    up = keys[j] - q  # x - y - least >= 0
-    down = keys[j - 1] - q  # < 0 (another transfer's: <= -least; -inf: none)
-    # a pair in the window by how far above least, else below least by how far short (every
-    # window pair first); a pair at x - y <= 0 scores big + least or more: none
-    big = max(most) + 1.0
-    score = np.concatenate([np.where(up <= np.array(most)[:, None] - lo, up, np.inf), big - down],
-                           axis=1)  # fmt: skip
+        order = rows.argsort(axis=1)
+        np.add(rows[t[:, None], order], shift, out=keys[1:-1].reshape(nt, m))
+    window = np.array((least, most)).T  # [T, 2]
+    ys = items[dst] + shift  # y, shifted
+    j = keys.searchsorted(ys + window[:, :1])  # keys[j]: the first x >= y + least
+    jj = np.concatenate((j, j - 1), axis=1)  # that pair (another transfer's: > most), the one below
+    cand = keys[jj]
+    np.subtract(cand.reshape(nt, 2, m), ys[:, None], out=cand.reshape(nt, 2, m))  # x - y
+    # a pair in the window scores its x - y (<= big), one below least scores c2 - (x - y)
+    # (> big + 1, the largest first); one at x - y <= 0 (or -inf: none) c2 or more: neither
+    c2 = 2.0 * big + 1.0
+    score = c2 - cand
+    up = cand[:, :m]
+    score[:, :m] = np.where(up <= window[:, 1:], up, np.inf)
     best = score.argmin(axis=1)
-    planned = np.where(score[t, best] < big + lo[:, 0], best, -1)
-    cand = np.concatenate([up, down], axis=1) + lo
+    planned = np.where(score[t, best] < c2, best, -1)
 
     def x_col(row: int, c: int) -> int:
-        key = int(j[row, c] - 1 if c < m else j[row, c - m] - 2)  # keys[0] is the -inf
+        key = int(jj[row, c]) - 1  # keys[0] is the -inf
         return (m - 1) - key % m if rows_sorted else int(order.flat[key])
 
     return cand, x_col, planned
@@ -387,15 +403,14 @@ def exact_pairs(
 def _repick(row: np.ndarray, least: float, most: float) -> int:
     """``exact_pairs``' pick for one row of candidates (x - y) and another window: the column
     of the smallest in [least, most], else of the largest in (0, least), lowest column first
-    on ties; -1 where neither. One sort of the row, then two bisections."""
-    order = row.argsort(kind="stable")
-    x = row[order]
-    i = int(x.searchsorted(least))  # the first >= least: the window's, lowest column first
-    if i < len(x) and x[i] <= most:
-        return int(order[i])
-    if i == 0 or not x[i - 1] > 0.0:
-        return -1
-    return int(order[x.searchsorted(x[i - 1])])  # the largest below: lowest column first
+    on ties (``argmin`` and ``argmax`` return the first); -1 where neither."""
+    above = np.where(row >= least, row, np.inf)
+    c = int(above.argmin())
+    if above[c] <= most:
+        return c
+    below = np.where(row < least, row, -np.inf)
+    c = int(below.argmax())
+    return c if below[c] > 0.0 else -1
 
 
 def _apply_in_window(
