@@ -297,11 +297,15 @@ _VIEW_DTYPES: dict[str, np.dtype[Any]] = {
 """The safetensors codes `_views` takes itself (a subset of what `tensors_in` reads)."""
 
 
-def _views(mapped: Any, head: ShardHeader, where: str) -> dict[str, np.ndarray]:
+def _views(
+    mapped: Any, head: ShardHeader, where: str, *, writable: bool = False
+) -> dict[str, np.ndarray]:
     """`rolltool.format.shards.tensors_in` of a shard's whole bytes (a `PrivateShard`, or bytes),
-    one ``np.frombuffer`` per tensor: the same views, read-only. A tensor it does not take as it
-    is (an offset outside the file, a size that is no whole number of its dtype, another dtype
-    code, a malformed entry) sends the shard to `tensors_in`, which says why (or reads it)."""
+    one ``np.frombuffer`` per tensor: the same views, read-only (``writable``: writable, for rows
+    made for tensors from a `PrivateShard`, `_writable`'s views made here at once). A tensor it
+    does not take as it is (an offset outside the file, a size that is no whole number of its
+    dtype, another dtype code, a malformed entry) sends the shard to `tensors_in`, which says why
+    (or reads it, read-only)."""
     base, room = head.base, len(mapped) - head.base
     out: dict[str, np.ndarray] = {}
     try:
@@ -313,8 +317,12 @@ def _views(mapped: Any, head: ShardHeader, where: str) -> dict[str, np.ndarray]:
             count, odd = divmod(b - a, dtype.itemsize)
             if odd:
                 raise ValueError
-            view = np.frombuffer(mapped, dtype, count, base + a).reshape(info["shape"])
-            view.flags.writeable = False  # a private map is writable; the reader's rows are not
+            view = np.frombuffer(mapped, dtype, count, base + a)
+            shape = info["shape"]
+            if not (shape == [count] and type(shape[0]) is int):  # 1-D as it is: no reshape
+                view = view.reshape(shape)
+            # a private shard is writable; the reader's NumPy rows are not
+            view.flags.writeable = writable
             out[name] = view
     except Exception:  # whatever it is, tensors_in's verdict is the reader's
         whole = np.frombuffer(mapped, np.uint8)
@@ -354,21 +362,26 @@ def value_problem(arrays: dict[str, np.ndarray]) -> str | None:
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
+_MIN, _MAX, _ALL = np.minimum.reduce, np.maximum.reduce, np.logical_and.reduce
+"""The reductions `_values_in_range` calls straight (``a.min()`` goes through NumPy's Python
+wrappers first: ~1 us a call, ~8 us of the ~50 a shard)."""
+
+
 def _values_in_range(arrays: dict[str, np.ndarray]) -> bool:
     """True only when every check of `value_problem` passes (False: look at each): the same
     conditions in fewer NumPy calls: a NaN or infinity among the advantages makes their sum
     (in float64, which float32 values cannot overflow) non-finite, NaN fails every comparison,
-    a min and a max bound the weights."""
+    a min and a max bound the weights. Expects non-empty token arrays (`value_problem`)."""
     index, weight, advantage = arrays["sample_index"], arrays["seg_weight"], arrays["seg_advantage"]
-    if arrays["input_ids"].min() < 0 or arrays["loss_mask"].max() > 1:
+    if _MIN(arrays["input_ids"]) < 0 or _MAX(arrays["loss_mask"]) > 1:
         return False
-    if not np.isfinite(arrays["logprobs"]).all():
+    if not _ALL(np.isfinite(arrays["logprobs"])):
         return False
     if len(index) and not (
-        index.min() >= PAD_SAMPLE
-        and np.isfinite(advantage.sum(dtype=np.float64))
-        and weight.min() >= 0
-        and weight.max() <= _FLOAT32_MAX
+        _MIN(index) >= PAD_SAMPLE
+        and np.isfinite(np.add.reduce(advantage, dtype=np.float64))
+        and _MIN(weight) >= 0
+        and _MAX(weight) <= _FLOAT32_MAX
     ):
         return False
     return not _padding_weighs(arrays)
@@ -576,8 +589,8 @@ _REBUILT_LOCK = threading.Lock()  # the DataLoader's pin-memory thread unpickles
 def rebuild_row(source: RowSource) -> dict[str, np.ndarray]:
     """The row `source` names, made in this process as the process that checked it made it
     (for tensors, `PackedReader.sourced_rows`): the shard read or mapped private here
-    (`_open_local`; the last few kept), the same writable views of it (`_views`, `_writable`)
-    and `RowRecipe.make`, no checks. A shard that is no longer the file checked
+    (`_open_local`; the last few kept), the same writable views of it (`_views`) and
+    `RowRecipe.make`, no checks. A shard that is no longer the file checked
     (another `FileIdentity`: replaced, rewritten, gone) is a `RolltoolError`, never other rows.
 
     A shard kept here is the file checked for as long as it is kept: a file replaced since
@@ -636,7 +649,8 @@ def _remap(source: RowSource) -> dict[str, np.ndarray]:
             f"checked it ({now}); its rows are not served",
             hint="do not rewrite or replace a packed directory while a trainer reads it; " + _HINT,
         )
-    return _writable(_views(mapped, header_of(mapped, source.path), source.path))
+    arrays = _views(mapped, header_of(mapped, source.path), source.path, writable=True)
+    return arrays if arrays["input_ids"].flags.writeable else _writable(arrays)
 
 
 @dataclass(frozen=True)
@@ -903,10 +917,10 @@ class PackedReader:
         path, arrays, mapped = None, None, None
         for ref in refs:
             if ref.file.path != path:
-                path, arrays = ref.file.path, self._open_shard(ref.file)
+                path, arrays = ref.file.path, self._open_shard(ref.file, writable=for_tensors)
                 mapped = _private_shard(arrays["row_offsets"])
-                if for_tensors and mapped is not None:
-                    arrays = _writable(arrays)
+                if for_tensors and mapped is not None and not arrays["input_ids"].flags.writeable:
+                    arrays = _writable(arrays)  # read by tensors_in (`_views`' odd headers)
             assert arrays is not None
             try:
                 row = recipe.make(arrays, ref.row)
@@ -953,10 +967,11 @@ class PackedReader:
             return functools.partial(cp_view, cp=split.cp, rank=int(cp_rank))
         return None
 
-    def _open_shard(self, f: ShardRef) -> dict[str, np.ndarray]:
+    def _open_shard(self, f: ShardRef, *, writable: bool = False) -> dict[str, np.ndarray]:
         """Map shard `f` after the cheap checks (its header names the (step, rank, first row)
         the manifest lists it for, its size, rows and values); ``verify="hash"``: its sha256 on
-        the first read too.
+        the first read too. ``writable``: a local shard's arrays writable views of its private
+        bytes (`_views`), for tensors.
 
         A local shard is opened once: read whole or memory-mapped (`_open_local`), its header
         read from those bytes, its arrays views of them (`_views`; a file that cannot be opened
@@ -982,7 +997,9 @@ class PackedReader:
                 raise _bad(where, "sha256 differs from the manifest's (the file changed)")
             self._hashed.add(f.path)
         arrays = (
-            map_tensors(self.path / f.path, head) if mapped is None else _views(mapped, head, where)
+            map_tensors(self.path / f.path, head)
+            if mapped is None
+            else _views(mapped, head, where, writable=writable and self._remote is None)
         )
         broken = check_rows(arrays)
         if broken is None and len(arrays["row_offsets"]) - 1 != f.rows:

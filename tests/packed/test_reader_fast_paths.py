@@ -115,6 +115,34 @@ def test_views_give_tensors_ins_verdict_on_a_malformed_header(
         assert got == want, (name, key, value)
 
 
+@pytest.mark.parametrize("kind", [float, bool, str])
+def test_views_reshape_whatever_is_not_a_plain_int_length(out: Path, kind: type) -> None:
+    """`_views` skips the reshape of a 1-D tensor whose shape is ``[count]``: a shape that only
+    compares equal (``[n.0]``, ``[True]`` for one value) is still tensors_in's to judge."""
+    mapped, head = _shard(out)
+    tried = 0
+    for name, info in head.tensors.items():
+        edited = copy.deepcopy(head)
+        (n,) = info["shape"]
+        edited.tensors[name]["shape"] = [kind(n)]
+        got = _outcome(lambda e=edited: core._views(mapped, e, "shard"))
+        want = _outcome(lambda e=edited: tensors_in(_read_only(mapped), e, "shard"))
+        assert got == want, (name, kind)
+        tried += got[0] == "error"
+    assert tried == len(head.tensors)  # every such shape refused
+
+
+def test_writable_views_are_the_read_only_ones(out: Path) -> None:
+    mapped, head = _shard(out)
+    plain, mine = core._views(mapped, head, "shard"), core._views(mapped, head, "s", writable=True)
+    assert list(plain) == list(mine)
+    for key, a in plain.items():
+        b = mine[key]
+        assert not a.flags.writeable and b.flags.writeable
+        assert (a.dtype, a.shape, a.tobytes()) == (b.dtype, b.shape, b.tobytes())
+        assert np.shares_memory(a, b)
+
+
 @pytest.mark.parametrize("spelling", ["abs", "rel", "dot", "dotslash", "trailing"])
 def test_a_shards_path_is_spelled_as_path_spells_it(
     out: Path, spelling: str, monkeypatch: pytest.MonkeyPatch
