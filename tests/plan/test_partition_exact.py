@@ -12,12 +12,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from partition_refs import reference_kk
 
+from rolltool.errors import RolltoolError
 from rolltool.plan.partition import balance_labels
 from rolltool.plan.partition import kk as kk_module
 from rolltool.plan.partition.balance import (
     EXACT_PER_PART,
     METHODS,
+    STABLE_SORT_MAX,
     descending_order,
+    refined_and_lpt_labels,
     whole_bound,
 )
 from rolltool.plan.partition.deal import (
@@ -227,3 +230,24 @@ def test_descending_order_is_the_stable_sort_of_the_negated_weights() -> None:
             assert np.array_equal(descending_order(w), want), (n, shape)
             cases += 1
     assert cases == 42
+
+
+def test_bad_weights_raise_alike_whether_the_sort_or_a_pass_finds_them() -> None:
+    """Up to ``STABLE_SORT_MAX`` weights the sorted ends show a bad weight (no pass for the least
+    and largest); above it a pass does, before the sort. Either way the error names the first
+    bad item, for every method's entry point."""
+    rng = np.random.default_rng(5)
+    raised = 0
+    for n in (1, 3, 300, 1024, 1500, STABLE_SORT_MAX, STABLE_SORT_MAX + 1):
+        for bad in (np.nan, np.inf, -np.inf, -1.0, -1e30, -0.5):
+            for k in (1, 2, 8):
+                w = rng.integers(0, 1000, n).astype(np.float64)
+                w[int(rng.integers(0, n))] = bad
+                first = int(np.flatnonzero(~np.isfinite(w) | (w < 0))[0])
+                for call, kwargs in ((balance_labels, {"equal_count": True}),
+                                     (balance_labels, {"method": "lpt"}),
+                                     (refined_and_lpt_labels, {})):  # fmt: skip
+                    with pytest.raises(RolltoolError, match=f"weight of item {first} "):
+                        call(w, k, **kwargs)
+                    raised += 1
+    assert raised == 7 * 6 * 3 * 3

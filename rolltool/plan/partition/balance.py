@@ -41,6 +41,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from itertools import accumulate
 
@@ -243,7 +244,7 @@ def whole_bound(ws: np.ndarray, k: int, *, equal_count: bool) -> float | None:
     m = len(ws) // k
     if equal_count and m > 1:  # the largest item's part holds m - 1 others, at least the smallest
         bound = max(bound, int(ws[0] + ws[len(ws) - (m - 1) :].sum()))
-    g = int(np.gcd.reduce(wi[:GCD_FIRST])) if len(ws) else 0
+    g = math.gcd(*wi[:GCD_FIRST].tolist())  # (plain Python: a rarely used ufunc costs more)
     if g != 1 and len(ws) > GCD_FIRST:  # (the gcd of all divides that of the first few)
         g = int(np.gcd.reduce(wi))
     return float(-(-bound // g) * g if g > 1 else bound)
@@ -274,10 +275,28 @@ def _check(weights: np.ndarray, k: int, method: str) -> np.ndarray:
             f"unknown partition method {method!r}",
             hint=f"choose one of {', '.join(sorted(METHODS))}",
         )
+    if len(w) > STABLE_SORT_MAX or k == 1:  # else the sort's ends tell (``_sorted``)
+        _check_values(w)
+    return w
+
+
+def _check_values(w: np.ndarray) -> None:
+    """Raise unless every weight is finite and >= 0."""
     if len(w) and not (w.min() >= 0.0 and w.max() < np.inf):  # (a NaN fails the first)
         i = int(np.flatnonzero(~np.isfinite(w) | (w < 0))[0])
         raise RolltoolError(f"weight of item {i} is {w[i]!r}; weights must be finite and >= 0")
-    return w
+
+
+def _sorted(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``descending_order(w)`` and the weights in that order, raising unless every weight is
+    finite and >= 0: up to ``STABLE_SORT_MAX`` weights every path of ``descending_order`` sorts
+    any floats (a NaN last), so the ends tell, without a pass for the least and the largest
+    (``_check`` makes that pass for more weights, whose packed keys assume proper ones)."""
+    order = descending_order(w)
+    ws = w[order]
+    if len(ws) and not (ws[-1] >= 0.0 and ws[0] < np.inf):  # (a NaN fails the first)
+        _check_values(w)
+    return order, ws
 
 
 def balance_labels(
@@ -291,8 +310,8 @@ def balance_labels(
     k = int(k)
     if k == 1:
         return np.zeros(n, dtype=np.int64)
-    order = descending_order(w)
-    labels_sorted = METHODS[method](w[order], k, equal_count)
+    order, ws = _sorted(w)
+    labels_sorted = METHODS[method](ws, k, equal_count)
     labels = np.empty(n, dtype=np.int64)
     labels[order] = labels_sorted
     return labels
@@ -308,8 +327,7 @@ def refined_and_lpt_labels(
     if n == 0 or k == 1:
         zero = np.zeros(n, dtype=np.int64)
         return zero, zero.copy()
-    order = descending_order(w)
-    ws = w[order]
+    order, ws = _sorted(w)
     lpt_sorted_labels = _lpt(ws, k, equal_count)
     out = []
     for sorted_labels in (_refined(ws, k, equal_count, lpt=lpt_sorted_labels), lpt_sorted_labels):
