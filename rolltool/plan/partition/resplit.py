@@ -43,13 +43,23 @@ import numpy as np
 from rolltool.plan.partition.polish import ROBUST_SCALES, rest_max, rounding_bound, slot_heads
 from rolltool.util.ranges import concat_ranges
 
-__all__ = ["MAX_BIN", "MAX_MOVED", "MIN_GAIN", "resplit"]
+__all__ = ["MAX_BIN", "MAX_MOVED", "MIN_GAIN", "PASSES", "resplit"]
 
 MAX_MOVED = 2
 """Samples a trade takes out of each bin: subsets of up to this many (529 of a bin of 32)."""
 
 MAX_BIN = 32
 """Bins of more samples than this take no part (their subsets would crowd the search)."""
+
+PASSES: tuple[tuple[int, int, int | None], ...] = ((MAX_MOVED, MAX_BIN, None), (3, 12, 6))
+"""The re-split's passes, each from where the one before stopped: (samples a trade takes out
+of each bin, largest bin that takes part, most rounds; None: ``max_rounds``). Trades of three
+samples, after the two-sample pass is stuck, take 2 of `benchmarks/lockstep.py`'s 12 agent
+steps over 1.003 under it, just (σ 0.6 seed 14: 1.00307 -> 1.00300, σ 0.8 seed 9: 1.00303 ->
+1.00299), and lower the planning model's cost of 120 of the 140 (mean -1.7e-5), for 35-45 ms
+more a step at σ 0.6-0.8 (`lockstep_time.py`: the re-split 68-147 -> 102-184 ms) in 6 rounds
+(3 rounds: neither under; 10 or 40: the same two). Run from the start instead, trades of three
+end costlier than the two-sample pass on half of σ 0.6-0.8's steps under some model."""
 
 MIN_GAIN = 1e-6
 """A trade must lower the sum of the three models' lockstep overheads by at least this: on the
@@ -86,27 +96,50 @@ def resplit(
     cap: int,
     max_rounds: int,
     max_work: int = MAX_WORK,
+    passes: tuple[tuple[int, int, int | None], ...] = PASSES,
 ) -> np.ndarray:
     """Improve ``labels`` (``[n]`` bin of each sample, bin ``j·dp + r`` is rank r's micro-batch
     j); returns new labels. ``cost``: ``[n]`` planning cost, ``quad``: ``[n]`` its L² part (the
     robustness models add ``(f - 1)·quad``). Bins must already be within ``cap`` tokens.
 
-    Works in rounds: each slot not known to be stuck pairs its costliest bin (under each model)
-    with every other bin, every pair offers its best trade (all found at once, against the
-    round's starting point), and the trades are applied best first, each only if no trade
-    before it in the round touched its slots (so its score stays exact) and it keeps every
-    model at or below where it started. A slot is stuck once it offers nothing (or only trades
-    the models' sums refuse) until one of its bins changes. Stops after ``max_rounds``, when a
-    round applies nothing, or before a round that would look at more than ``max_work``
-    candidate trades in all."""
+    Works in ``passes`` (``PASSES``), each from the last one's result, and each in rounds: each
+    slot not known to be stuck pairs its costliest bin (under each model) with every other
+    bin, every pair offers its best trade (all found at once, against the round's starting
+    point), and the trades are applied best first, each only if no trade before it in the
+    round touched its slots (so its score stays exact) and it keeps every model at or below
+    where the pass started. A slot is stuck once it offers nothing (or only trades the models'
+    sums refuse) until one of its bins changes. A pass stops after ``max_rounds``, when a round
+    applies nothing, or before a round that would take the candidate trades looked at in all
+    past ``max_work``."""
     lab = labels.copy()
-    nb = dp * m
     if len(lab) == 0 or dp < 2 or m == 0:
         return lab
     w: np.ndarray = np.stack([cost, *(cost + (f - 1.0) * quad for f in ROBUST_SCALES)])  # [K, n]
-    ideal = w.sum(axis=1) / dp
-    if not (ideal > 0).all():  # samples that cost nothing (zero lengths): no score is defined
+    if not (w.sum(axis=1) > 0).all():  # samples that cost nothing (zero lengths): no score
         return lab
+    for moved, most, rounds in passes:
+        rounds = max_rounds if rounds is None else min(rounds, max_rounds)
+        lab, max_work = _rounds(lab, length, w, dp, m, cap, rounds, max_work, moved, most)
+    return lab
+
+
+def _rounds(
+    lab: np.ndarray,
+    length: np.ndarray,
+    w: np.ndarray,
+    dp: int,
+    m: int,
+    cap: int,
+    max_rounds: int,
+    max_work: int,
+    moved: int,
+    most: int,
+) -> tuple[np.ndarray, int]:
+    """One pass of ``resplit`` (trades of up to ``moved`` samples each way, bins of at most
+    ``most`` taking part): the labels (a copy) and the budget of candidates left."""
+    lab = lab.copy()
+    nb = dp * m
+    ideal = w.sum(axis=1) / dp
     tol = rounding_bound(w)  # [K]: 0 where the costs sum exactly (FLOPs, tokens)
     spent = np.zeros(len(w))  # each model's lockstep change so far, plus tol per trade
     stuck = np.zeros(m, dtype=bool)
@@ -120,7 +153,7 @@ def resplit(
         slots = np.flatnonzero(~stuck)
         members = np.argsort(lab, kind="stable")
         start = np.r_[0, np.cumsum(np.bincount(lab, minlength=nb))]
-        subsets = _subsets(members, start, length, w, cache, dirty)
+        subsets = _subsets(members, start, length, w, cache, dirty, moved, most)
         heads = _heads(c, slots, dp)  # each slot's costliest bins
         found = _best_trades(heads, subsets, w, c, t, ideal, dp, cap, max_work, tol=float(tol[0]))
         if found is None:
@@ -151,7 +184,7 @@ def resplit(
             break
         stuck[list(touched)] = False
         dirty = np.unique(changed)
-    return lab
+    return lab, max_work
 
 
 def _heads(c: np.ndarray, slots: np.ndarray, dp: int) -> np.ndarray:
@@ -162,7 +195,7 @@ def _heads(c: np.ndarray, slots: np.ndarray, dp: int) -> np.ndarray:
 
 
 class _Subsets(NamedTuple):
-    """Each bin's subsets of up to ``MAX_MOVED`` samples, sorted by (bin, planning cost)."""
+    """Each bin's subsets of up to a pass's samples moved, sorted by (bin, planning cost)."""
 
     bin: np.ndarray  # [S] int64: the bin
     tokens: np.ndarray  # [S] int64
@@ -181,8 +214,10 @@ def _subsets(
     w: np.ndarray,
     cache: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
     dirty: np.ndarray,
+    moved: int = MAX_MOVED,
+    most: int = MAX_BIN,
 ) -> _Subsets:
-    """Each bin's subsets of up to ``MAX_MOVED`` samples (bins of at most ``MAX_BIN``): bin
+    """Each bin's subsets of up to ``moved`` samples (bins of at most ``most``): bin
     ``i``'s samples are ``members[start[i]:start[i + 1]]``, in that order for the masks.
     ``cache[i]``: bin i's (tokens, costs, masks) sorted by planning cost, rebuilt for the
     ``dirty`` bins (those whose samples changed) and kept for the others."""
@@ -190,12 +225,12 @@ def _subsets(
     size = np.diff(start)
     for k in np.unique(size[dirty]).tolist():
         bins = dirty[size[dirty] == k]
-        if k > MAX_BIN:
+        if k > most:
             for i in bins.tolist():
                 cache[i] = (_NONE, np.zeros((len(w), 0)), _NONE)
             continue
         at = members[start[bins][:, None] + np.arange(k)]  # [B, k]
-        mask = _small_masks(k)
+        mask = _small_masks(k, moved)
         bits = ((mask[:, None] >> np.arange(k)) & 1).astype(np.float64)  # [S, k]
         tok = np.rint(length[at].astype(np.float64) @ bits.T).astype(np.int64)  # [B, S]
         cw = np.stack([wk[at] @ bits.T for wk in w])  # [K, B, S]
@@ -218,11 +253,11 @@ _NONE = np.zeros(0, dtype=np.int64)
 
 
 @functools.cache
-def _small_masks(k: int) -> np.ndarray:
-    """Bit masks of the subsets of ``k`` items with at most ``MAX_MOVED`` members, ascending."""
+def _small_masks(k: int, moved: int = MAX_MOVED) -> np.ndarray:
+    """Bit masks of the subsets of ``k`` items with at most ``moved`` members, ascending."""
     out = [np.zeros(1, dtype=np.int64)]
     last = np.zeros(1, dtype=np.int64)
-    for _ in range(MAX_MOVED):  # each subset grows by one bit above its highest
+    for _ in range(moved):  # each subset grows by one bit above its highest
         top = np.array([int(v).bit_length() for v in last], dtype=np.int64)
         grow = k - top
         base = np.repeat(last, grow)
