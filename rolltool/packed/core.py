@@ -207,13 +207,16 @@ def _identity(st: os.stat_result) -> FileIdentity:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
-READ_WHOLE_BYTES = 4 << 20
+READ_WHOLE_BYTES = 2 << 20
 """A local shard of at most this size is read whole (`PrivateRead`), a larger one mapped
-(`PrivateMap`). Reading ~0.9 MB into memory the heap keeps (`prime_allocator` raised glibc's
-mmap threshold to 4 MB, so such blocks come from the heap and are not faulted in again) costs
-~47 us on the development VM against ~106 us to map it and fault in its pages (~11 faults of
-16 pages each, ~5-10 us a fault there); over 4 MB the buffer would be a fresh mmap of its own,
-faulted in page by page, and mapping the file wins."""
+(`PrivateMap`). Read into memory the heap keeps (`prime_allocator` raised glibc's mmap threshold
+to 4 MB, so such blocks come from the heap and are not faulted in again), a shard that fits the
+L2 cache is then checked and unpacked from it; mapped, its pages are faulted in first (~5-10 us
+a fault on the development VM, a fault-around of 16 pages each). Opened and read twice there
+(`timeit` minima, shards written by `save_safetensors`): 0.73 MB 84 us read / 99 us mapped, 1.05
+MB 107 / 113, 2.1 MB 178 / 170, 3.15 MB 424 / 220 (the copy no longer fits the cache), 4.19 MB
+1,260 / 463 (the buffer a fresh mmap, faulted in page by page); the 776 shards of
+``benchmarks/read_cpu.py``'s pack (0.3-1.1 MB) ~47 us read against ~106 us mapped and touched."""
 
 
 def _open_local(path: str | Path) -> PrivateShard | None:

@@ -18,7 +18,7 @@ train the logits of a view against its ``target_ids`` with ``target_loss_weight`
 shift inside a view, whose last token of a CP chunk or SP slice has its target on another GPU.
 
 Arrays are read-only NumPy views of the shard files, each held private to the process (read
-whole, or over 4 MB memory-mapped copy-on-write); ``torch=True`` gives torch tensors without a
+whole, or over 2 MB memory-mapped copy-on-write); ``torch=True`` gives torch tensors without a
 copy (stored arrays wrapped where they lie: a write to a tensor never reaches the file;
 `rolltool.packed.tensors`). ``ds.rank_iter(rank)`` walks a
 rank's whole run, step by step, from any (step, micro-batch); ``ds.torch_dataset(rank)`` wraps

@@ -6,7 +6,7 @@ other module of `rolltool.packed`. It imports torch, so the reader imports it on
 for tensors: ``import rolltool`` and reading NumPy rows never load torch.
 
 **Copies.** Plain tensors copy nothing. Local shard files are held private to the process
-(`rolltool.packed.core.PrivateShard`: read whole into its memory, or over 4 MB mapped
+(`rolltool.packed.core.PrivateShard`: read whole into its memory, or over 2 MB mapped
 copy-on-write): a stored array (``input_ids``, ``loss_mask``, ``logprobs``, ``sample_index``)
 is wrapped as it lies there, and a write to its tensor changes this process's copy (a mapped
 page is copied first), never the file or another read of it (the reader's NumPy views stay

@@ -29,7 +29,7 @@ refused with a ValueError that says so, instead of torch's stack error.
 micro_batch + 1). ``state_dict()`` / ``load_state_dict()`` make the dataset ``Stateful`` for
 torchdata's ``StatefulDataLoader``, which saves and restores each worker's position.
 
-**Copies.** Shard files are held private to the process (read whole, or over 4 MB mapped
+**Copies.** Shard files are held private to the process (read whole, or over 2 MB mapped
 copy-on-write: `rolltool.packed.core.PrivateShard`): a plain item's tensors copy nothing,
 stored arrays (``input_ids``, ``loss_mask``, ``logprobs``, ``sample_index``) wrapped where they
 lie (a write to one changes the process's copy, never the file) and derived arrays
