@@ -7,7 +7,9 @@ partners for its costliest bin h and tokens moved between slots, several samples
 ``resplit`` pairs h with every other bin b, of its slot or of another, and tries every trade of
 up to ``MAX_MOVED`` samples of h (a set X) for up to as many of b (a set Y) that keeps both
 bins under the cap: h becomes h - X + Y, b becomes b - Y + X. It generalizes the polish's steps
-(a move is X = {x}, Y = {}; a swap X = {x}, Y = {y}; a pair trade Y = {y, y'}).
+(a move is X = {x}, Y = {}; a swap X = {x}, Y = {y}; a pair trade Y = {y, y'}). Once that is
+stuck, a second pass from there trades up to three samples each way between small bins
+(``PASSES``).
 
 A trade is scored like the polish's steps: the lockstep cost's change under the planning model
 and the same with its L² term halved and doubled (real GPU time is never exactly the model),
