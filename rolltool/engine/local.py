@@ -14,10 +14,10 @@ file). Its workers are forked from the driver after the scan, so they inherit th
 without pickling them; only each batch's plan travels back, a chunk of at most ``MAX_CHUNK``
 batches at a time, with at most ``WINDOW_PER_WORKER`` chunks a worker submitted and not yet
 collected (a pool that runs ahead of the driver fills the driver with finished plans: 10 M
-samples with 2 workers peaked at 1,118 MB, 957 with the window). Processes, not threads: planning is
-Python and NumPy over small arrays and holds the GIL. A pool costs ~50-100 ms to start, so it is
-used only for runs of at least ``MIN_BATCHES`` batches and ``MIN_SAMPLES`` samples; smaller runs
-plan serially whatever ``workers`` says.
+samples with 2 workers peaked at 1,118 MB, 950-957 with the window). Processes, not threads:
+planning is Python and NumPy over small arrays and holds the GIL. A pool costs ~50-100 ms to
+start, so it is used only for runs of at least ``MIN_BATCHES`` batches and ``MIN_SAMPLES``
+samples; smaller runs plan serially whatever ``workers`` says.
 
 Packing (`pack_steps`): a step's rows depend only on its plan and the input's tokens, so steps
 can be packed by any process in any order. Each worker opens its own `TokenReader` over the
@@ -161,8 +161,9 @@ def _pool_in_order(
     """``work(part)`` for every part, computed by a pool of at most `workers` processes that
     `method` starts (``fork``: they inherit what `initargs` holds; ``forkserver``: it is pickled
     to each) and `initializer` prepares, in order (`rolltool.engine.base.in_order`; at most
-    ``WINDOW_PER_WORKER`` parts per worker submitted and not yet collected). A worker's exception is raised here as it was raised there; a worker
-    that dies is ``died(part)`` where given, the others killed (`_kill`). Leaving early cancels
+    ``WINDOW_PER_WORKER`` parts per worker submitted and not yet collected). A worker's
+    exception is raised here as it was raised there; a worker that dies is ``died(part)``
+    where given, the others killed (`_kill`). Leaving early cancels
     the parts not started and waits for the running ones: the pool is gone when this returns.
     Every worker dies with this process (`_guarded`)."""
     watch, alive = multiprocessing.Pipe(duplex=False)  # only this process holds `alive` open
