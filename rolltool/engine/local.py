@@ -184,9 +184,17 @@ def _pool_in_order(
                 raise
             raise died(part) from None
 
+    def submit(part: Any) -> Future[Any]:
+        try:
+            return pool.submit(work, part)
+        except BrokenProcessPool as e:  # a worker died since the last collect: the pending
+            failed: Future[Any] = Future()  # parts' collect names it (`died`), as before the
+            failed.set_exception(e)  # window, when every part was submitted at the start
+            return failed
+
     try:
         window = WINDOW_PER_WORKER * workers
-        yield from in_order(lambda part: pool.submit(work, part), parts, window, collect, _cancel)
+        yield from in_order(submit, parts, window, collect, _cancel)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
         alive.close()

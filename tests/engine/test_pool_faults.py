@@ -188,3 +188,27 @@ def test_a_killed_driver_takes_its_workers_with_it(
     time.sleep(1.5)
     after = sorted(str(p) for d in tmp for p in d.rglob("*"))
     assert after == before
+
+
+def _die_on_75(x: int) -> int:
+    if x == 75:  # the first of the fourth chunk: its worker dies a moment after starting it
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return x
+
+
+def test_a_worker_dying_between_collects_is_named_not_a_broken_pool() -> None:
+    """A worker dies while the driver is busy with an earlier chunk's results (a slow
+    consumer), so the pool is broken when the driver next submits a chunk of its window: the
+    run fails with the one `RolltoolError` naming a pending chunk, not `BrokenProcessPool`
+    raised by ``submit``."""
+    from rolltool.engine import base, local
+    from rolltool.errors import RolltoolError
+
+    items = list(range(200))
+    assert base.chunks(len(items), 2, local.MAX_CHUNK)[3] == (75, 100)
+    results = local.iter_in_order(_die_on_75, items, 2, "planning batches")
+    with pytest.raises(RolltoolError, match="a worker process died while planning batches"):
+        for i, _ in enumerate(results):
+            if i == 0:
+                time.sleep(1.5)  # chunk 1 done, chunk 3's worker dead meanwhile
