@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import heapq
 
+import numpy as np
+
 
 def _sorted_padded(
     weights: list[float], k: int, equal_count: bool
@@ -37,3 +39,19 @@ def reference_kk(weights: list[float], k: int, equal_count: bool) -> list[set[in
         heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), seq, merged))
         seq += 1
     return [{i for i in slot[1] if i >= 0} for slot in heap[0][2]]
+
+
+def deal_at_random(
+    rng: np.random.Generator, length: np.ndarray, bins: int, cap: int
+) -> np.ndarray | None:
+    """Labels of `length`'s samples dealt at random into `bins` bins under `cap` tokens, longest
+    first (each into any bin it fits); None when one fits nowhere."""
+    labels = np.empty(len(length), dtype=np.int64)
+    room = np.full(bins, cap)
+    for i in np.argsort(-length, kind="stable"):
+        fits = np.flatnonzero(room >= length[i])
+        if not len(fits):
+            return None
+        labels[i] = fits[int(rng.integers(len(fits)))]
+        room[labels[i]] -= length[i]
+    return labels

@@ -11,6 +11,7 @@ import warnings
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from partition_refs import deal_at_random
 
 from rolltool.plan.partition.polish import ROBUST_SCALES
 from rolltool.plan.partition.resplit import (
@@ -38,15 +39,8 @@ def random_plan(
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """Lengths and labels: samples dealt at random into ``dp·m`` bins under ``cap``."""
     length = rng.integers(1, cap // 2 + 1, int(rng.integers(1, 4 * dp * m)))
-    labels = np.empty(len(length), dtype=np.int64)
-    room = np.full(dp * m, cap)
-    for i in np.argsort(-length, kind="stable"):
-        fits = np.flatnonzero(room >= length[i])
-        if not len(fits):
-            return None
-        labels[i] = fits[int(rng.integers(len(fits)))]
-        room[labels[i]] -= length[i]
-    return length, labels
+    labels = deal_at_random(rng, length, dp * m, cap)
+    return None if labels is None else (length, labels)
 
 
 def test_worked_example() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from fractions import Fraction
 
 import numpy as np
+from partition_refs import deal_at_random
 
 from rolltool.plan.partition.polish import ROBUST_SCALES, polish, rounding_bound
 from rolltool.plan.partition.resplit import resplit
@@ -27,14 +28,9 @@ def near_ties(rng: np.random.Generator) -> tuple[np.ndarray, ...] | None:
     0.3, 3e-5): many trades are neutral in exact sums and off by an ulp in float64."""
     dp, m, cap = int(rng.integers(2, 4)), int(rng.integers(1, 4)), 10
     length = rng.integers(1, 5, int(rng.integers(2, 3 * dp * m)))
-    labels = np.empty(len(length), dtype=np.int64)
-    room = np.full(dp * m, cap)
-    for i in np.argsort(-length, kind="stable"):
-        fits = np.flatnonzero(room >= length[i])
-        if not len(fits):
-            return None
-        labels[i] = fits[int(rng.integers(len(fits)))]
-        room[labels[i]] -= length[i]
+    labels = deal_at_random(rng, length, dp * m, cap)
+    if labels is None:
+        return None
     unit = float(rng.choice([0.1, 0.3, 3e-5]))
     cost = rng.integers(2, 6, len(length)) * unit
     quad = rng.integers(0, 3, len(length)) * unit
