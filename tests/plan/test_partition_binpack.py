@@ -87,3 +87,5 @@ def test_first_fit_fits_examples() -> None:
     assert fits(np.array([10, 10, 2, 2, 2, 1, 1, 1]), 10, 3)  # the two 10s packed, the rest fit
     assert not fits(np.array([10, 10, 2, 2, 2, 1, 1, 1]), 10, 2)
     assert fits(np.zeros(0, np.int64), 10, 0) and not fits(np.array([1]), 10, 0)
+    # an item over the cap fits no bin: never "fits", though ffd would count it one bin
+    assert not fits(np.array([12, 1, 1, 1, 1, 1, 1, 1]), 10, 3)

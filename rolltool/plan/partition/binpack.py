@@ -103,6 +103,8 @@ def first_fit_fits(tokens: np.ndarray, cap: int, bins: int) -> bool:
     unsure = np.flatnonzero(bins * cap - before <= bins * (t - 1))
     if not len(unsure):
         return True
+    if int(t[unsure].max()) > cap:  # an item over the cap is always unsure: ffd's count of
+        return False  # it would mean nothing (the planner refuses such items before)
     upto = int(unsure[-1]) + 1
     return upto <= len(t) // 4 and ffd(t[:upto], cap)[1] <= bins
 
