@@ -308,7 +308,7 @@ def _views(
     made for tensors from a `PrivateShard`, `_writable`'s views made here at once). A tensor it
     does not take as it is (an offset outside the file, a size that is no whole number of its
     dtype, another dtype code, a malformed entry) sends the shard to `tensors_in`, which says why
-    (or reads it, read-only)."""
+    (or reads it: read-only views, or `_writable` ones)."""
     base, room = head.base, len(mapped) - head.base
     out: dict[str, np.ndarray] = {}
     try:
@@ -330,7 +330,8 @@ def _views(
     except Exception:  # whatever it is, tensors_in's verdict is the reader's
         whole = np.frombuffer(mapped, np.uint8)
         whole.flags.writeable = False
-        return tensors_in(whole, head, where)
+        arrays = tensors_in(whole, head, where)
+        return _writable(arrays) if writable else arrays
     return out
 
 
@@ -652,8 +653,7 @@ def _remap(source: RowSource) -> dict[str, np.ndarray]:
             f"checked it ({now}); its rows are not served",
             hint="do not rewrite or replace a packed directory while a trainer reads it; " + _HINT,
         )
-    arrays = _views(mapped, header_of(mapped, source.path), source.path, writable=True)
-    return arrays if arrays["input_ids"].flags.writeable else _writable(arrays)
+    return _views(mapped, header_of(mapped, source.path), source.path, writable=True)
 
 
 @dataclass(frozen=True)
@@ -922,8 +922,6 @@ class PackedReader:
             if ref.file.path != path:
                 path, arrays = ref.file.path, self._open_shard(ref.file, writable=for_tensors)
                 mapped = _private_shard(arrays["row_offsets"])
-                if for_tensors and mapped is not None and not arrays["input_ids"].flags.writeable:
-                    arrays = _writable(arrays)  # read by tensors_in (`_views`' odd headers)
             assert arrays is not None
             try:
                 row = recipe.make(arrays, ref.row)

@@ -124,12 +124,22 @@ def test_two_workers_give_the_tensors_of_none(
     assert len(rebuilt) == served > 0  # every item came by reference, none through shared memory
 
 
+@pytest.mark.parametrize("through", ["views", "tensors_in"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_rows_made_for_tensors_are_writable_throughout(packs: dict[str, Path], layout: str) -> None:
+def test_rows_made_for_tensors_are_writable_throughout(
+    packs: dict[str, Path], layout: str, through: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """What ``to_tensors(row, writable=True)`` relies on when it wraps a row without looking:
     every array of every row (each GPU view) made for tensors from a local shard is writable,
-    in the process that checked it and as the main process rebuilds it; torch never warns."""
+    in the process that checked it and as the main process rebuilds it; torch never warns.
+    ``tensors_in``: every shard read by `tensors_in` (as `_views` leaves a header it does not
+    take as it is), whose views `_views` makes writable too."""
+    import rolltool.packed.core as core
     from rolltool.packed.core import rebuild_row
+
+    if through == "tensors_in":
+        monkeypatch.setattr(core, "_VIEW_DTYPES", {})
+        core.release_rebuilt_maps()
 
     ds = rolltool.open_packed(packs[layout])
     rows = 0
