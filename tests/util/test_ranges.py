@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from rolltool.util.ranges import concat_ranges, slices
+from rolltool.util.ranges import concat_ranges, cut, slices
 
 
 def test_concat_ranges_equals_the_concatenated_aranges() -> None:
@@ -26,3 +26,15 @@ def test_slices_cover_the_range_once_in_order() -> None:
             ).tolist() == list(range(n))
             assert all(p.stop - p.start == size for p in parts[:-1])
             assert not parts or 0 < parts[-1].stop - parts[-1].start <= size
+
+
+def test_cut_equals_np_split_at_the_running_sums() -> None:
+    """Views (no copies) of consecutive pieces, empty ones included, as ``np.split`` gives."""
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        sizes = rng.integers(0, 5, int(rng.integers(0, 7))).tolist()
+        a = rng.integers(0, 100, sum(sizes))
+        got = cut(a, sizes)
+        want = np.split(a, np.cumsum(sizes)[:-1]) if sizes else []
+        assert [p.tolist() for p in got] == [p.tolist() for p in want]
+        assert all(p.base is a for p in got if len(p))

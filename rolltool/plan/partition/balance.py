@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from itertools import accumulate
 
 import numpy as np
 
@@ -53,6 +52,7 @@ from rolltool.plan.partition.exchange import refine_subsets
 from rolltool.plan.partition.kk import kk_sorted
 from rolltool.plan.partition.lpt import lpt_sorted
 from rolltool.plan.partition.refine import refine, refine_pairs
+from rolltool.util.ranges import cut
 
 __all__ = [
     "METHODS",
@@ -401,8 +401,7 @@ def split_labels(labels: np.ndarray, k: int) -> list[np.ndarray]:
     # a stable sort of 16-bit keys is a radix sort: several times faster than on int64
     keys = labels.astype(np.int16) if k <= INT16_MAX else labels
     order = np.argsort(keys, kind="stable").astype(np.int64, copy=False)
-    ends = list(accumulate(np.bincount(labels, minlength=k).tolist()))
-    return [order[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]
+    return cut(order, np.bincount(labels, minlength=k).tolist())
 
 
 INT16_MAX = 32767

@@ -63,6 +63,7 @@ from rolltool.plan.partition.slots import (
     slots_to_grid,
 )
 from rolltool.plan.workload import Workload, make_workload
+from rolltool.util.ranges import cut
 
 __all__ = ["ALIGNS", "StepPlan", "checked_plan", "plan_step", "plan_units"]
 
@@ -637,17 +638,16 @@ def _rank_first_grids(
     orders = [order[p] for p in split_labels(rank[order], dp)]
     by_rank = np.concatenate(orders)
     # each rank's lengths and costs: views of one gather, cut at the ranks' ends
-    ends = np.cumsum([len(o) for o in orders]).tolist()
-    by_rank_length, by_rank_cost = length[by_rank], cost[by_rank]
-    lengths = [by_rank_length[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]
-    costs = [by_rank_cost[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]
+    sizes = [len(o) for o in orders]
+    by_rank_cost = cost[by_rank]
+    lengths, costs = cut(length[by_rank], sizes), cut(by_rank_cost, sizes)
     min_m = max(1, max(-(-int(np.add.reduce(x)) // cap) for x in lengths))
     ffds = [ffd(x, cap) for x in lengths]
     ffd_m = max(1, max(b for _, b in ffds))
 
     def grid_of(m: int, packed: list[np.ndarray]) -> tuple[Grid, int, int]:
         # every rank's bins at once: bin r·m + label, each rank's bins costliest first
-        labels = np.concatenate(packed) + np.repeat(np.arange(dp) * m, [len(o) for o in orders])
+        labels = np.concatenate(packed) + np.repeat(np.arange(dp) * m, sizes)
         bins = members(labels, by_rank, dp * m)
         bin_cost = np.bincount(labels, weights=by_rank_cost, minlength=dp * m).reshape(dp, m)
         ranked = np.argsort(-bin_cost, axis=1, kind="stable").tolist()

@@ -32,6 +32,7 @@ import numpy as np
 
 from rolltool.plan.partition import metrics
 from rolltool.plan.partition.balance import split_labels
+from rolltool.util.ranges import cut
 
 __all__ = [
     "FEW_FILLS",
@@ -83,8 +84,7 @@ def members(labels: np.ndarray, order: np.ndarray | None, nb: int) -> list[np.nd
         by_bin = order[np.argsort(labels * (int(order.max()) + 1) + order)]
     else:
         by_bin = order
-    ends = np.cumsum(np.bincount(labels, minlength=nb)).tolist()
-    return [by_bin[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]  # np.split, faster
+    return cut(by_bin, np.bincount(labels, minlength=nb).tolist())
 
 
 def bins_to_slots(labels: np.ndarray, order: np.ndarray, cost: np.ndarray, dp: int, m: int) -> Grid:
