@@ -4,6 +4,7 @@ textbook KK, and ``auto`` with the exact path never heavier than without it."""
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import numpy as np
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 from partition_refs import reference_kk
 
 from rolltool.errors import RolltoolError
-from rolltool.plan.partition import balance_labels
+from rolltool.plan.partition import balance, balance_labels
 from rolltool.plan.partition import kk as kk_module
 from rolltool.plan.partition.balance import (
     EXACT_PER_PART,
@@ -29,6 +30,9 @@ from rolltool.plan.partition.deal import (
     exact_pairs,
 )
 from rolltool.plan.partition.kk import PY_LINKS_MAX, kk_sorted
+
+balance_module = importlib.import_module("rolltool.plan.partition.balance")  # (the package's
+# ``balance`` is the function)
 
 # ---------------------------------------------------------------- references
 
@@ -108,12 +112,13 @@ def test_deal_exact_keeps_counts_and_reaches_the_target_or_says_so() -> None:
             ws = w[descending_order(w)]
             target = whole_bound(ws, k, equal_count=True)
             assert target is not None
-            labels = deal_exact(ws, k, target=target)
+            rows = deal_exact(ws, k, target=target)
             cases += 1
-            if labels is None:
+            if rows is None:
                 continue
-            assert np.bincount(labels, minlength=k).tolist() == [n // k] * k
-            assert np.bincount(labels, weights=ws, minlength=k).max() <= target
+            assert rows.shape == (k, n // k)  # equal counts, every item once
+            assert np.array_equal(np.sort(rows, axis=None), np.arange(n))
+            assert max(sum(ws[i] for i in row) for row in rows.tolist()) <= target
             reached += 1
     assert cases == 60 and reached >= 45  # it usually gets there: then the split is optimal
 
@@ -137,6 +142,34 @@ def test_auto_with_the_exact_path_is_never_heavier_than_the_paths_it_skips() -> 
         assert top <= np.bincount(refined, weights=ws, minlength=k).max()
         used += bound is not None and top <= bound
     assert used >= 30
+
+
+def test_balance_builds_parts_from_the_exact_rows_as_from_labels(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where ``deal_exact`` answers, ``balance`` builds the parts from its rows (no labels):
+    the same parts as splitting ``balance_labels``' labels, each ascending, every item once;
+    the counter makes sure the rows were used."""
+    answered = 0
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal answered
+        rows = deal_exact(*args, **kwargs)
+        answered += rows is not None
+        return rows
+
+    monkeypatch.setattr(balance_module, "deal_exact", counted)
+    lo, hi = EXACT_PER_PART
+    for seed in range(30):
+        rng = np.random.default_rng(seed)
+        k = int(rng.choice([2, 3, 8, 16]))
+        w = _weights(int(rng.integers(lo, hi + 1)) * k, seed, ["agent", "uniform"][seed % 2])
+        parts = balance(w, k, equal_count=True)
+        labels = balance_labels(w, k, equal_count=True)
+        assert [p.tolist() for p in parts] == [np.flatnonzero(labels == p).tolist()
+                                               for p in range(k)]  # fmt: skip
+        assert np.array_equal(np.sort(np.concatenate(parts)), np.arange(len(w)))
+    assert answered >= 40  # (two calls per seed)
 
 
 # ---------------------------------------------------------------- KK's links read in Python
@@ -202,6 +235,7 @@ def test_repick_equals_the_reference_on_one_row() -> None:
     for _ in range(2000):
         row = rng.integers(-5, 30, int(rng.integers(1, 20))).astype(np.float64)
         row[rng.random(len(row)) < 0.1] = np.inf
+        row[rng.random(len(row)) < 0.05] = -np.inf  # (no pair below: ``exact_pairs``' -inf key)
         least = float(rng.integers(1, 25))
         most = least + float(rng.integers(0, 5))
         assert _repick(row, least, most) == pick_reference(row.tolist(), least, most)

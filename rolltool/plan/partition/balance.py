@@ -120,11 +120,28 @@ def _lightest(ws: np.ndarray, k: int, candidates: list[np.ndarray]) -> tuple[np.
 
 
 def _auto(ws: np.ndarray, k: int, equal_count: bool) -> np.ndarray:
-    floor = whole_bound(ws, k, equal_count=equal_count)  # None: not all whole numbers
-    if floor is not None and equal_count and _exact_fits(ws, k, floor):
-        exact = deal_exact(ws, k, target=floor)
-        if exact is not None and _max_load(ws, exact, k) <= floor:  # (it says so; checked)
-            return exact
+    """``auto``'s labels: ``_auto_split``'s, rows turned into labels."""
+    return _as_labels(_auto_split(ws, k, equal_count))
+
+
+def _as_labels(split: np.ndarray) -> np.ndarray:
+    """A split (``[n]`` labels, or ``[k, m]`` rows of the items of each part) as ``[n]`` labels."""
+    if split.ndim == 1:
+        return split
+    labels = np.empty(split.size, dtype=np.int64)
+    labels[split] = np.arange(len(split))[:, None]
+    return labels
+
+
+def _auto_split(ws: np.ndarray, k: int, equal_count: bool) -> np.ndarray:
+    """``auto`` on weights sorted heaviest first: ``[n]`` labels, or ``[k, n // k]`` where
+    ``deal_exact`` reaches the bound (row p: the positions of part p's items), which
+    ``balance`` turns into parts without labels."""
+    floor, fits = _whole_bound(ws, k, equal_count=equal_count)  # None: not all whole numbers
+    if floor is not None and fits and equal_count and _exact_fits(ws, k):
+        rows = deal_exact(ws, k, target=floor)  # (exact loads: within the floor when not None)
+        if rows is not None:
+            return rows
     dealt = None
     if floor is not None and len(ws) >= DEAL_PER_PART * k:
         dealt = _deal(ws, k, equal_count, floor)
@@ -144,14 +161,14 @@ def _auto(ws: np.ndarray, k: int, equal_count: bool) -> np.ndarray:
     return out
 
 
-def _exact_fits(ws: np.ndarray, k: int, floor: float) -> bool:
-    """Whether ``auto`` tries ``deal_exact`` first: equal counts (the caller's), k dividing n,
-    ``EXACT_PER_PART`` items per part, and ``floor`` not set by the largest item's part (the
-    largest item with the n/k - 1 smallest: the serpentine cannot get there)."""
+def _exact_fits(ws: np.ndarray, k: int) -> bool:
+    """Whether ``auto`` tries ``deal_exact`` first, given that the whole-number bound is not
+    the largest item's part (the largest item with the n/k - 1 smallest: the serpentine cannot
+    get there; ``_whole_bound``'s ``fits``): equal counts (the caller's), k dividing n and
+    ``EXACT_PER_PART`` items per part."""
     n = len(ws)
-    m = n // k
     lo, hi = EXACT_PER_PART
-    return n % k == 0 and lo <= m <= hi and float(ws[0] + ws[n - (m - 1) :].sum()) < floor
+    return n % k == 0 and lo <= n // k <= hi
 
 
 def _refined(
@@ -234,20 +251,29 @@ def whole_bound(ws: np.ndarray, k: int, *, equal_count: bool) -> float | None:
     weighs at least ceil(total / k) rounded up to a multiple of g: a split that reaches this
     bound is optimal. Example: weights 64, 128, 192 (g = 64) into 2 parts: 384 / 2 = 192.
     """
+    return _whole_bound(ws, k, equal_count=equal_count)[0]
+
+
+def _whole_bound(ws: np.ndarray, k: int, *, equal_count: bool) -> tuple[float | None, bool]:
+    """``whole_bound``, and whether it lies above the largest item's part with equal counts
+    (that item with the n/k - 1 smallest; always when there is no such part to count)."""
     total = float(ws.sum())
     if not total < 2.0**53:
-        return None
+        return None, False
     wi = ws.astype(np.int64)
     if not (wi == ws).all():
-        return None
+        return None, False
     bound = max(-(-int(total) // k), int(ws[0]) if len(ws) else 0)
     m = len(ws) // k
+    least_part = 0
     if equal_count and m > 1:  # the largest item's part holds m - 1 others, at least the smallest
-        bound = max(bound, int(ws[0] + ws[len(ws) - (m - 1) :].sum()))
+        least_part = int(ws[0] + ws[len(ws) - (m - 1) :].sum())
+        bound = max(bound, least_part)
     g = math.gcd(*wi[:GCD_FIRST].tolist())  # (plain Python: a rarely used ufunc costs more)
     if g != 1 and len(ws) > GCD_FIRST:  # (the gcd of all divides that of the first few)
         g = int(np.gcd.reduce(wi))
-    return float(-(-bound // g) * g if g > 1 else bound)
+    floor = -(-bound // g) * g if g > 1 else bound
+    return float(floor), least_part < floor
 
 
 GCD_FIRST = 16
@@ -303,17 +329,25 @@ def balance_labels(
     weights: np.ndarray, k: int, *, equal_count: bool = False, method: str = "auto"
 ) -> np.ndarray:
     """Like ``balance`` but returns ``[n]`` int64: the part (0..k-1) of each item."""
+    return _as_labels(_split(weights, k, equal_count, method))
+
+
+def _split(weights: np.ndarray, k: int, equal_count: bool, method: str) -> np.ndarray:
+    """``balance_labels``' labels, or ``[k, n // k]`` item indices of each part (in no order
+    within a row) where ``auto`` found them so (``_auto_split``)."""
     w = _check(weights, k, method)
-    n = len(w)
-    if n == 0:
-        return np.empty(0, dtype=np.int64)
-    k = int(k)
-    if k == 1:
+    n, k = len(w), int(k)
+    if n == 0 or k == 1:
         return np.zeros(n, dtype=np.int64)
     order, ws = _sorted(w)
-    labels_sorted = METHODS[method](ws, k, equal_count)
+    if method == "auto":
+        split = _auto_split(ws, k, equal_count)
+        if split.ndim == 2:
+            return order[split]
+    else:
+        split = METHODS[method](ws, k, equal_count)
     labels = np.empty(n, dtype=np.int64)
-    labels[order] = labels_sorted
+    labels[order] = split
     return labels
 
 
@@ -347,8 +381,10 @@ def balance(
     be empty when ``n < k``. With ``equal_count`` part sizes differ by at most one (exactly equal
     when k divides n). Deterministic: the same input gives the same parts.
     """
-    labels = balance_labels(weights, k, equal_count=equal_count, method=method)
-    return split_labels(labels, int(k))
+    split = _split(weights, k, equal_count, method)
+    if split.ndim == 2:  # each part's items at once: no labels to split
+        return list(np.sort(split, axis=1))
+    return split_labels(split, int(k))
 
 
 STABLE_SORT_MAX = 2048

@@ -247,14 +247,14 @@ def deal_exact(
     ws: np.ndarray, k: int, *, target: float, max_rounds: int = EXACT_ROUNDS
 ) -> np.ndarray | None:
     """Equal counts, k dividing n: the serpentine deal, then rounds of exact swaps towards
-    ``target``: ``[n]`` int64 part per item (every part n // k items) with no part above
-    ``target``, or ``None`` where ``max_rounds`` rounds do not get there.
+    ``target``: ``[k, n // k]`` int64, row p the positions in ``ws`` of part p's items, with no
+    part above ``target``; or ``None`` where ``max_rounds`` rounds do not get there.
 
     Each round plans the northwest-corner transfers (supplier a, receiver b, amount), and for
-    each looks at every pair of an item x of a and y of b (one binary search over a's sorted
-    items per item of b, all transfers at once: ``exact_pairs``) for the swap with x - y in a
-    *window*: at least the amount and at most b's room (b stays at or below ``target``; a's
-    rest goes to the next receiver), the smallest such; else the largest x - y below the
+    each looks at every pair of an item x of a and y of b (one binary search over every part's
+    sorted items per item of b, all transfers at once: ``exact_pairs``) for the swap with x - y
+    in a *window*: at least the amount and at most b's room (b stays at or below ``target``;
+    a's rest goes to the next receiver), the smallest such; else the largest x - y below the
     amount. Swaps are applied in transfer order, each in the window of that moment (where an
     earlier swap of the round left a or b elsewhere than planned, another of the pairs found is
     taken), only if it lowers the total excess over ``target`` and touches no item swapped this
@@ -262,7 +262,8 @@ def deal_exact(
     every item, and a window instead of one value, so most transfers land exactly (1,024 synth
     lengths into 8 parts: 39 of 40 seeds reach ``whole_bound``, 16 in one round; LPT on the
     first 4 or 8 blocks instead of the serpentine gets 25 there in one round, 38-39 in all,
-    and costs as much as it saves).
+    and costs as much as it saves). The loads are kept exactly (whole numbers below 2^53: the
+    caller's ``whole_bound``), so a row set returned is within ``target``.
     """
     n = len(ws)
     m = n // k
@@ -282,9 +283,7 @@ def deal_exact(
         if not _exact_round(items, parts, loads, target, top, rows_sorted=rounds == 0):
             return None
         rounds += 1
-    labels = np.empty(n, dtype=np.int64)
-    labels[parts.ravel()] = np.arange(k, dtype=np.int64).repeat(m)
-    return labels
+    return parts
 
 
 def _windows(
@@ -292,26 +291,35 @@ def _windows(
 ) -> tuple[list[int], list[int], list[float], list[float]]:
     """Northwest-corner transfers (suppliers heaviest first, receivers lightest first): supplier,
     receiver, least amount (what either side has left) and most (the receiver's room left)."""
-    k = len(loads)
-    over = sorted([p for p in range(k) if loads[p] > target], key=loads.__getitem__, reverse=True)
-    under = sorted([p for p in range(k) if loads[p] < target], key=loads.__getitem__)
-    supply = [loads[p] - target for p in over]
-    room = [target - loads[p] for p in under]
+    over = sorted([p for p, x in enumerate(loads) if x > target], key=loads.__getitem__,
+                  reverse=True)  # fmt: skip
+    under = sorted([p for p, x in enumerate(loads) if x < target], key=loads.__getitem__)
     src: list[int] = []
     dst: list[int] = []
     least: list[float] = []
     most: list[float] = []
+    if not (over and under):
+        return src, dst, least, most
     i = j = 0
-    while i < len(supply) and j < len(room):
-        d = min(supply[i], room[j])
+    supply, room = loads[over[0]] - target, target - loads[under[0]]
+    while True:
+        d = supply if supply < room else room
         src.append(over[i])
         dst.append(under[j])
         least.append(d)
-        most.append(room[j])
-        supply[i] -= d
-        room[j] -= d
-        i += supply[i] <= 0
-        j += room[j] <= 0
+        most.append(room)
+        supply -= d
+        room -= d
+        if supply <= 0:
+            i += 1
+            if i == len(over):
+                break
+            supply = loads[over[i]] - target
+        if room <= 0:
+            j += 1
+            if j == len(under):
+                break
+            room = target - loads[under[j]]
     return src, dst, least, most
 
 
@@ -351,47 +359,48 @@ def exact_pairs(
     *,
     rows_sorted: bool = False,
     top: float | None = None,
-) -> tuple[np.ndarray, XColumn, np.ndarray]:
+) -> tuple[np.ndarray, XColumn, list[int]]:
     """For each transfer t (an item x of part ``src[t]`` for an item y of ``dst[t]``, x - y in
     [``least[t]``, ``most[t]``]) and each y (column c of ``items[dst[t]]``, ``items``: ``[k, m]``
     non-negative), the pair with the smallest x - y >= least (column c) and the largest below
-    (column m + c), found by one binary search over every x of the transfer for every y.
-    Exact for whole numbers while T · (2·top + max(most) + 1) < 2^53 (the keys' offsets).
+    (column m + c), found by one binary search over the suppliers' items for every y (every
+    part's where the rows are sorted: no copy to make). Exact for whole numbers while
+    k · (2·top + max(most) + 1) < 2^53 (the keys' offsets).
 
     Returns ``cand`` ``[T, 2m]`` (x - y of each pair; inf or <= 0 where there is none),
-    ``x_col`` (``x_col(t, c)``: x's column in ``items[src[t]]``) and ``planned`` ``[T]`` (the
+    ``x_col`` (``x_col(t, c)``: x's column in ``items[src[t]]``) and ``planned`` (``[T]``, the
     column of ``cand`` of the best pair: in the window nearest ``least``, else the largest in
     (0, least); -1 where neither). ``rows_sorted``: each part's items heaviest first; ``top``:
     the largest item, if known.
     """
-    nt, m = len(src), items.shape[1]
-    t = np.arange(nt)
+    m = items.shape[1]
     top = float(items.max()) if top is None else top
-    big = max(most)
-    off = 2.0 * top + big + 1.0  # transfer t's keys lie in [t·off, t·off + top]
-    shift = (t * off)[:, None]
-    keys = np.empty(nt * m + 2)  # -inf, the keys, inf: every query falls between two
+    off = 2.0 * top + max(most) + 1.0  # row r's keys lie in [r·off, r·off + top]
+    if rows_sorted:  # every part's row, ascending: columns m-1 .. 0 (no copy to make)
+        rows, at = items[:, ::-1], src
+    else:  # the suppliers' rows only (later rounds have few transfers), each sorted
+        sup = sorted(set(src))
+        at = [sup.index(a) for a in src]
+        order = items[sup].argsort(axis=1)
+        rows = items[np.array(sup)[:, None], order]
+    nr = len(rows)
+    shift = np.arange(0.0, nr * off, off)[:nr, None]
+    keys = np.empty(nr * m + 2)  # -inf, the keys, inf: every query falls between two
     keys[0], keys[-1] = -np.inf, np.inf
-    rows = items[src]
-    if rows_sorted:  # ascending keys: columns m-1 .. 0
-        np.add(rows[:, ::-1], shift, out=keys[1:-1].reshape(nt, m))
-    else:
-        order = rows.argsort(axis=1)
-        np.add(rows[t[:, None], order], shift, out=keys[1:-1].reshape(nt, m))
-    window = np.array((least, most)).T  # [T, 2]
-    ys = items[dst] + shift  # y, shifted
-    j = keys.searchsorted(ys + window[:, :1])  # keys[j]: the first x >= y + least
-    jj = np.concatenate((j, j - 1), axis=1)  # that pair (another transfer's: > most), the one below
+    np.add(rows, shift, out=keys[1:-1].reshape(nr, m))
+    ys = items[dst]
+    ys += shift[at]  # y, shifted to its supplier's row
+    j = keys.searchsorted(ys + np.array(least)[:, None])  # keys[j]: the first x >= y + least
+    jj = np.concatenate((j, j - 1), axis=1)  # that pair (another row's: > most), the one below
     cand = keys[jj]
+    nt = len(src)
     np.subtract(cand.reshape(nt, 2, m), ys[:, None], out=cand.reshape(nt, 2, m))  # x - y
-    # a pair in the window scores its x - y (<= big), one below least scores c2 - (x - y)
-    # (> big + 1, the largest first); one at x - y <= 0 (or -inf: none) c2 or more: neither
-    c2 = 2.0 * big + 1.0
-    score = c2 - cand
-    up = cand[:, :m]
-    score[:, :m] = np.where(up <= window[:, 1:], up, np.inf)
-    best = score.argmin(axis=1)
-    planned = np.where(score[t, best] < c2, best, -1)
+    # the smallest x - y >= least (every pair of the first half), lowest column first: in the
+    # window if any is; else ``_repick`` (the largest below least)
+    planned = cand[:, :m].argmin(axis=1).tolist()
+    for t, c in enumerate(planned):
+        if not cand[t, c] <= most[t]:
+            planned[t] = _repick(cand[t], least[t], most[t])
 
     def x_col(row: int, c: int) -> int:
         key = int(jj[row, c]) - 1  # keys[0] is the -inf
@@ -401,16 +410,21 @@ def exact_pairs(
 
 
 def _repick(row: np.ndarray, least: float, most: float) -> int:
-    """``exact_pairs``' pick for one row of candidates (x - y) and another window: the column
-    of the smallest in [least, most], else of the largest in (0, least), lowest column first
-    on ties (``argmin`` and ``argmax`` return the first); -1 where neither."""
-    above = np.where(row >= least, row, np.inf)
-    c = int(above.argmin())
-    if above[c] <= most:
+    """``exact_pairs``' pick for one row of candidates (x - y) and another window (least <=
+    most): the column of the smallest in [least, most], else of the largest in (0, least),
+    lowest column first on ties; -1 where neither.
+
+    Two NumPy passes where masks took four: the non-negative differences row - least (the
+    candidates at or above least) are, read as unsigned 64-bit integers, ordered as their
+    values and below every negative one (whose sign bit is set), so ``argmin`` of them is the
+    smallest candidate >= least (the first on ties); likewise least - row for the largest
+    below (which is never +0 there: a candidate equal to least, <= most, ends the first
+    step)."""
+    c = int((row - least).view(np.uint64).argmin())
+    if least <= row[c] <= most:
         return c
-    below = np.where(row < least, row, -np.inf)
-    c = int(below.argmax())
-    return c if below[c] > 0.0 else -1
+    c = int((least - row).view(np.uint64).argmin())
+    return c if 0.0 < row[c] < least else -1
 
 
 def _apply_in_window(
@@ -418,7 +432,7 @@ def _apply_in_window(
     dst: list[int],
     cand: np.ndarray,
     x_col: XColumn,
-    planned: np.ndarray,
+    planned: list[int],
     loads: list[float],
     target: float,
 ) -> list[tuple[int, int, int, int]]:
@@ -429,7 +443,7 @@ def _apply_in_window(
     m = cand.shape[1] // 2
     used: set[tuple[int, int]] = set()
     swaps: list[tuple[int, int, int, int]] = []
-    for t, (a, b, c) in enumerate(zip(src, dst, planned.tolist(), strict=True)):
+    for t, (a, b, c) in enumerate(zip(src, dst, planned, strict=True)):
         la, lb = loads[a], loads[b]
         room = target - lb
         want = min(la - target, room)
