@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import mmap
 import os
 import threading
@@ -64,6 +65,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from glob import escape as glob_escape
+from itertools import accumulate
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, get_args
 
@@ -391,6 +393,83 @@ def _values_in_range(arrays: dict[str, np.ndarray]) -> bool:
     return not _padding_weighs(arrays)
 
 
+_FEW_SEGMENTS = 512
+"""A shard of at most this many segments (and rows) is told in order by `shard_in_order`, its
+segment and row arrays as Python numbers; one of more by the checks one by one (vectorized)."""
+
+
+def shard_in_order(arrays: dict[str, np.ndarray], rows: int) -> tuple[int, int, int] | None:
+    """`shard_counts` of a shard's arrays when they pass every check of
+    `rolltool.format.layout.check_rows` and `value_problem` and hold `rows` rows (the
+    manifest's count); None when one of them may fail (they then say which, in their order) or
+    the shard has more than `_FEW_SEGMENTS` segments or rows.
+
+    The same conditions in fewer steps: a shard's few segments and rows (tens, usually) as
+    Python lists (~30 NumPy calls on arrays that small cost ~40 us a shard, more than the
+    three reductions over its tokens), a NaN or infinity among the advantages or weights made
+    visible by their sum (in float64, which float32 values cannot overflow). E.g. segments of
+    3 and 2 tokens in one row: ``seq_lens [3, 2]`` add up to ``row_offsets [0, 5]`` at
+    ``row_segments [0, 2]``."""
+    lens = _segments_in_order(arrays, rows)
+    if lens is None:
+        return None
+    if not lens:  # no segments, no tokens (`value_problem` has nothing to check)
+        return 0, 0, 0
+    return _values_counted(arrays, lens)
+
+
+def _segments_in_order(arrays: dict[str, np.ndarray], rows: int) -> list[int] | None:
+    """``seq_lens`` as a list when `check_rows` finds nothing, the dtypes are `_DTYPES`' and
+    the shard has `rows` rows (at most `_FEW_SEGMENTS` rows and segments), else None."""
+    if len(arrays) != len(_DTYPES):
+        return None
+    for key, dtype in _DTYPES.items():
+        a = arrays.get(key)
+        if a is None or a.ndim != 1 or a.dtype != dtype:
+            return None
+    n_tok, n_seg = len(arrays["input_ids"]), len(arrays["seq_lens"])
+    if not (n_seg <= _FEW_SEGMENTS and 0 <= rows <= _FEW_SEGMENTS):
+        return None
+    if not (len(arrays["loss_mask"]) == len(arrays["logprobs"]) == n_tok):
+        return None
+    per_segment = (arrays[k] for k in ("sample_index", "seg_advantage", "seg_weight"))
+    if any(len(a) != n_seg for a in per_segment):
+        return None
+    ro, rs = arrays["row_offsets"].tolist(), arrays["row_segments"].tolist()
+    if not (len(ro) == len(rs) == rows + 1 and ro[0] == rs[0] == 0):
+        return None
+    if not (ro[-1] == n_tok and rs[-1] == n_seg and ro == sorted(ro) and rs == sorted(rs)):
+        return None
+    lens: list[int] = arrays["seq_lens"].tolist()
+    if n_seg and min(lens) <= 0:
+        return None
+    bounds = list(accumulate(lens, initial=0))
+    return lens if [bounds[i] for i in rs] == ro else None
+
+
+def _values_counted(arrays: dict[str, np.ndarray], lens: list[int]) -> tuple[int, int, int] | None:
+    """`shard_counts` when `value_problem` finds nothing, else None; for arrays that passed
+    `_segments_in_order` (``lens``: their segment lengths), some segments."""
+    ids, n_tok = arrays["input_ids"], len(arrays["input_ids"])
+    if not (_MIN(ids) >= 0 and _MAX(arrays["loss_mask"]) <= 1):
+        return None
+    if not _ALL(np.isfinite(arrays["logprobs"])):
+        return None
+    index = arrays["sample_index"].tolist()
+    weight, advantage = arrays["seg_weight"].tolist(), arrays["seg_advantage"].tolist()
+    if min(index) < PAD_SAMPLE or not math.isfinite(sum(advantage)):
+        return None
+    if not (math.isfinite(sum(weight)) and min(weight) >= 0):
+        return None
+    pads = index.count(PAD_SAMPLE)
+    if not pads:
+        return len(lens), n_tok, n_tok
+    padding = [k for k, i in enumerate(index) if i == PAD_SAMPLE]
+    if any(weight[k] or advantage[k] for k in padding):
+        return None
+    return len(lens) - pads, n_tok, n_tok - sum(lens[k] for k in padding)
+
+
 def _padding_weighs(arrays: dict[str, np.ndarray]) -> bool:
     """Whether a padding segment has a weight or an advantage other than 0 (a float's truth is
     ``!= 0``: NaN counts, -0.0 does not)."""
@@ -505,6 +584,8 @@ def lengths_problem(arrays: dict[str, np.ndarray], lengths: np.ndarray) -> str |
     next -1) when no array, sum or weight changes. Expects arrays that passed `value_problem`
     (``sample_index`` >= -1); two NumPy passes over the segments."""
     index, lens = arrays["sample_index"], arrays["seq_lens"]
+    if len(index) <= _FEW_SEGMENTS and _lengths_agree(index, lens, lengths):
+        return None
     real = index != PAD_SAMPLE
     if not real.any():
         return None
@@ -520,6 +601,21 @@ def lengths_problem(arrays: dict[str, np.ndarray], lengths: np.ndarray) -> str |
         f"row {row}: sample {int(index[k])} holds {int(lens[k])} tokens, "
         f"{SAMPLES} says {int(lengths[index[k]])}"
     )
+
+
+def _lengths_agree(index: np.ndarray, lens: np.ndarray, lengths: np.ndarray) -> bool:
+    """True only when `lengths_problem` finds nothing (False: let it look): a few segments'
+    lengths compared as Python lists, one ``take`` of the samples' lengths."""
+    idx = index.tolist()
+    real = [k for k, i in enumerate(idx) if i != PAD_SAMPLE] if PAD_SAMPLE in idx else None
+    if real == [] or not idx:
+        return True
+    if max(idx) >= len(lengths):
+        return False
+    got, have = lengths.take(index).tolist(), lens.tolist()  # -1 takes the last: not compared
+    if real is None:
+        return bool(got == have)
+    return all(got[k] == have[k] for k in real)
 
 
 def shard_counts(arrays: dict[str, np.ndarray]) -> tuple[int, int, int]:
@@ -1002,19 +1098,21 @@ class PackedReader:
             if mapped is None
             else _views(mapped, head, where, writable=writable and self._remote is None)
         )
-        broken = check_rows(arrays)
-        if broken is None and len(arrays["row_offsets"]) - 1 != f.rows:
-            broken = f"{len(arrays['row_offsets']) - 1} rows, the manifest says {f.rows}"
-        if broken is None:
-            broken = value_problem(arrays)
-        if broken is not None:
-            raise _bad(where, f"corrupt shard ({broken})")
+        counted = shard_in_order(arrays, f.rows)  # None: the checks one by one say
+        if counted is None:
+            broken = check_rows(arrays)
+            if broken is None and len(arrays["row_offsets"]) - 1 != f.rows:
+                broken = f"{len(arrays['row_offsets']) - 1} rows, the manifest says {f.rows}"
+            if broken is None:
+                broken = value_problem(arrays)
+            if broken is not None:
+                raise _bad(where, f"corrupt shard ({broken})")
         misfit = layout_problem(
             arrays, self.split, self._row_len, self.manifest.config.micro_batch_tokens
         )
         if misfit is not None:
             raise _bad(where, f"rows not laid out as the manifest's config says ({misfit})")
-        self._check_counts(f, arrays)
+        self._check_counts(f, shard_counts(arrays) if counted is None else counted)
         if self.shared:
             wrong = shared_problem(arrays, self._sample_lengths)
             if wrong is not None:
@@ -1055,14 +1153,14 @@ class PackedReader:
         lengths[index] = length
         return lengths
 
-    def _check_counts(self, f: ShardRef, arrays: dict[str, np.ndarray]) -> None:
+    def _check_counts(self, f: ShardRef, counted: tuple[int, int, int]) -> None:
         """Once all of a (step, rank)'s shards were mapped, its rows' samples, tokens and real
-        tokens against its record (`counts_problem`): before any of its rows is served when it
-        has one shard, as most do; when its rows are split over shards, on mapping the last
-        (the error names that one), so rows of the others may have been served."""
+        tokens (`shard_counts` of each shard: `counted` of `f`'s) against its record
+        (`counts_problem`): before any of its rows is served when it has one shard, as most
+        do; when its rows are split over shards, on mapping the last (the error names that
+        one), so rows of the others may have been served."""
         listed = self._listed[f.path]
         record = self.manifest.steps[listed.step].ranks[listed.rank]
-        counted = shard_counts(arrays)
         if len(record.files) > 1:
             self._counted[f.path] = counted
             if any(g.path not in self._counted for g in record.files):

@@ -26,7 +26,7 @@ import rolltool
 import rolltool.packed.core as core
 from rolltool.errors import RolltoolError
 from rolltool.format import PAD_SAMPLE
-from rolltool.format.layout import segment_positions
+from rolltool.format.layout import check_rows, segment_positions
 from rolltool.format.shards import _DTYPES, header_of, tensors_in
 from rolltool.format.targets import _FEW_PADS, next_token_targets, no_target
 
@@ -203,6 +203,126 @@ def test_the_in_range_test_never_passes_what_a_check_refuses(out: Path) -> None:
         assert core.value_problem(arrays) == want, edit
         if want is not None:
             assert not core._values_in_range(arrays), edit
+
+
+def _checks_one_by_one(arrays: dict[str, np.ndarray], rows: int) -> str | None:
+    """What `PackedReader._open_shard` asks of a shard's arrays before its layout when
+    `core.shard_in_order` does not vouch for them: `check_rows`, the manifest's row count,
+    `value_problem` (each check in its order)."""
+    broken = check_rows(arrays)
+    if broken is None and len(arrays["row_offsets"]) - 1 != rows:
+        broken = "rows"
+    return broken if broken is not None else _one_by_one(arrays)
+
+
+def _edited(good: dict[str, np.ndarray], edit: tuple[str, Any, Any]) -> dict[str, np.ndarray]:
+    """A copy of `good` with `edit`: (array, index, value) sets one value; ("dtype", k, t)
+    casts array k; ("drop", k, _) removes it; ("extra", k, shape) adds one more array;
+    ("2d", k, _) makes array k 2-D; ("cut", k, n) drops its last n values."""
+    arrays = {k: a.copy() for k, a in good.items()}
+    kind, key, value = edit
+    if kind == "dtype":
+        arrays[key] = arrays[key].astype(value)
+    elif kind == "drop":
+        del arrays[key]
+    elif kind == "extra":
+        arrays[key] = np.zeros(value, np.int64)
+    elif kind == "2d":
+        arrays[key] = arrays[key].reshape(1, -1)
+    elif kind == "cut":
+        arrays[key] = arrays[key][:-value]
+    else:
+        arrays[kind][key] = value
+    return arrays
+
+
+def test_the_shard_check_never_passes_what_a_check_refuses(out: Path) -> None:
+    """`core.shard_in_order` (the reader's one pass over a shard's few segments) vouches for a
+    shard only when `check_rows`, the row count and `value_problem` find nothing, and then
+    gives `shard_counts`; on an untouched pack it vouches for every shard (the fast path
+    really runs)."""
+    ds = rolltool.open_packed(out)
+    vouched = 0
+    for ref in {r.file.path: r for rank in range(ds.dp) for r in ds.rank_rows(rank)}.values():
+        mapped = core._open_local(out / ref.file.path)
+        arrays = core._views(mapped, header_of(mapped, "s"), "s")
+        assert core.shard_in_order(arrays, ref.file.rows) == core.shard_counts(arrays)
+        vouched += 1
+    assert vouched > 3
+    mapped, head = _shard(out, padded=True)
+    good = {k: np.array(a) for k, a in core._views(mapped, head, "shard").items()}
+    rows = len(good["row_offsets"]) - 1
+    pad = int(np.flatnonzero(good["sample_index"] == PAD_SAMPLE)[0])
+    real = int(np.flatnonzero(good["sample_index"] != PAD_SAMPLE)[0])
+    lens, big = int(good["seq_lens"][real]), float(np.finfo(np.float32).max)
+    edits: list[tuple[str, Any, Any]] = [
+        ("input_ids", 0, -1), ("loss_mask", 0, 2), ("logprobs", 0, np.nan),
+        ("logprobs", -1, -np.inf), ("sample_index", 0, -2), ("sample_index", real, -1),
+        ("sample_index", pad, 0), ("seg_advantage", 0, np.nan), ("seg_advantage", 0, np.inf),
+        ("seg_advantage", real, big), ("seg_weight", 0, -1e-30), ("seg_weight", 0, np.nan),
+        ("seg_weight", 0, -np.inf), ("seg_weight", 0, np.inf), ("seg_weight", -1, np.nan),
+        ("seg_weight", 0, -0.0), ("seg_weight", real, big),
+        ("seg_weight", pad, 0.5), ("seg_advantage", pad, -0.25), ("seg_advantage", pad, -0.0),
+        ("seq_lens", real, lens + 1), ("seq_lens", real, 0), ("seq_lens", real, -lens),
+        ("seq_lens", pad, 0), ("row_offsets", 0, 1), ("row_offsets", 1, 0),
+        ("row_offsets", -1, 0), ("row_segments", 1, 0), ("row_segments", -1, 1),
+        ("row_segments", 0, -1), ("dtype", "seq_lens", np.int64),
+        ("dtype", "row_offsets", np.int32), ("dtype", "logprobs", np.float64),
+        ("drop", "seg_weight", None), ("extra", "more", 3), ("extra", "more", (1, 3)), ("2d", "input_ids", None),
+        ("cut", "input_ids", 1), ("cut", "loss_mask", 1), ("cut", "seg_weight", 1),
+        ("cut", "row_offsets", 1), ("cut", "row_segments", 1),
+    ]  # fmt: skip
+    rng = np.random.default_rng(3)
+    values = [e for e in edits if e[0] in good]
+    for _ in range(300):  # random pairs of value edits, and values set at random
+        a, b = rng.choice(len(values), 2)
+        edits.append(("pair", values[a], values[b]))
+        key = str(rng.choice(list(good)))
+        i = int(rng.integers(len(good[key])))
+        edits.append(("pair", (key, i, rng.choice([-1, 0, 1, 2, 7])), values[a]))
+    refused = 0
+    for edit in edits:
+        if edit[0] == "pair":
+            arrays = _edited(_edited(good, edit[1]), edit[2])
+        else:
+            arrays = _edited(good, edit)
+        for n in (rows, rows + 1):
+            want = _checks_one_by_one(arrays, n)
+            got = core.shard_in_order(arrays, n)
+            if want is None:  # it may still leave an odd shard to the checks (an extra array)
+                assert got is None or got == core.shard_counts(arrays), edit
+            else:
+                assert got is None, (edit, want)
+                refused += 1
+    assert refused > len(edits)  # every rows + 1 and most edits refused
+
+
+def test_the_lengths_test_never_passes_what_the_lengths_check_refuses() -> None:
+    """`core._lengths_agree` (a few segments compared as lists) says True only where
+    `lengths_problem`'s plain checks find nothing, and `lengths_problem` says the same with it
+    or without it."""
+    rng = np.random.default_rng(4)
+    agreed = 0
+    for _ in range(2000):
+        k, n = int(rng.integers(0, 12)), int(rng.integers(1, 20))
+        lengths = rng.integers(1, 6, n).astype(np.int64)
+        index = rng.integers(-1, n + rng.choice([0, 0, 0, 2]), k).astype(np.int64)
+        lens = np.where(index >= 0, lengths[np.clip(index, 0, n - 1)], rng.integers(1, 6, k))
+        if k and rng.random() < 0.3:
+            lens[rng.integers(k)] += rng.choice([-1, 1])
+        arrays = {"sample_index": index, "seq_lens": lens.astype(np.int32),
+                  "row_segments": np.array([0, k])}  # fmt: skip
+        fast = core._lengths_agree(index, arrays["seq_lens"], lengths)
+        saved = core._lengths_agree
+        core._lengths_agree = lambda *a: False  # type: ignore[assignment]
+        try:
+            plain = core.lengths_problem(arrays, lengths)
+        finally:
+            core._lengths_agree = saved
+        assert core.lengths_problem(arrays, lengths) == plain
+        assert not (fast and plain is not None), (index, lens, lengths)
+        agreed += fast
+    assert 300 < agreed < 2000
 
 
 def _positions(lens: np.ndarray) -> np.ndarray:
