@@ -20,6 +20,7 @@ from rolltool.plan.partition.balance import (
     EXACT_PER_PART,
     METHODS,
     STABLE_SORT_MAX,
+    _descending,
     descending_order,
     refined_and_lpt_labels,
     whole_bound,
@@ -243,9 +244,10 @@ def test_repick_equals_the_reference_on_one_row() -> None:
 
 def test_descending_order_is_the_stable_sort_of_the_negated_weights() -> None:
     """Every path of ``descending_order`` (16-bit keys, stable sort, packed integer keys,
-    ranks) orders exactly as the stable sort does: heaviest first, ties by index."""
+    ranks) orders exactly as the stable sort does: heaviest first, ties by index; where it
+    learns that the weights are whole numbers (``auto`` then skips that check), they are."""
     rng = np.random.default_rng(23)
-    cases = 0
+    cases = wholes = 0
     for n in (1, 5, 1023, 1024, 2048, 2049, 5000):
         for shape in ("lengths", "ties", "wide", "halves", "fractions", "tiny"):
             if shape == "lengths":
@@ -262,8 +264,11 @@ def test_descending_order_is_the_stable_sort_of_the_negated_weights() -> None:
                 w = rng.choice([3.0, 0.0, 1e-17, 2e-17], n)
             want = np.argsort(-w, kind="stable")
             assert np.array_equal(descending_order(w), want), (n, shape)
+            whole = _descending(w)[1]  # and where it says the weights are whole, they are
+            assert not whole or np.array_equal(w, np.trunc(w)), (n, shape)
             cases += 1
-    assert cases == 42
+            wholes += whole
+    assert cases == 42 and wholes >= 6
 
 
 def test_bad_weights_raise_alike_whether_the_sort_or_a_pass_finds_them() -> None:

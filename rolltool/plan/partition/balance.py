@@ -133,11 +133,12 @@ def _as_labels(split: np.ndarray) -> np.ndarray:
     return labels
 
 
-def _auto_split(ws: np.ndarray, k: int, equal_count: bool) -> np.ndarray:
+def _auto_split(ws: np.ndarray, k: int, equal_count: bool, *, whole: bool = False) -> np.ndarray:
     """``auto`` on weights sorted heaviest first: ``[n]`` labels, or ``[k, n // k]`` where
     ``deal_exact`` reaches the bound (row p: the positions of part p's items), which
-    ``balance`` turns into parts without labels."""
-    floor, fits = _whole_bound(ws, k, equal_count=equal_count)  # None: not all whole numbers
+    ``balance`` turns into parts without labels. ``whole``: the weights are known to be whole
+    numbers (the sort found it: no pass to check)."""
+    floor, fits = _whole_bound(ws, k, equal_count=equal_count, whole=whole)  # None: not whole
     if floor is not None and fits and equal_count and _exact_fits(ws, k):
         rows = deal_exact(ws, k, target=floor)  # (exact loads: within the floor when not None)
         if rows is not None:
@@ -254,14 +255,16 @@ def whole_bound(ws: np.ndarray, k: int, *, equal_count: bool) -> float | None:
     return _whole_bound(ws, k, equal_count=equal_count)[0]
 
 
-def _whole_bound(ws: np.ndarray, k: int, *, equal_count: bool) -> tuple[float | None, bool]:
+def _whole_bound(
+    ws: np.ndarray, k: int, *, equal_count: bool, whole: bool = False
+) -> tuple[float | None, bool]:
     """``whole_bound``, and whether it lies above the largest item's part with equal counts
-    (that item with the n/k - 1 smallest; always when there is no such part to count)."""
+    (that item with the n/k - 1 smallest; always when there is no such part to count).
+    ``whole``: the weights are known to be whole numbers."""
     total = float(ws.sum())
     if not total < 2.0**53:
         return None, False
-    wi = ws.astype(np.int64)
-    if not (wi == ws).all():
+    if not (whole or (ws.astype(np.int64) == ws).all()):
         return None, False
     bound = max(-(-int(total) // k), int(ws[0]) if len(ws) else 0)
     m = len(ws) // k
@@ -269,9 +272,9 @@ def _whole_bound(ws: np.ndarray, k: int, *, equal_count: bool) -> tuple[float | 
     if equal_count and m > 1:  # the largest item's part holds m - 1 others, at least the smallest
         least_part = int(ws[0] + ws[len(ws) - (m - 1) :].sum())
         bound = max(bound, least_part)
-    g = math.gcd(*wi[:GCD_FIRST].tolist())  # (plain Python: a rarely used ufunc costs more)
+    g = math.gcd(*map(int, ws[:GCD_FIRST].tolist()))  # (plain Python: a rare ufunc costs more)
     if g != 1 and len(ws) > GCD_FIRST:  # (the gcd of all divides that of the first few)
-        g = int(np.gcd.reduce(wi))
+        g = int(np.gcd.reduce(ws.astype(np.int64)))
     floor = -(-bound // g) * g if g > 1 else bound
     return float(floor), least_part < floor
 
@@ -313,16 +316,17 @@ def _check_values(w: np.ndarray) -> None:
         raise RolltoolError(f"weight of item {i} is {w[i]!r}; weights must be finite and >= 0")
 
 
-def _sorted(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``descending_order(w)`` and the weights in that order, raising unless every weight is
-    finite and >= 0: up to ``STABLE_SORT_MAX`` weights every path of ``descending_order`` sorts
-    any floats (a NaN last), so the ends tell, without a pass for the least and the largest
-    (``_check`` makes that pass for more weights, whose packed keys assume proper ones)."""
-    order = descending_order(w)
+def _sorted(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
+    """``descending_order(w)``, the weights in that order and whether the sort learnt that they
+    are whole numbers (``_descending``), raising unless every weight is finite and >= 0: up to
+    ``STABLE_SORT_MAX`` weights every path of ``descending_order`` sorts any floats (a NaN
+    last), so the ends tell, without a pass for the least and the largest (``_check`` makes
+    that pass for more weights, whose packed keys assume proper ones)."""
+    order, whole = _descending(w)
     ws = w[order]
     if len(ws) and not (ws[-1] >= 0.0 and ws[0] < np.inf):  # (a NaN fails the first)
         _check_values(w)
-    return order, ws
+    return order, ws, whole
 
 
 def balance_labels(
@@ -339,9 +343,9 @@ def _split(weights: np.ndarray, k: int, equal_count: bool, method: str) -> np.nd
     n, k = len(w), int(k)
     if n == 0 or k == 1:
         return np.zeros(n, dtype=np.int64)
-    order, ws = _sorted(w)
+    order, ws, whole = _sorted(w)
     if method == "auto":
-        split = _auto_split(ws, k, equal_count)
+        split = _auto_split(ws, k, equal_count, whole=whole)
         if split.ndim == 2:
             return order[split]
     else:
@@ -361,7 +365,7 @@ def refined_and_lpt_labels(
     if n == 0 or k == 1:
         zero = np.zeros(n, dtype=np.int64)
         return zero, zero.copy()
-    order, ws = _sorted(w)
+    order, ws, _ = _sorted(w)
     lpt_sorted_labels = _lpt(ws, k, equal_count)
     out = []
     for sorted_labels in (_refined(ws, k, equal_count, lpt=lpt_sorted_labels), lpt_sorted_labels):
@@ -396,7 +400,14 @@ stable sort of the weights is as fast)."""
 
 
 def descending_order(w: np.ndarray) -> np.ndarray:
-    """Indices that sort ``w`` heaviest first, ties by index: a stable sort, done faster.
+    """Indices that sort ``w`` heaviest first, ties by index: a stable sort, done faster
+    (``_descending``)."""
+    return _descending(w)[0]
+
+
+def _descending(w: np.ndarray) -> tuple[np.ndarray, bool]:
+    """``descending_order(w)``, and True where it learnt on the way that every weight is a
+    whole number (16-bit keys below a whole largest weight; False: not known).
 
     Whole-number weights within 65,535 of the largest (token lengths) from ``RADIX_FROM`` items:
     a stable sort of the 16-bit keys largest - weight, which NumPy does by radix (1,024 synth
@@ -413,23 +424,23 @@ def descending_order(w: np.ndarray) -> np.ndarray:
         if top - float(w.min()) < 2.0**16:
             key = (top - w).astype(np.uint16)
             if (top - key == w).all():  # every weight is top - key exactly: the same order
-                return np.argsort(key, kind="stable")
+                return np.argsort(key, kind="stable"), top.is_integer()
     if n <= STABLE_SORT_MAX:
-        return np.argsort(-w, kind="stable")
+        return np.argsort(-w, kind="stable"), False
     top = float(w.max())
     if top * n < 2.0**62 and np.array_equal(w, np.trunc(w)):
-        return np.argsort((top - w).astype(np.int64) * n + np.arange(n))
+        return np.argsort((top - w).astype(np.int64) * n + np.arange(n)), True
     order = np.argsort(-w)
     s = w[order]
     new = np.empty(n, dtype=bool)
     new[:1] = True
     np.not_equal(s[1:], s[:-1], out=new[1:])
     if new.all():
-        return order
+        return order, False
     key = np.empty(n, dtype=np.int64)
     key[order] = (np.cumsum(new) - 1) * n
     key += np.arange(n)
-    return np.argsort(key)
+    return np.argsort(key), False
 
 
 def split_labels(labels: np.ndarray, k: int) -> list[np.ndarray]:

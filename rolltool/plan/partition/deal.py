@@ -34,6 +34,7 @@ it first at 128-512 items per part, where its one or two rounds cost less than `
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import lru_cache
 
 import numpy as np
 
@@ -269,8 +270,7 @@ def deal_exact(
     m = n // k
     if not 2 * k * (3.0 * float(target) + 1.0) < 2.0**53:  # the search's keys exact (below)
         return None
-    parts = np.arange(n, dtype=np.int64).reshape(m, k).T.copy()  # parts[p]: p's items
-    parts[:, 1::2] = parts[::-1, 1::2]  # the serpentine deal: heaviest first in every part
+    parts = _serpentine_rows(k, m).copy()  # parts[p]: p's items, heaviest first
     items = ws[parts]  # the items' weights, ``[k, m]``
     loads: list[float] = items.sum(axis=1).tolist()
     top = float(ws[0])
@@ -283,6 +283,21 @@ def deal_exact(
         if not _exact_round(items, parts, loads, target, top, rows_sorted=rounds == 0):
             return None
         rounds += 1
+    return parts
+
+
+@lru_cache(maxsize=8)
+def _serpentine_rows(k: int, m: int) -> np.ndarray:
+    """``[k, m]`` read-only: row p the positions of part p's items in the serpentine deal of
+    m blocks of k (``serpentine(k * m, k)`` by part), heaviest first in every row; the last
+    few shapes are kept (8, an int64 per item each), as ``auto`` deals the same ones again and again.
+
+    >>> _serpentine_rows(3, 2).tolist()
+    [[0, 5], [1, 4], [2, 3]]
+    """
+    parts = np.arange(k * m, dtype=np.int64).reshape(m, k).T.copy()
+    parts[:, 1::2] = parts[::-1, 1::2]
+    parts.flags.writeable = False
     return parts
 
 
