@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import numpy as np
 
@@ -232,8 +233,13 @@ def segment_positions(lens: np.ndarray, dtype: type = np.int64) -> np.ndarray:
     per-segment Python).
     """
     lens = np.asarray(lens, dtype=np.int64)
-    if 0 < len(lens) <= _SLICED_SEGMENTS:
-        sizes = lens.tolist()  # a row's few segments: Python's sum/min/max beat NumPy calls
+    return _positions(lens, lens.tolist() if len(lens) <= _SLICED_SEGMENTS else None, dtype)
+
+
+def _positions(lens: np.ndarray, sizes: list[int] | None, dtype: type) -> np.ndarray:
+    """`segment_positions` of `lens` (any integer dtype), given ``lens.tolist()`` as `sizes`
+    (None: more than `_SLICED_SEGMENTS`, not listed)."""
+    if sizes:  # a row's few segments: Python's sum/min/max beat NumPy calls
         if len(sizes) * _SHORT_SEGMENT <= sum(sizes) and min(sizes) >= 0:
             counting = _counting(max(sizes), dtype)
             return np.concatenate([counting[:n] for n in sizes])
@@ -319,18 +325,18 @@ def unpack_row(rows: dict[str, np.ndarray], r: int) -> dict[str, np.ndarray]:
     (int64, one per segment, -1 for padding). Every derived array is fresh memory, made with
     one NumPy pass each (`segment_positions`, ``repeat``, an in-place multiply).
     """
-    ro, rs = rows["row_offsets"], rows["row_segments"]
-    a, b = int(ro[r]), int(ro[r + 1])
-    s0, s1 = int(rs[r]), int(rs[r + 1])
-    lens = rows["seq_lens"][s0:s1].astype(np.int64)
-    cu = np.zeros(s1 - s0 + 1, dtype=np.int32)
-    np.cumsum(lens, out=cu[1:])
+    a, b = rows["row_offsets"][r : r + 2].tolist()
+    s0, s1 = rows["row_segments"][r : r + 2].tolist()
+    lens = rows["seq_lens"][s0:s1]  # np.repeat takes them as they are stored (int32)
+    sizes: list[int] = lens.tolist()  # a row's few segments: one list instead of NumPy calls
+    cu = np.array([0, *accumulate(sizes)], dtype=np.int32)
     loss_mask = rows["loss_mask"][a:b]
     loss_weight = np.repeat(rows["seg_weight"][s0:s1], lens)
     loss_weight *= loss_mask  # float32 x uint8, in place: seg_weight x loss_mask per token
+    listed = sizes if len(sizes) <= _SLICED_SEGMENTS else None
     row = {
         "input_ids": rows["input_ids"][a:b],
-        "position_ids": segment_positions(lens, np.int32),
+        "position_ids": _positions(lens, listed, np.int32),
         "loss_mask": loss_mask,
         "advantages": np.repeat(rows["seg_advantage"][s0:s1], lens),
         "logprobs": rows["logprobs"][a:b],

@@ -98,12 +98,14 @@ def next_token_targets_of(
     `rolltool.format.layout.unpack_row` has at hand): the same arrays, the segment ends
     scattered and a few padding segments filled as slices instead of a gathered index."""
     cu = np.asarray(cu_seqlens)
-    pad = np.flatnonzero(np.asarray(sample_index) == PAD_SAMPLE)
+    index = np.asarray(sample_index).tolist()  # a row's few segments: Python finds the padding
+    pad = [k for k, i in enumerate(index) if i == PAD_SAMPLE] if PAD_SAMPLE in index else []
     if len(pad) > _FEW_PADS:
         ends, spans = no_target(cu, sample_index), []
     else:
         ends = cu[1:].astype(np.int64) - 1
-        spans = [(int(cu[p]), int(cu[p + 1])) for p in pad.tolist()]
+        bounds = cu.tolist() if pad else []
+        spans = [(bounds[p], bounds[p + 1]) for p in pad]
     out = {}
     for key, source in SHIFTED_FROM.items():
         a = row[source]
