@@ -30,7 +30,7 @@ from rolltool.plan.partition.deal import (
     deal_exact,
     exact_pairs,
 )
-from rolltool.plan.partition.kk import PY_LINKS_MAX, kk_sorted
+from rolltool.plan.partition.kk import PY_LINKS_MAX, kk_sorted, kk_sorted_top
 
 balance_module = importlib.import_module("rolltool.plan.partition.balance")  # (the package's
 # ``balance`` is the function)
@@ -191,9 +191,10 @@ def test_kk_reads_its_links_alike_below_and_above_the_python_limit() -> None:
 
 
 def test_kk_labels_equal_the_textbook_slot_for_slot(monkeypatch: pytest.MonkeyPatch) -> None:
-    """KK's labels (not only its parts) are the textbook's slot order, on inputs with many
-    ties and zero weights, where the singleton-first shortcut must give way to the merge; the
-    counters make sure the shortcut, its way out and the zero-weight naming all ran."""
+    """KK's labels (not only its parts) are the textbook's slot order, and the heaviest part
+    ``kk_sorted_top`` reports is the labels' heaviest, on inputs with many ties and zero
+    weights, where the singleton-first shortcut must give way to the merge; the counters make
+    sure the shortcut, its way out and the zero-weight naming all ran."""
     calls = {"shortcut": 0, "merge": 0, "zero names": 0}
     first, names = kk_module._singleton_first, kk_module._names_with_empty
 
@@ -214,6 +215,9 @@ def test_kk_labels_equal_the_textbook_slot_for_slot(monkeypatch: pytest.MonkeyPa
         w = sorted(rng.integers(0, [3, 50, 5000][trial % 3], n).astype(float).tolist())[::-1]
         ws = np.array(w + [0.0] * (-n % k if eq else 0))
         labels = kk_sorted(ws, k, eq)[:n]
+        full, top = kk_sorted_top(ws, k, eq)  # whole numbers: its own sum is the heaviest part
+        assert np.array_equal(full[:n], labels)
+        assert top == np.bincount(full, weights=ws, minlength=k).max()
         want = np.empty(n, dtype=np.int64)
         for part, items in enumerate(reference_kk(w, k, eq)):
             want[sorted(items)] = part

@@ -49,7 +49,7 @@ import numpy as np
 from rolltool.errors import RolltoolError
 from rolltool.plan.partition.deal import deal, deal_exact
 from rolltool.plan.partition.exchange import refine_subsets
-from rolltool.plan.partition.kk import kk_sorted
+from rolltool.plan.partition.kk import kk_sorted, kk_sorted_top
 from rolltool.plan.partition.lpt import lpt_sorted
 from rolltool.plan.partition.refine import refine, refine_pairs
 from rolltool.util.ranges import cut
@@ -207,9 +207,14 @@ def _refined_top(
     def lpt_labels() -> np.ndarray:
         return lpt if lpt is not None else _lpt(ws, k, equal_count)
 
-    starts = [_kk(ws, k, equal_count) if first_kk else lpt_labels()]
-    if floor is not None and (top := _max_load(ws, starts[0], k)) <= floor:
-        return starts[0], top
+    if first_kk:  # (whole numbers: KK's own sums are the parts' weights exactly)
+        first, top = kk_sorted_top(ws, k)
+    else:
+        first = lpt_labels()
+        top = _max_load(ws, first, k) if floor is not None else 0.0
+    starts = [first]
+    if floor is not None and top <= floor:
+        return first, top
     if first_kk:
         starts.insert(0, lpt_labels())
     elif with_kk:

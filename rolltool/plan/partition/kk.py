@@ -56,20 +56,27 @@ def kk_sorted(ws: np.ndarray, k: int, equal_count: bool = False) -> np.ndarray:
 
     With ``equal_count`` ``n`` must be a multiple of ``k`` (the caller pads with zeros).
     """
+    return kk_sorted_top(ws, k, equal_count)[0]
+
+
+def kk_sorted_top(ws: np.ndarray, k: int, equal_count: bool = False) -> tuple[np.ndarray, float]:
+    """``kk_sorted``'s labels and the heaviest part's weight as KK summed it (its last slot
+    sums): exact for whole numbers with a total below 2^53, as every order's sum is (else it
+    may differ from another order's in the last bits), and with no pass over the labels."""
     n = len(ws)
     if n == 0:
-        return np.empty(0, dtype=np.int64)
-    if k == 1:
-        return np.zeros(n, dtype=np.int64)
+        return np.empty(0, dtype=np.int64), 0.0
+    if k == 1 or n == 1:  # (one item: KK puts it in the first slot)
+        return np.zeros(n, dtype=np.int64), float(np.sum(ws))
     nw: list[float] = (-np.asarray(ws, dtype=np.float64)).tolist()  # ascending
     los: list[int] = []  # link los[j] -> his[j] for each pair of merged slots: the slot
     his: list[int] = []  # named los[j] (-1: an empty one, no link) joins his[j]'s
     if equal_count:
-        root = _kk_blocks(nw, k, los, his)
+        root, top = _kk_blocks(nw, k, los, his)
     else:
-        root = _kk_free(nw, k, los, his)
+        root, top = _kk_free(nw, k, los, his)
     if n <= PY_LINKS_MAX:
-        return _parts_by_links(n, root, los, his)
+        return _parts_by_links(n, root, los, his), top
     # follow links to each item's representative (pointer jumping: O(log depth) passes)
     parent = np.arange(n, dtype=np.int64)
     if los:
@@ -85,7 +92,7 @@ def kk_sorted(ws: np.ndarray, k: int, equal_count: bool = False) -> np.ndarray:
     for slot, rep in enumerate(root):
         if rep >= 0:
             part_of_slot[rep] = slot
-    return part_of_slot[parent]
+    return part_of_slot[parent], top
 
 
 def _parts_by_links(n: int, root: tuple[int, ...], los: list[int], his: list[int]) -> np.ndarray:
@@ -105,8 +112,11 @@ def _parts_by_links(n: int, root: tuple[int, ...], los: list[int], his: list[int
     return np.array(part, dtype=np.int64)
 
 
-def _kk_blocks(nw: list[float], k: int, los: list[int], his: list[int]) -> tuple[int, ...]:
+def _kk_blocks(
+    nw: list[float], k: int, los: list[int], his: list[int]
+) -> tuple[tuple[int, ...], float]:
     """Equal counts: start from blocks of k consecutive items; every merge is a general one.
+    Returns the last partition's slot names and its heaviest slot's sum.
 
     No slot is ever empty, so a merged slot keeps a's representative and links b's to it
     (``his`` gets the parent, ``los`` the child).
@@ -131,10 +141,12 @@ def _kk_blocks(nw: list[float], k: int, los: list[int], his: list[int]) -> tuple
         ns = get(nc)
         replace(heap, (ns[0] - ns[-1], seq, ns, get(ia)))
         seq += 1
-    return heap[0][3]
+    return heap[0][3], -heap[0][2][0]
 
 
-def _kk_blocks_numpy(nw: list[float], k: int, los: list[int], his: list[int]) -> tuple[int, ...]:
+def _kk_blocks_numpy(
+    nw: list[float], k: int, los: list[int], his: list[int]
+) -> tuple[tuple[int, ...], float]:
     """``_kk_blocks`` with NumPy rows: for large k one stable argsort beats sorting in Python."""
     blocks = np.array(nw, dtype=np.float64).reshape(-1, k)
     ids = np.arange(len(nw), dtype=np.int64).reshape(-1, k)
@@ -157,7 +169,7 @@ def _kk_blocks_numpy(nw: list[float], k: int, los: list[int], his: list[int]) ->
     if parents:
         his += np.concatenate(parents).tolist()
         los += np.concatenate(children).tolist()
-    return tuple(heap[0][3].tolist())
+    return tuple(heap[0][3].tolist()), -float(heap[0][2][0])
 
 
 def _push_block(
@@ -188,8 +200,11 @@ def _push_block(
     return j
 
 
-def _kk_free(nw: list[float], k: int, los: list[int], his: list[int]) -> tuple[int, ...]:
-    """No count constraint: start from singletons (see the module docstring).
+def _kk_free(
+    nw: list[float], k: int, los: list[int], his: list[int]
+) -> tuple[tuple[int, ...], float]:
+    """No count constraint: start from singletons (at least two; see the module docstring).
+    Returns the last partition's slot names and its heaviest slot's sum.
 
     The merges are written out in the loop (no call per merge). A singleton meeting a
     partition goes into its lightest slot (one ``bisect``; the other slots keep their order; it
@@ -254,7 +269,7 @@ def _kk_free(nw: list[float], k: int, los: list[int], his: list[int]) -> tuple[i
             his += ia
         replace(heap, (s[0] - s[-1], seq, s, get(names)))
         seq += 1
-    return heap[0][3] if len(heap) > 2 else (n - 1, *empty)  # else a single item
+    return heap[0][3], -heap[0][2][0]
 
 
 def _singleton_first(nb: tuple[float, ...], ib: tuple[int, ...], x: float, k: int) -> int:
