@@ -19,17 +19,9 @@ Lockstep overhead = Σ_j max_r cost(r, j) / (Σ cost / dp), scored on the planni
 the same model with its L² coefficient x0.5 and x2 (the plan is made on the planning model
 only). Plan times are CPU-time medians (one core).
 
-"lower bound": no plan can do better, whatever its micro-batch count (`lower_bound`). A bin
-whose longest sample is l holds at most cap tokens, so it costs at most U(l) = a·cap + b·(l² +
-(cap - l)·min(cap - l, l)) (c = 0 here); a slot waits at least for its longest sample's cost C.
-Samples longer than cap/2 ("long") each lead a bin of their own, and any other bin costs at most
-U_s = U(longest short sample). So a slot whose long samples are S (max s) costs at least
-Σ_{f in S} (C(s) - U(f))⁺ + (dp - |S|)·(C(s) - U_s)⁺ above dp times its mean; moving a longer
-sample into the slot with the longer maximum never raises that sum (U rises with l above cap/2),
-so the best split puts the long samples, sorted, into consecutive blocks of at most dp, found by
-a dynamic programme over block ends. (Session 6's bound was the first block alone: the slot of
-the longest sample.) With few samples near the cap (sigma 0.6) it is above 1.003 on some seeds,
-and the aim cannot hold there.
+"lower bound": no plan can do better, whatever its micro-batch count
+(`rolltool.plan.partition.bound.lockstep_bound`: the long samples' slots). With few samples near
+the cap (sigma 0.6) it is above 1.003 on some seeds, and the aim cannot hold there.
 """
 
 from __future__ import annotations
@@ -46,6 +38,7 @@ import numpy as np
 
 from rolltool.input.synth import synth_lengths
 from rolltool.plan.partition import metrics, plan_step
+from rolltool.plan.partition.bound import lockstep_bound
 from rolltool.plan.workload import Workload, make_workload
 
 DP, PER_RANK, CAP = 8, 128, 32768
@@ -59,29 +52,12 @@ def agent_lengths(n: int, seed: int, sigma: float) -> np.ndarray:
 
 
 def lower_bound(lengths: np.ndarray, wl: Workload, dp: int, cap: int) -> float:
-    """overhead - 1 that no plan beats: the long samples' slots (module docstring). Only for
-    a workload without a per-sample constant (``c = 0``, as this benchmark's): a bin of many short
-    samples pays ``c`` for each, which U(l) does not bound."""
+    """overhead - 1 that no plan beats (`lockstep_bound`). Only for a workload without a
+    per-sample constant (``c = 0``, as this benchmark's): a bin of many short samples pays ``c``
+    for each, which the bound does not count."""
     if wl.c:
         raise ValueError(f"lower_bound needs a workload with c = 0, got c = {wl.c}")
-    s = np.sort(lengths)[::-1].astype(np.float64)
-    ideal = float(wl.cost(lengths).sum()) / dp
-
-    def most(ell: np.ndarray) -> np.ndarray:  # U(l): the costliest bin led by a sample of l
-        rest = cap - ell
-        return wl.c + wl.a * cap + wl.b * (ell**2 + rest * np.minimum(rest, ell))
-
-    long = s[s > cap / 2]
-    short = s[s <= cap / 2]
-    u_short = float(most(short[:1])[0]) if len(short) else 0.0
-    c, u = wl.cost(long), most(long)
-    best = [0.0] + [np.inf] * len(long)  # best[i]: the first i long samples, in blocks
-    for i in range(1, len(long) + 1):
-        for g in range(1, min(dp, i) + 1):  # the last block: long samples i - g .. i - 1
-            top = c[i - g]
-            wait = np.maximum(top - u[i - g : i], 0.0).sum() + (dp - g) * max(top - u_short, 0.0)
-            best[i] = min(best[i], best[i - g] + float(wait))
-    return best[-1] / dp / ideal
+    return lockstep_bound(lengths, a=wl.a, b=wl.b, dp=dp, cap=cap)
 
 
 def run(lengths: np.ndarray, wl: Workload, dp: int = DP, cap: int = CAP) -> dict[str, float]:
@@ -154,6 +130,9 @@ def compare(now: dict[str, list[dict[str, float]]], path: str) -> None:
             recounted += r["dM"] != o["dM"]
             if worse:
                 print(f"- {name} seed {seed}: costlier under {', '.join(worse)}")
+            if r["dM"] != o["dM"]:
+                print(f"- {name} seed {seed}: M - FFD {o['dM']:+.0f} -> {r['dM']:+.0f}, "
+                      f"x1.0 {o['x1.0']:.5f} -> {r['x1.0']:.5f}")  # fmt: skip
     print(f"\n- against {path}: {compared} steps compared, {changed} changed, {costlier} costlier "
           f"under any model, {recounted} with another micro-batch count")  # fmt: skip
     if unmatched:

@@ -55,3 +55,27 @@ def deal_at_random(
         labels[i] = fits[int(rng.integers(len(fits)))]
         room[labels[i]] -= length[i]
     return labels
+
+
+def reference_lockstep_bound(length: np.ndarray, a: float, b: float, dp: int, cap: int) -> float:
+    """`bound.lockstep_bound` as a plain loop over (block end, block size): the long samples
+    (> cap/2), sorted, in consecutive blocks of at most dp, each block's slot waiting for its
+    first sample's cost C(s) where its bins cost at most U(f) (U_s for a bin no long one leads)."""
+    s = sorted((float(x) for x in length), reverse=True)
+    ideal = sum(x * (a + b * x) for x in s) / dp
+
+    def most(ell: float) -> float:
+        rest = cap - ell
+        return a * cap + b * (ell * ell + rest * min(rest, ell))
+
+    long = [x for x in s if x > cap / 2]
+    short = [x for x in s if x <= cap / 2]
+    u_short = most(short[0]) if short else 0.0
+    best = [0.0] + [float("inf")] * len(long)
+    for i in range(1, len(long) + 1):
+        for g in range(1, min(dp, i) + 1):
+            top = long[i - g] * (a + b * long[i - g])
+            wait = sum(max(top - most(f), 0.0) for f in long[i - g : i])
+            wait += (dp - g) * max(top - u_short, 0.0)
+            best[i] = min(best[i], best[i - g] + wait)
+    return best[-1] / dp / ideal if ideal > 0 else 0.0

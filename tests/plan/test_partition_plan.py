@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import numpy as np
 import pytest
@@ -299,3 +300,97 @@ def test_a_plan_that_breaks_a_promise_is_refused(grid: list[list[np.ndarray]], m
         checked_plan(grid, np.zeros((2, m), np.int64), np.zeros((2, m)), 3, max_tokens=None,
                      micro_batch_size=None, ffd_micro_batches=None, min_micro_batches=None,
                      short=[], align="lockstep", equal_count=False, workload=None)  # fmt: skip
+
+
+def _lockstep_costs(plan: StepPlan, lengths: np.ndarray) -> list[float]:
+    """Σ_j max_r cost(r, j) under the planning model and its L² term ×0.5 and ×2."""
+    wl = plan.workload
+    assert wl is not None
+    out = []
+    for f in (1.0, 0.5, 2.0):
+        cost = wl.cost(lengths) + (f - 1.0) * wl.b * lengths.astype(np.float64) ** 2
+        grid = np.array([[cost[mb].sum() for mb in row] for row in plan.micro_batches])
+        out.append(float(grid.max(axis=0).sum()))
+    return out
+
+
+def _agent_step(seed: int, sigma: float, n: int) -> np.ndarray:
+    """`benchmarks/lockstep.py`'s agent lengths: log-normal, median 6,000, in [200, 32,768]."""
+    rng = np.random.default_rng(seed)
+    return np.clip(np.round(rng.lognormal(np.log(6000), sigma, n)), 200, 32768).astype(np.int64)
+
+
+def test_one_micro_batch_more_where_a_step_is_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    # benchmarks/lockstep.py's sigma 0.6 seed 18: the long samples' bins are full to the cap at
+    # FFD's count (1.0041); one micro-batch more leaves them room (1.0016)
+    import rolltool.plan.partition.plan as plan_module
+
+    lengths = _agent_step(18, 0.6, 1024)
+    wl = make_workload("flops", model="dense-7b")
+    plan = plan_step(lengths, dp=8, max_tokens=32768, workload=wl)
+    check_plan(plan, lengths, 8)
+    again = plan_step(lengths.copy(), dp=8, max_tokens=32768, workload=wl)
+    assert all(np.array_equal(x, y) for ra, rb in zip(plan.micro_batches, again.micro_batches,
+                                                      strict=True) for x, y in zip(ra, rb, strict=True))  # fmt: skip
+    monkeypatch.setattr(plan_module, "_wider_if_over", lambda grid, *a, **k: grid)
+    narrow = plan_step(lengths, dp=8, max_tokens=32768, workload=wl)
+    assert narrow.num_micro_batches == plan.ffd_micro_batches
+    assert plan.num_micro_batches == narrow.num_micro_batches + 1
+    ideal = float(wl.cost(lengths).sum()) / 8
+    before, after = _lockstep_costs(narrow, lengths), _lockstep_costs(plan, lengths)
+    assert after[0] < before[0] - plan_module.WIDER_GAIN * ideal
+    assert all(a <= b for a, b in zip(after, before, strict=True))
+
+
+def test_one_micro_batch_more_is_never_costlier(monkeypatch: pytest.MonkeyPatch) -> None:
+    # small agent-like steps over the target: the wider plan is tried, and kept only where it
+    # steps faster under the planning model and no slower under the x0.5 and x2 L² models
+    import rolltool.plan.partition.plan as plan_module
+
+    polished = []  # one call a plan, two where the wider plan is tried
+    polish = plan_module._polished
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        polished.append(1)
+        return polish(*args, **kwargs)
+
+    wl = make_workload("flops", model="dense-7b")
+    wider = []
+    for seed in range(20):
+        lengths = _agent_step(seed, 0.6, 4 * 32)
+        with monkeypatch.context() as patched:
+            patched.setattr(plan_module, "_polished", spy)
+            plan = plan_step(lengths, dp=4, max_tokens=32768, workload=wl)
+        check_plan(plan, lengths, 4)
+        with monkeypatch.context() as patched:
+            patched.setattr(plan_module, "_wider_if_over", lambda grid, *a, **k: grid)
+            narrow = plan_step(lengths, dp=4, max_tokens=32768, workload=wl)
+        after, before = _lockstep_costs(plan, lengths), _lockstep_costs(narrow, lengths)
+        assert all(a <= b for a, b in zip(after, before, strict=True))
+        wider.append(plan.num_micro_batches - narrow.num_micro_batches)
+    assert set(wider) <= {0, 1}
+    assert len(polished) - 20 >= 4  # the wider plan was tried on some of the steps
+
+
+def test_no_wider_plan_where_a_sample_has_a_cost_of_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the bound needs cost = a·L + b·L²: with a cost per sample (``count``, planned by
+    # `rolltool stats` as an alternative) the wider plan is never tried, with FLOPs it is
+    import rolltool.plan.partition.plan as plan_module
+
+    bound = plan_module.lockstep_bound
+    asked = []
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        asked.append(1)
+        return bound(*args, **kwargs)
+
+    monkeypatch.setattr(plan_module, "lockstep_bound", spy)
+    for kind in ("count", "flops"):
+        asked.clear()
+        for seed in range(8):
+            lengths = _agent_step(seed, 0.6, 4 * 32)
+            plan = plan_step(lengths, dp=4, max_tokens=32768, workload=make_workload(kind))
+            check_plan(plan, lengths, 4)
+        assert (len(asked) > 0) == (kind == "flops")

@@ -23,7 +23,9 @@ dp bins (so each slot's bins cost about the same), and permutes each slot's bins
 to even out rank totals (which does not change the lockstep cost). Then ``slots.refill`` regroups
 the bins so that a slot's bins also hold similar tokens (robust to a cost model that is off) and
 ``slots.choose`` keeps the best (``_robust``). When M's bins are not cost-balanced, balanced
-packing with M + 1 is used if that steps faster in lockstep by ``WIDER_GAIN`` (0.1%) or more.
+packing with M + 1 is used if that steps faster in lockstep by ``WIDER_GAIN`` (0.1%) or more;
+so is a polished step still above ``LOCKSTEP_TARGET`` planned again with M + 1, up to FFD's
+count + 1 (``_wider_if_over``).
 ``align="total"`` (plain DDP) or ``equal_count=True`` split the samples over ranks first
 (``balance``), then pack each rank (by the same constructions) and align its bins by cost.
 
@@ -47,6 +49,7 @@ from rolltool.plan.partition.balance import (
     split_labels,
 )
 from rolltool.plan.partition.binpack import ffd, first_fit_fits, pack_balanced, split_tokens
+from rolltool.plan.partition.bound import lockstep_bound
 from rolltool.plan.partition.metrics import ALIGNS
 from rolltool.plan.partition.polish import ROBUST_SCALES, polish
 from rolltool.plan.partition.resplit import resplit
@@ -184,7 +187,9 @@ def plan_step(
         seen: list[Grid] = []
         grid, ffd_m, min_m = _best_lockstep(cost, length, dp, cap, equal_count, seen)
         if not equal_count:
-            grid = _polished(grid, seen, length, cost, wl.b * length.astype(np.float64) ** 2, cap)
+            quad = wl.b * length.astype(np.float64) ** 2
+            grid = _polished(grid, seen, length, cost, quad, cap)
+            grid = _wider_if_over(grid, length, cost, quad, cap, ffd_m, wl)
     else:
         grid, ffd_m, min_m = _total_grid(cost, length, dp, cap, equal_count)
     return _build(grid, length, cost, max_tokens=cap, micro_batch_size=None, ffd_m=ffd_m,
@@ -376,6 +381,56 @@ def _polished(
     if start is not chosen and _lockstep_cost(out, cost) > _lockstep_cost(chosen, cost):
         out = _polish_grid(chosen, length, cost, quad, cap)
     return _resplit_grid(out, length, cost, quad, cap)
+
+
+LOCKSTEP_TARGET = 3e-3
+"""A polished lockstep step whose overhead is still above this (of the ideal) is also planned
+with one micro-batch more (``_wider_if_over``): issue 23's aim for agent steps. A step under
+it pays one lockstep cost more (~0.2 ms of a ~400 ms agent step), one over it a plan more."""
+
+
+def _wider_if_over(
+    grid: Grid,
+    length: np.ndarray,
+    cost: np.ndarray,
+    quad: np.ndarray,
+    cap: int,
+    ffd_m: int,
+    wl: Workload,
+) -> Grid:
+    """The polished lockstep ``grid``, or the same samples planned and polished with one
+    micro-batch more (never more than FFD's count + 1) where that steps faster by
+    ``WIDER_GAIN`` of the ideal plus the workload's cost per micro-batch, and no slower under
+    the polish's ×0.5 and ×2 L² models. Tried only where ``grid`` is above
+    ``LOCKSTEP_TARGET`` and further than that gain above the lower bound
+    (`bound.lockstep_bound`: no plan can gain more; it needs a workload without a cost per
+    sample); M + 1 bins leave room to the longest samples' bins, which at M are full to the cap
+    (`benchmarks/lockstep.py`'s σ 0.6 seed 18: 1.0041 at FFD's 28, 1.0016 at 29). `rolltool
+    stats`' ``count`` alternative (a cost per sample) is so never planned wider: planned on
+    counts, one micro-batch more would step slower on FLOPs."""
+    dp, m, n = len(grid), len(grid[0]) if grid else 0, len(length)
+    if wl.c or dp < 2 or not m or m > ffd_m or n > POLISH_PER_BIN * dp * m:
+        return grid  # (a cost per sample: no bound known, e.g. ``count``'s; not tried)
+    ideal = float(cost.sum()) / dp
+    over = _lockstep_cost(grid, cost) / ideal - 1.0
+    if over <= LOCKSTEP_TARGET:
+        return grid
+    charge = WIDER_GAIN * ideal + wl.m
+    if (over - lockstep_bound(length, a=wl.a, b=wl.b, dp=dp, cap=cap)) * ideal <= charge:
+        return grid
+    order = descending_order(length)
+    found = _fewest_bins(cost[order], length[order], cap, dp, m + 1, m + 1)
+    if found is None:
+        return grid
+    seen: list[Grid] = []
+    wider = _robust(bins_to_slots(found[1], order, cost, dp, m + 1), length, cost, cap, seen, order)
+    wider = _polished(wider, seen, length, cost, quad, cap)
+    models = [cost, *(cost + (f - 1.0) * quad for f in ROBUST_SCALES)]
+    before = [_lockstep_cost(grid, c) for c in models]
+    after = [_lockstep_cost(wider, c) for c in models]
+    if before[0] - after[0] > charge and all(a <= b for a, b in zip(after, before, strict=True)):
+        return wider
+    return grid
 
 
 def _polish_grid(
