@@ -256,7 +256,7 @@ def test_the_shard_check_never_passes_what_a_check_refuses(out: Path) -> None:
     real = int(np.flatnonzero(good["sample_index"] != PAD_SAMPLE)[0])
     lens, big = int(good["seq_lens"][real]), float(np.finfo(np.float32).max)
     edits: list[tuple[str, Any, Any]] = [
-        ("input_ids", 0, -1), ("loss_mask", 0, 2), ("logprobs", 0, np.nan),
+        ("input_ids", 0, -1), ("loss_mask", 0, 2), ("logprobs", 0, np.nan), ("logprobs", 0, big),
         ("logprobs", -1, -np.inf), ("sample_index", 0, -2), ("sample_index", real, -1),
         ("sample_index", pad, 0), ("seg_advantage", 0, np.nan), ("seg_advantage", 0, np.inf),
         ("seg_advantage", real, big), ("seg_weight", 0, -1e-30), ("seg_weight", 0, np.nan),
