@@ -356,20 +356,24 @@ def test_one_micro_batch_more_is_never_costlier(monkeypatch: pytest.MonkeyPatch)
 
     wl = make_workload("flops", model="dense-7b")
     wider = []
-    for seed in range(20):
-        lengths = _agent_step(seed, 0.6, 4 * 32)
+    # 20 small steps (dp 4 x 32: tried on some, kept on none) and two of benchmarks/lockstep.py's
+    # (dp 8 x 128, sigma 0.6 seed 1 and sigma 0.7 seed 19: kept)
+    cases = [(4, _agent_step(seed, 0.6, 4 * 32)) for seed in range(20)]
+    cases += [(8, _agent_step(1, 0.6, 1024)), (8, _agent_step(19, 0.7, 1024))]
+    for dp, lengths in cases:
         with monkeypatch.context() as patched:
             patched.setattr(plan_module, "_polished", spy)
-            plan = plan_step(lengths, dp=4, max_tokens=32768, workload=wl)
-        check_plan(plan, lengths, 4)
+            plan = plan_step(lengths, dp=dp, max_tokens=32768, workload=wl)
+        check_plan(plan, lengths, dp)
         with monkeypatch.context() as patched:
             patched.setattr(plan_module, "_wider_if_over", lambda grid, *a, **k: grid)
-            narrow = plan_step(lengths, dp=4, max_tokens=32768, workload=wl)
+            narrow = plan_step(lengths, dp=dp, max_tokens=32768, workload=wl)
         after, before = _lockstep_costs(plan, lengths), _lockstep_costs(narrow, lengths)
         assert all(a <= b for a, b in zip(after, before, strict=True))
         wider.append(plan.num_micro_batches - narrow.num_micro_batches)
     assert set(wider) <= {0, 1}
-    assert len(polished) - 20 >= 4  # the wider plan was tried on some of the steps
+    assert len(polished) - len(cases) >= 6  # the wider plan was tried on some of the steps
+    assert wider[-2:] == [1, 1]  # and kept on the two benchmark steps
 
 
 def test_no_wider_plan_where_a_sample_has_a_cost_of_its_own(
