@@ -38,7 +38,6 @@ import numpy as np
 
 from rolltool.input.synth import synth_lengths
 from rolltool.plan.partition import metrics, plan_step
-from rolltool.plan.partition.bound import lockstep_bound
 from rolltool.plan.workload import Workload, make_workload
 
 DP, PER_RANK, CAP = 8, 128, 32768
@@ -55,6 +54,9 @@ def lower_bound(lengths: np.ndarray, wl: Workload, dp: int, cap: int) -> float:
     """overhead - 1 that no plan beats (`lockstep_bound`). Only for a workload without a
     per-sample constant (``c = 0``, as this benchmark's): a bin of many short samples pays ``c``
     for each, which the bound does not count."""
+    # imported here: plan_hashes.py imports this module, and runs on trees older than the bound
+    from rolltool.plan.partition.bound import lockstep_bound
+
     if wl.c:
         raise ValueError(f"lower_bound needs a workload with c = 0, got c = {wl.c}")
     return lockstep_bound(lengths, a=wl.a, b=wl.b, dp=dp, cap=cap)
