@@ -156,6 +156,11 @@ def test_degenerate_steps() -> None:
     huge = np.array([4096] + [10] * 30)  # one sample fills a micro-batch by itself
     plan = plan_step(huge, dp=2, max_tokens=4096)
     check_plan(plan, huge, 2)
+    zeros = np.zeros(3, dtype=np.int64)  # a step of length-0 samples costs 0 (no overhead ratio)
+    for kind in ("flops", "tokens"):
+        plan = plan_step(zeros, dp=2, max_tokens=100, workload=make_workload(kind))
+        check_plan(plan, zeros, 2)
+        assert plan.num_micro_batches == 1
 
 
 def test_deterministic() -> None:

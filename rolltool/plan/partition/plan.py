@@ -412,6 +412,8 @@ def _wider_if_over(
     if wl.c or dp < 2 or not m or m > ffd_m or n > POLISH_PER_BIN * dp * m:
         return grid  # (a cost per sample: no bound known, e.g. ``count``'s; not tried)
     ideal = float(cost.sum()) / dp
+    if not ideal > 0:  # every sample of length 0: nothing to gain (and no overhead to divide)
+        return grid
     over = _lockstep_cost(grid, cost) / ideal - 1.0
     if over <= LOCKSTEP_TARGET:
         return grid
