@@ -479,9 +479,10 @@ def _squares_finite(a: np.ndarray) -> bool:
     """True only when every value of `a` (float32) is finite: their sum of squares (one BLAS
     ``dot``, one read of `a`: ~10 against ~14.5 ms of CPU a pass for ``isfinite`` + ``all``,
     which writes and reads a mask) is finite only then (a NaN or infinity makes it NaN or
-    infinite; squares never cancel). False where it overflows (values past ~1e19; silently,
-    ~1 us for the ``errstate``): then the checks one by one look."""
-    with np.errstate(over="ignore"):
+    infinite; squares never cancel). False where it overflows (values past ~1e19): then the
+    checks one by one look. Silently (~1 us for the ``errstate``), whatever the caller's
+    ``np.seterr``: a tiny logprob's square underflows, a signalling NaN's is invalid."""
+    with np.errstate(all="ignore"):
         return math.isfinite(float(np.dot(a, a)))
 
 

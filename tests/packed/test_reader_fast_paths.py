@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -295,6 +296,27 @@ def test_the_shard_check_never_passes_what_a_check_refuses(out: Path) -> None:
                 assert got is None, (edit, want)
                 refused += 1
     assert refused > len(edits)  # every rows + 1 and most edits refused
+
+
+def test_the_shard_check_raises_no_floating_point_error() -> None:
+    """`core.shard_in_order`'s sum of squares of the logprobs says nothing of its own under
+    ``np.errstate(all="raise")`` or warnings as errors: a tiny logprob (its square underflows)
+    is a shard as the checks one by one see it, a signalling NaN one they refuse."""
+    arrays = {
+        "input_ids": np.array([1, 2, 3], np.int32), "loss_mask": np.ones(3, np.uint8),
+        "logprobs": np.array([-1e-20, -0.5, -1.0], np.float32),
+        "seq_lens": np.array([3], np.int32), "sample_index": np.array([0], np.int64),
+        "seg_advantage": np.array([0.5], np.float32), "seg_weight": np.ones(1, np.float32),
+        "row_offsets": np.array([0, 3], np.int64), "row_segments": np.array([0, 1], np.int64),
+    }  # fmt: skip
+    signalling = arrays | {"logprobs": arrays["logprobs"].copy()}
+    signalling["logprobs"][1:2].view(np.uint32)[0] = 0x7F800001
+    with np.errstate(all="raise"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _checks_one_by_one(arrays, 1) is None
+        assert core.shard_in_order(arrays, 1) == core.shard_counts(arrays) == (1, 3, 3)
+        assert core.shard_in_order(signalling, 1) is None
+    assert _checks_one_by_one(signalling, 1) == "a non-finite logprob"
 
 
 def test_the_lengths_test_never_passes_what_the_lengths_check_refuses() -> None:
