@@ -17,8 +17,11 @@ from rolltool.plan.partition.polish import ROBUST_SCALES
 from rolltool.plan.partition.resplit import (
     MAX_BIN,
     MAX_MOVED,
+    MAX_WORK,
+    PASSES,
     _best_trades,
     _heads,
+    _rounds,
     _small_masks,
     _subsets,
     resplit,
@@ -167,6 +170,37 @@ def test_resplit_keeps_the_cap_and_counts_and_never_raises_any_model() -> None:
 
     prop()
     assert len(runs) >= 30 and sum(runs) >= 10  # the re-split really moved samples
+
+
+def test_without_an_l2_term_one_model_scored_three_times_gives_the_same_plans() -> None:
+    """quad = 0 (tokens, count, any linear cost): ``resplit`` scores the one model times 3; the
+    same labels as the three equal models scored one by one (``_rounds`` given all three)."""
+    rng = np.random.default_rng(23)
+    compared = moved = 0
+    for i in range(300):
+        dp, m = int(rng.integers(2, 7)), int(rng.integers(1, 9))
+        if i % 2:  # short bins: gains of 1e-2 and more of the ideal
+            cap = 100
+            plan = random_plan(rng, dp, m, cap)
+        else:  # long samples, 2-4 a bin: gains near MIN_GAIN, where the factor 3 decides
+            cap = 10**6
+            length = rng.integers(cap // 4, cap // 2 + 1, int(rng.integers(1, 4 * dp * m)))
+            dealt = deal_at_random(rng, length, dp * m, cap)
+            plan = None if dealt is None else (length, dealt)
+        if plan is None:
+            continue
+        length, labels = plan
+        cost = length * rng.choice([1.0, 0.75, 3.0]) + rng.choice([0.0, 0.1, 7.0])
+        got = resplit(labels, length, cost, np.zeros(len(cost)), dp=dp, m=m, cap=cap,
+                      max_rounds=50)  # fmt: skip
+        w, want, work = np.stack([cost, cost, cost]), labels, MAX_WORK
+        for moved_most, most, rounds in PASSES:
+            rounds = 50 if rounds is None else min(rounds, 50)
+            want, work = _rounds(want, length, w, dp, m, cap, rounds, work, moved_most, most)
+        assert np.array_equal(got, want)
+        compared += 1
+        moved += not np.array_equal(got, labels)
+    assert compared >= 200 and moved >= 60
 
 
 def test_resplit_stops_before_passing_its_work_budget() -> None:

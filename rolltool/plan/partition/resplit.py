@@ -119,9 +119,12 @@ def resplit(
     w: np.ndarray = np.stack([cost, *(cost + (f - 1.0) * quad for f in ROBUST_SCALES)])  # [K, n]
     if not (w.sum(axis=1) > 0).all():  # samples that cost nothing (zero lengths): no score
         return lab
+    copies = 1
+    if len(w) == 3 and (w[1:] == w[0]).all():  # no L² term (tokens, count): one model, 3 times
+        w, copies = w[:1], len(w)
     for moved, most, rounds in passes:
         rounds = max_rounds if rounds is None else min(rounds, max_rounds)
-        lab, max_work = _rounds(lab, length, w, dp, m, cap, rounds, max_work, moved, most)
+        lab, max_work = _rounds(lab, length, w, dp, m, cap, rounds, max_work, moved, most, copies)
     return lab
 
 
@@ -136,9 +139,11 @@ def _rounds(
     max_work: int,
     moved: int,
     most: int,
+    copies: int = 1,
 ) -> tuple[np.ndarray, int]:
     """One pass of ``resplit`` (trades of up to ``moved`` samples each way, bins of at most
-    ``most`` taking part): the labels (a copy) and the budget of candidates left."""
+    ``most`` taking part): the labels (a copy) and the budget of candidates left. ``copies``:
+    how many equal models ``w``'s one row stands for (`_best_trades`)."""
     lab = lab.copy()
     nb = dp * m
     ideal = w.sum(axis=1) / dp
@@ -157,7 +162,8 @@ def _rounds(
         start = np.r_[0, np.cumsum(np.bincount(lab, minlength=nb))]
         subsets = _subsets(members, start, length, w, cache, dirty, moved, most)
         heads = _heads(c, slots, dp)  # each slot's costliest bins
-        found = _best_trades(heads, subsets, w, c, t, ideal, dp, cap, max_work, tol=float(tol[0]))
+        found = _best_trades(heads, subsets, w, c, t, ideal, dp, cap, max_work, tol=float(tol[0]),
+                             copies=copies)  # fmt: skip
         if found is None:
             break
         h, b, score, delta, x_mask, y_mask, work = found
@@ -281,6 +287,7 @@ def _best_trades(
     max_work: int,
     chunk: int = CHUNK,
     tol: float = 0.0,
+    copies: int = 1,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int] | None:
     """Each pair (h of ``heads``, another bin b) that has a trade lowering the score, with its
     best: ``[P]`` h, b, score (the sum over models of the lockstep cost's change, each relative
@@ -289,7 +296,10 @@ def _best_trades(
     ``max_work``. The candidates are listed and scored about ``chunk`` at a time (``CHUNK``),
     each chunk's best per pair kept with the best so far; ties go to the candidate listed
     first, as if all were scored at once. A trade raises the planning model unless its
-    change is at most ``-tol`` (its ``rounding_bound``: 0 where the costs sum exactly)."""
+    change is at most ``-tol`` (its ``rounding_bound``: 0 where the costs sum exactly).
+    ``copies``: ``w`` is one row standing for that many equal models (no L² term): the score
+    is its change times ``copies``, bit for bit the sum over three equal models (x + x is
+    exact, so (x + x) + x and 3·x are both 3x rounded once), so the same trades win."""
     k, nb = c.shape
     s = c.reshape(k, nb // dp, dp)
     top = s.max(axis=2)  # [K, m]
@@ -314,6 +324,8 @@ def _best_trades(
                 keep = d[0] <= -tol
                 ch, cb, cx, cy, d = ch[keep], cb[keep], cx[keep], cy[keep], d[:, keep]
         total = (d / ideal[:, None]).sum(axis=0)
+        if copies > 1:
+            total *= copies
         lower = total < 0  # only these can be a pair's best
         found = _Found(ch[lower], cb[lower], cx[lower], cy[lower], d[:, lower], total[lower])
         best = _per_pair(best, found, nb)
