@@ -51,7 +51,7 @@ from rolltool.plan.partition.balance import (
 from rolltool.plan.partition.binpack import ffd, first_fit_fits, pack_balanced, split_tokens
 from rolltool.plan.partition.bound import lockstep_bound
 from rolltool.plan.partition.metrics import ALIGNS
-from rolltool.plan.partition.polish import ROBUST_SCALES, polish
+from rolltool.plan.partition.polish import polish, robust_models
 from rolltool.plan.partition.resplit import resplit
 from rolltool.plan.partition.slots import (
     FEW_FILLS,
@@ -369,7 +369,7 @@ def _polished(
     n = len(length)
     if dp < 2 or not m or n > POLISH_PER_BIN * dp * m:
         return chosen
-    models = [cost, *(cost + (f - 1.0) * quad for f in ROBUST_SCALES)]
+    models = robust_models(cost, quad)
 
     def robustness(g: Grid) -> float:
         return sum(metrics.lockstep_overhead(metrics.grid_costs(g, c)) for c in models)
@@ -414,7 +414,8 @@ def _wider_if_over(
     ideal = float(cost.sum()) / dp
     if not ideal > 0:  # every sample of length 0: nothing to gain (and no overhead to divide)
         return grid
-    over = _lockstep_cost(grid, cost) / ideal - 1.0
+    current = _lockstep_cost(grid, cost)
+    over = current / ideal - 1.0
     if over <= LOCKSTEP_TARGET:
         return grid
     charge = WIDER_GAIN * ideal + wl.m
@@ -427,8 +428,8 @@ def _wider_if_over(
     seen: list[Grid] = []
     wider = _robust(bins_to_slots(found[1], order, cost, dp, m + 1), length, cost, cap, seen, order)
     wider = _polished(wider, seen, length, cost, quad, cap)
-    models = [cost, *(cost + (f - 1.0) * quad for f in ROBUST_SCALES)]
-    before = [_lockstep_cost(grid, c) for c in models]
+    models = robust_models(cost, quad)
+    before = [current, *(_lockstep_cost(grid, c) for c in models[1:])]
     after = [_lockstep_cost(wider, c) for c in models]
     if before[0] - after[0] > charge and all(a <= b for a, b in zip(after, before, strict=True)):
         return wider

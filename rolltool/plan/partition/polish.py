@@ -31,10 +31,17 @@ import numpy as np
 
 from rolltool.util.ranges import concat_ranges
 
-__all__ = ["ROBUST_SCALES", "polish", "rest_max", "rounding_bound"]
+__all__ = ["ROBUST_SCALES", "polish", "rest_max", "robust_models", "rounding_bound"]
 
 ROBUST_SCALES = (0.5, 2.0)
 """The L² coefficient's factors the polish also scores a step under (besides 1.0)."""
+
+
+def robust_models(cost: np.ndarray, quad: np.ndarray) -> np.ndarray:
+    """``[K, n]``: each sample's planning ``cost``, then the same with its L² part ``quad``
+    scaled by each of ``ROBUST_SCALES`` (the models a lockstep step is scored under)."""
+    return np.stack([cost, *(cost + (f - 1.0) * quad for f in ROBUST_SCALES)])
+
 
 SLACK_TIERS = np.array([4, 16, 64, 256, 1024, 4096])
 """Bounds on a bin's free tokens that group the bins when pairs are listed: a pair can take
@@ -70,7 +77,7 @@ def polish(
     nb = dp * m
     if len(lab) == 0 or dp < 2 or m == 0:
         return lab
-    w: np.ndarray = np.stack([cost, *(cost + (f - 1.0) * quad for f in ROBUST_SCALES)])  # [K, n]
+    w = robust_models(cost, quad)  # [K, n]
     if not (w.sum(axis=1) > 0).all():  # samples that cost nothing: no score is defined
         return lab
     tol = rounding_bound(w)

@@ -42,7 +42,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from rolltool.plan.partition.polish import ROBUST_SCALES, rest_max, rounding_bound, slot_heads
+from rolltool.plan.partition.polish import rest_max, robust_models, rounding_bound, slot_heads
 from rolltool.util.ranges import concat_ranges
 
 __all__ = ["MAX_BIN", "MAX_MOVED", "MIN_GAIN", "PASSES", "resplit"]
@@ -116,7 +116,7 @@ def resplit(
     lab = labels.copy()
     if len(lab) == 0 or dp < 2 or m == 0:
         return lab
-    w: np.ndarray = np.stack([cost, *(cost + (f - 1.0) * quad for f in ROBUST_SCALES)])  # [K, n]
+    w = robust_models(cost, quad)  # [K, n]
     if not (w.sum(axis=1) > 0).all():  # samples that cost nothing (zero lengths): no score
         return lab
     copies = 1
