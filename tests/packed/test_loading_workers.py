@@ -236,12 +236,37 @@ def test_an_item_changed_in_the_worker_crosses_with_its_changes(
         "written through numpy": lambda x: x["loss_weight"].numpy().__imul__(2),
         "written through .data": lambda x: x["advantages"].data.add_(1),
         "a stored array written": lambda x: x["input_ids"].numpy().__setitem__(0, 7),
+        # changes that leave every byte as it was, or a crc32 of them (the bytes compared are
+        # a copy with its dtype and shape: session 13, instead of each tensor's crc32)
+        "given another dtype": lambda x: setattr(
+            x["loss_weight"], "data", x["loss_weight"].view(torch.int32)
+        ),
+        "shortened": lambda x: x["advantages"].resize_(len(x["advantages"]) - 1),
+        "two values swapped": lambda x: (
+            x["input_ids"]
+            .numpy()[:2]
+            .__setitem__(slice(None), x["input_ids"].numpy()[1::-1].copy())
+        ),
+        "given another storage": lambda x: x["target_ids"].set_(x["target_ids"].flip(0)),
+        "the last byte written": lambda x: (
+            x["target_logprobs"]
+            .numpy()
+            .view(np.uint8)
+            .__setitem__(-1, x["target_logprobs"].numpy().view(np.uint8)[-1] ^ 1)
+        ),
         "replaced": lambda x: x.update(input_ids=x["input_ids"] + 1),
         "added": lambda x: x.update(extra=torch.ones(3)),
     }
-    for change in changes.values():
+    for name, change in changes.items():
         item = _worker_item(ds, monkeypatch, cp_rank=0)
+        assert item.unchanged(), name
+        before = {k: v.clone() if torch.is_tensor(v) else v for k, v in item.items()}
         change(item)
+        assert not item.unchanged(), name
+        assert any(  # the change is one (the swap: the row's first two ids differ)
+            not torch.is_tensor(v) or v.dtype != item[k].dtype or not torch.equal(v, item[k])
+            for k, v in before.items()
+        ) or name in ("replaced", "added"), name
         want = torch_data.MicroBatch({k: v.clone() if torch.is_tensor(v) else v
                                       for k, v in item.items()})  # fmt: skip
         _assert_same([pickle.loads(ForkingPickler.dumps(item))], [want])
