@@ -225,6 +225,49 @@ def test_kk_labels_equal_the_textbook_slot_for_slot(monkeypatch: pytest.MonkeyPa
     assert min(calls.values()) >= 20, calls
 
 
+def test_kk_runs_equal_the_textbook_slot_for_slot(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without equal counts KK pushes consecutive blocks in one call (``_push_blocks``), puts a
+    run of singletons into the heap's top partition in place (``_insert_run``) and merges the
+    rest once no singleton is left (``_merge_rest``): the textbook's labels, slot for slot, on
+    heavy-tailed, tied and zero weights with k up to 64; the counters make sure runs of two
+    blocks and of two singletons or more ran."""
+    runs = {"blocks": 0, "singletons": 0}
+    blocks, singletons = kk_module._push_blocks, kk_module._insert_run
+
+    def counted_blocks(nw: list[float], i: int, hk: float, k: int, *args: Any) -> Any:
+        got = blocks(nw, i, hk, k, *args)
+        runs["blocks"] += got[0] - i > k  # (more than one block: more than k items)
+        return got
+
+    def counted_singletons(nw: list[float], i: int, *args: Any) -> Any:
+        got = singletons(nw, i, *args)
+        runs["singletons"] += got[0] - i >= 2
+        return got
+
+    monkeypatch.setattr(kk_module, "_push_blocks", counted_blocks)
+    monkeypatch.setattr(kk_module, "_insert_run", counted_singletons)
+    rng = np.random.default_rng(23)
+    for trial in range(240):
+        n, k = int(rng.integers(2, 400)), int(rng.choice([2, 3, 4, 8, 16, 64]))
+        shape = trial % 4
+        if shape == 0:  # heavy tail, as token lengths
+            w = np.minimum((rng.pareto(1.2, n) + 1) * 800, 32768).round()
+        elif shape == 1:  # ties and zeros
+            w = rng.integers(0, 6, n).astype(float)
+        elif shape == 2:
+            w = rng.integers(1, 5000, n).astype(float)
+        else:  # runs of equal weights
+            w = np.repeat(rng.integers(0, 300, n // 3 + 1), 3)[:n].astype(float)
+        ws = np.sort(w)[::-1].copy()
+        labels, top = kk_sorted_top(ws, k)
+        assert top == np.bincount(labels, weights=ws, minlength=k).max()
+        want = np.empty(n, dtype=np.int64)
+        for part, items in enumerate(reference_kk(ws.tolist(), k, False)):
+            want[sorted(items)] = part
+        assert np.array_equal(labels, want), (trial, n, k)
+    assert min(runs.values()) >= 20, runs
+
+
 def pick_reference(row: list[float], least: float, most: float) -> int:
     """The column of the smallest x - y in [least, most], else of the largest in (0, least),
     the lowest column on ties; -1 where neither."""
