@@ -229,8 +229,9 @@ def test_kk_runs_equal_the_textbook_slot_for_slot(monkeypatch: pytest.MonkeyPatc
     """Without equal counts KK pushes consecutive blocks in one call (``_push_blocks``), puts a
     run of singletons into the heap's top partition in place (``_insert_run``) and merges the
     rest once no singleton is left (``_merge_rest``): the textbook's labels, slot for slot, on
-    heavy-tailed, tied and zero weights with k up to 64; the counters make sure runs of two
-    blocks and of two singletons or more ran."""
+    heavy-tailed, tied and zero weights with k up to 300 (labels read as bytes up to 256 parts,
+    as a list above); the counters make sure runs of two blocks and of two singletons or more
+    ran."""
     runs = {"blocks": 0, "singletons": 0}
     blocks, singletons = kk_module._push_blocks, kk_module._insert_run
 
@@ -248,7 +249,7 @@ def test_kk_runs_equal_the_textbook_slot_for_slot(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(kk_module, "_insert_run", counted_singletons)
     rng = np.random.default_rng(23)
     for trial in range(240):
-        n, k = int(rng.integers(2, 400)), int(rng.choice([2, 3, 4, 8, 16, 64]))
+        n, k = int(rng.integers(2, 400)), int(rng.choice([2, 3, 4, 8, 16, 64, 300]))
         shape = trial % 4
         if shape == 0:  # heavy tail, as token lengths
             w = np.minimum((rng.pareto(1.2, n) + 1) * 800, 32768).round()

@@ -55,6 +55,11 @@ PY_LINKS_MAX = 2048
 at 256 items 18 µs where pointer jumping took 30, at 4,096 slower)."""
 
 
+BYTE_PARTS = 256
+"""Up to this many parts ``_parts_by_links`` hands NumPy its labels as bytes (256 labels: 4.5 ->
+0.8 µs for the list's conversion)."""
+
+
 def kk_sorted(ws: np.ndarray, k: int, equal_count: bool = False) -> np.ndarray:
     """KK over weights sorted heaviest first: ``[n]`` float64 -> ``[n]`` int64 part (0..k-1).
 
@@ -112,6 +117,8 @@ def _parts_by_links(n: int, root: tuple[int, ...], los: list[int], his: list[int
         part[rep] = slot
     for lo, hi in zip(reversed(los), reversed(his), strict=True):
         part[lo] = part[hi]
+    if len(root) <= BYTE_PARTS:  # one byte a part: bytearray converts the list in C, 5x faster
+        return np.frombuffer(bytearray(part), dtype=np.uint8, count=n).astype(np.int64)
     del part[n]
     return np.array(part, dtype=np.int64)
 
@@ -299,10 +306,10 @@ def _kk_free(
         _, _, nb, ib = heap[0]  # b: replaced by the merged partition (one heap sift, not two)
         # merge: slot t of a with slot k-1-t of b; a merged slot keeps a's name, or b's where
         # a's slot is empty (-1), and links the other name to it
-        nc = list(map(add, na, nb[::-1]))
+        nc = list(map(add, na, reversed(nb)))
         get = itemgetter(*sorted(slots, key=nc.__getitem__))
         s = get(nc)
-        if -1 in ia:
+        if na[-1] == 0.0 and -1 in ia:  # (an empty slot sums to 0: it sorts last)
             names = _names_with_empty(ia, ib[::-1], los, his)
         else:  # a full partition (most merges)
             names = ia
@@ -327,10 +334,10 @@ def _merge_rest(
     while len(heap) > 3:
         _, _, na, ia = pop(heap)
         _, _, nb, ib = heap[0]
-        nc = list(map(add, na, nb[::-1]))
+        nc = list(map(add, na, reversed(nb)))
         get = itemgetter(*sorted(slots, key=nc.__getitem__))
         s = get(nc)
-        if -1 in ia:
+        if na[-1] == 0.0 and -1 in ia:
             names = _names_with_empty(ia, ib[::-1], los, his)
         else:
             names = ia
