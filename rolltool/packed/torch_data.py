@@ -45,11 +45,13 @@ same tensors as a 0-worker read (`_rebuild`). No tensor goes through shared memo
 fresh pages made two workers ~10x slower than none on the development VM; an item of a remote
 shard (read whole), or one changed in the worker, still does. A DataLoader's
 ``pin_memory=True`` copies each item once into pinned memory (in its pin-memory thread, which
-then also makes the rows). Two workers still read ~4-7x slower than none on the 2-core
-development VM (docs/performance.md, "loading"): starting, feeding and stopping a 2-worker
-DataLoader costs about a whole 0-worker pass there, and the row is made twice (in the worker
-and again in the main process). Prefer ``num_workers=0`` unless the workers run a per-row
-transform worth a process.
+then also makes the rows). Two workers still read ~7x slower than none on the 2-core
+development VM, in wall and in CPU time (docs/performance.md, "loading"; ~10x before the
+item's bytes were compared instead of crc32'd, `WorkerItem`): starting, feeding and stopping
+a 2-worker DataLoader costs more than a whole 0-worker pass there (~0.78 s wall and CPU a
+pass with items of one int, against ~0.45 s for the whole 0-worker pass), the row is made
+twice (in the worker and again in the main process), and three processes share two cores.
+Prefer ``num_workers=0`` unless the workers run a per-row transform worth a process.
 """
 
 from __future__ import annotations
@@ -165,9 +167,10 @@ def _bytes_of_array(array: np.ndarray) -> _Bytes:
 def _bytes_of(value: Any) -> _Bytes | None:
     """A tensor's `_Bytes` (None for anything else), read through the tensor as it is now:
     what a write through any path changes (``_version`` misses writes through ``.numpy()`` or
-    ``.data``), and what ``.set_()``, ``.resize_()`` or a ``.data`` swap change too. A copy
-    (~25 us a row of 1.2 MB, compared at ~10 GB/s) instead of a crc32 (~0.23 ms a row, taken
-    twice) and exact: no two contents compare equal."""
+    ``.data``), and what ``.set_()``, ``.resize_()`` or a ``.data`` swap change too. Exact,
+    and cheaper than the crc32 of each tensor it replaces (~0.28 ms a row of 1.2 MB on the
+    development VM, taken when made and when sent): ~25 us to copy a row when it is made,
+    ~80 us to copy and compare it when it is sent (`WorkerItem.unchanged`, timeit, warm)."""
     if not isinstance(value, torch.Tensor):
         return None
     return _bytes_of_array(value.detach().numpy())
