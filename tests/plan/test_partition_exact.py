@@ -231,13 +231,14 @@ def test_kk_runs_equal_the_textbook_slot_for_slot(monkeypatch: pytest.MonkeyPatc
     rest once no singleton is left (``_merge_rest``): the textbook's labels, slot for slot, on
     heavy-tailed, tied and zero weights with k up to 300 (labels read as bytes up to 256 parts,
     as a list above); the counters make sure runs of two blocks and of two singletons or more
-    ran."""
-    runs = {"blocks": 0, "singletons": 0}
+    ran, and blocks cut short handed to the loop's merge instead of pushed."""
+    runs = {"blocks": 0, "singletons": 0, "handed over": 0}
     blocks, singletons = kk_module._push_blocks, kk_module._insert_run
 
     def counted_blocks(nw: list[float], i: int, hk: float, k: int, *args: Any) -> Any:
         got = blocks(nw, i, hk, k, *args)
         runs["blocks"] += got[0] - i > k  # (more than one block: more than k items)
+        runs["handed over"] += got[2] is not None
         return got
 
     def counted_singletons(nw: list[float], i: int, *args: Any) -> Any:

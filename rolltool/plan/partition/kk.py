@@ -190,12 +190,18 @@ def _push_blocks(
     k: int,
     heap: list[tuple[float, int, tuple[float, ...], tuple[int, ...]]],
     seq: int,
-) -> tuple[int, int]:
+) -> tuple[int, int, tuple[tuple[float, ...], tuple[int, ...]] | None]:
     """Push singletons i, i+1 and the next ones that KK would put in the same partition's empty
     slots one by one (a *block*, see the module docstring) as one partition, and the next blocks
     while KK would start another (its first two singletons both at most the heap's top key and
-    negative); returns the next singleton and the next ``seq``. Needs ``nw[i] <= nw[i + 1] < 0``
-    and both at most the heap's top key ``hk`` (``nw`` ends with a NaN, which ends a block)."""
+    negative); returns the next singleton, the next ``seq`` and ``None``. Needs ``nw[i] <=
+    nw[i + 1] < 0`` and both at most the heap's top key ``hk`` (``nw`` ends with a NaN, which
+    ends a block).
+
+    A block cut short by a singleton above ``hk`` whose key (its heaviest item) is below ``hk``
+    would become the heap's top, and KK's next step pops it and merges it with the old top (the
+    singleton is above both): it is returned instead of pushed (its slot sums and names, its
+    ``seq`` spent), for the caller to merge."""
     end = len(nw) - 1
     push = heapq.heappush
     x = nw[i]
@@ -211,12 +217,16 @@ def _push_blocks(
             s = tuple(nw[i:j])
             push(heap, (x - s[-1], seq, s, tuple(range(i, j))))
         else:
-            push(heap, (x, seq, (*nw[i:j], *(0.0,) * (k - m)), (*range(i, j), *(-1,) * (k - m))))
+            s = (*nw[i:j], *(0.0,) * (k - m))
+            ids = (*range(i, j), *(-1,) * (k - m))
+            if x < hk < nw[j]:  # it would be the top, then popped and merged with the old top
+                return j, seq + 1, (s, ids)
+            push(heap, (x, seq, s, ids))
         i, seq = j, seq + 1
         hk = heap[0][0]
         x = nw[i]
         if not (x <= hk and nw[i + 1] <= hk and nw[i + 1] < 0.0):
-            return i, seq
+            return i, seq, None
 
 
 def _insert_run(
@@ -283,24 +293,25 @@ def _kk_free(
     while i < n:
         hk = heap[0][0]
         x = nw[i]
-        p = -1  # singleton i goes into the top partition's lightest slot at p (-1: it does not)
         if x <= hk:  # the first is singleton i
             y = nw[i + 1]
-            if not y <= hk:  # ... and the second the top partition (y is NaN: none left)
-                p = _singleton_first(heap[0][2], heap[0][3], x, k)
-            elif k > 2 and y < 0.0:  # ... and singleton i + 1: a block, and the next that fit
-                i, seq = _push_blocks(nw, i, hk, k, heap, seq)
-                continue
-            else:
-                push(heap, (y, i + 1, (y, *zeros), (i + 1, *empty)))  # now the heap's top
+            if y <= hk and k > 2 and y < 0.0:  # ... and singleton i + 1: a block, and the next
+                i, seq, a = _push_blocks(nw, i, hk, k, heap, seq)  # that fit
+                if a is None:
+                    continue
+                na, ia = a  # a block cut short, which KK merges with the heap's top next
+            elif not y <= hk and (p := _singleton_first(heap[0][2], heap[0][3], x, k)) >= 0:
+                i, seq = _insert_run(nw, i, p, k, heap, seq, los, his)  # ... and the second
+                continue  # the top partition (y is NaN: none left)
+            else:  # a merge: singleton i with the top partition or with singleton i + 1
+                if y <= hk:
+                    push(heap, (y, i + 1, (y, *zeros), (i + 1, *empty)))  # now the heap's top
+                na, ia = (x, *zeros), (i, *empty)
+                i += 2 if y <= hk else 1
         elif x <= heap[1][0] and x <= heap[2][0]:  # a partition, then singleton i
             p = bisect_right(heap[0][2], heap[0][2][-1] + x, 0, k - 1)
-        if p >= 0:
             i, seq = _insert_run(nw, i, p, k, heap, seq, los, his)
             continue
-        if x <= hk:
-            na, ia = (x, *zeros), (i, *empty)
-            i += 2 if y <= hk else 1
         else:
             _, _, na, ia = heapq.heappop(heap)
         _, _, nb, ib = heap[0]  # b: replaced by the merged partition (one heap sift, not two)
