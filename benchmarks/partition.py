@@ -21,8 +21,9 @@ equal-size KK on its workload 24576·L + L², then per rank KK into ceil(tokens 
 the count synced to the max over ranks, more parts until the cap holds), LPT ranks then
 first-fit decreasing per rank, and FFD bins dealt round-robin.
 
-Then balance(auto) against verl's own karmarkar_karp (CPU-time medians, calls interleaved; the
-20x target applies where verl's split is as light as auto's), and align="total" on prime-rl's own
+Then balance(auto) against verl's own karmarkar_karp (CPU-time medians, calls interleaved: three
+of balance's to one of verl's, 45 and 15 up to 1,024 items, else 15 and 5; the 20x target applies
+where verl's split is as light as auto's), and align="total" on prime-rl's own
 randomized test against its prepare_batch (the port in tests/primerl_ref.py).
 """
 
@@ -293,7 +294,11 @@ def verl_table(quick: bool, seeds: int) -> None:
                     wl = [int(x) for x in w]
                     lb = lower_bound(w, k, equal_count=eq)
                     slow = not eq and n >= 4096
-                    reps = [3 if quick else 15, 1 if (slow or quick) else 5]
+                    # three of balance's calls to one of verl's; up to 1,024 items (calls of
+                    # ~0.1-0.3 ms, where one spike of this shared machine moves a median of
+                    # 15) three times as many, in the same pattern
+                    more = 1 if slow or n > 1024 else 3
+                    reps = [3 if quick else 15 * more, 1 if (slow or quick) else 5 * more]
                     fns = [partial(balance, w, k, equal_count=eq),
                            partial(karmarkar_karp, wl, k, eq)]  # fmt: skip
                     (ms, verl_ms), (parts, theirs) = cpu_timed(fns, reps)
