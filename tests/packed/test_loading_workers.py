@@ -254,6 +254,14 @@ def test_an_item_changed_in_the_worker_crosses_with_its_changes(
             .view(np.uint8)
             .__setitem__(-1, x["target_logprobs"].numpy().view(np.uint8)[-1] ^ 1)
         ),
+        # the same bytes in another shape; a value's bytes changed, not its value (0.0 -> -0.0):
+        # the compare is of dtype, shape and bytes, not of values
+        "given another shape": lambda x: x["input_ids"].unsqueeze_(0),
+        "a zero negated": lambda x: (
+            x["target_loss_weight"]
+            .numpy()
+            .__setitem__(np.flatnonzero(x["target_loss_weight"].numpy() == 0)[0], -0.0)
+        ),
         "replaced": lambda x: x.update(input_ids=x["input_ids"] + 1),
         "added": lambda x: x.update(extra=torch.ones(3)),
     }
@@ -264,7 +272,9 @@ def test_an_item_changed_in_the_worker_crosses_with_its_changes(
         change(item)
         assert not item.unchanged(), name
         assert any(  # the change is one (the swap: the row's first two ids differ)
-            not torch.is_tensor(v) or v.dtype != item[k].dtype or not torch.equal(v, item[k])
+            not torch.is_tensor(v)
+            or (v.dtype, v.shape) != (item[k].dtype, item[k].shape)
+            or v.numpy().tobytes() != item[k].numpy().tobytes()
             for k, v in before.items()
         ) or name in ("replaced", "added"), name
         want = torch_data.MicroBatch({k: v.clone() if torch.is_tensor(v) else v
