@@ -170,10 +170,16 @@ def _bytes_of(value: Any) -> _Bytes | None:
     ``.data``), and what ``.set_()``, ``.resize_()`` or a ``.data`` swap change too. Exact,
     and cheaper than the crc32 of each tensor it replaces (~0.28 ms a row of 1.2 MB on the
     development VM, taken when made and when sent): ~25 us to copy a row when it is made,
-    ~80 us to copy and compare it when it is sent (`WorkerItem.unchanged`, timeit, warm)."""
+    ~80 us to copy and compare it when it is sent (`WorkerItem.unchanged`, timeit, warm).
+    None too for a tensor NumPy cannot read (given a dtype NumPy lacks, such as bfloat16, in
+    place): every tensor made had an array, so it compares unequal, changed."""
     if not isinstance(value, torch.Tensor):
         return None
-    return _bytes_of_array(value.detach().numpy())
+    try:
+        array = value.detach().numpy()
+    except (TypeError, RuntimeError):  # bfloat16, another device, a neg bit: not as made
+        return None  # (raised here, in the queue's feeder thread, the DataLoader would hang)
+    return _bytes_of_array(array)
 
 
 def _reduce_for_queue(item: WorkerItem) -> Any:

@@ -262,6 +262,11 @@ def test_an_item_changed_in_the_worker_crosses_with_its_changes(
             .numpy()
             .__setitem__(np.flatnonzero(x["target_loss_weight"].numpy() == 0)[0], -0.0)
         ),
+        # a dtype NumPy cannot read: before, its bytes raised in the queue's feeder thread and a
+        # DataLoader hung
+        "given a dtype NumPy lacks": lambda x: setattr(
+            x["logprobs"], "data", x["logprobs"].data.bfloat16()
+        ),
         "replaced": lambda x: x.update(input_ids=x["input_ids"] + 1),
         "added": lambda x: x.update(extra=torch.ones(3)),
     }
