@@ -41,7 +41,8 @@ non_blocking=True)``; `prefetch` issues the next row's transfer while the curren
 worker maps and checks the shard and makes the item; the DataLoader's queue carries where its
 row lies (~0.5 kB); the main process reads or maps the same file itself (kept per process),
 refuses it if it is not the file the worker checked (device, inode, size, mtime) and makes the
-same tensors as a 0-worker read (`_rebuild`). No tensor goes through shared memory, whose
+same tensors as a 0-worker read (`_rebuild`; the stored arrays copied out of the shard it keeps,
+so a write to an item never reaches the rows rebuilt after it, a later epoch's). No tensor goes through shared memory, whose
 fresh pages made two workers ~10x slower than none on the development VM; an item of a remote
 shard (read whole), or one changed in the worker, still does. A DataLoader's
 ``pin_memory=True`` copies each item once into pinned memory (in its pin-memory thread, which
@@ -104,8 +105,9 @@ class WorkerItem(MicroBatch):
     workers ~10x slower than none on the development VM). This item pickles as its
     `rolltool.packed.core.RowSource` (~0.5 kB): the main process reads the same shard private
     (kept per process) and makes the row as a 0-worker read does (`_rebuild`): the same
-    tensors, the stored arrays wrapped in its copy, the derived ones computed again (~0.05-0.2 ms a
-    row; sent through the queue's pipe instead they cost the main process ~1.5-2.7 ms). A shard
+    tensors, the stored arrays copied out of the kept shard (`_own`), the derived ones computed
+    again (~0.05-0.2 ms a row; sent through the queue's pipe instead they cost the main process
+    ~1.5-2.7 ms). A shard
     that is no longer the file the worker checked is refused there. An item changed in the
     worker after it was made (a key added or replaced, a tensor written by torch or through
     ``.numpy()``/``.data``, or given another dtype, shape or storage: each tensor's bytes are
@@ -200,7 +202,7 @@ def _rebuild(source: RowSource, keys: tuple[str, ...], step: int, micro_batch: i
     process as it does a worker's error: raised here, inside the queue's unpickling, it would
     kill a DataLoader's pin-memory thread ("Pin memory thread exited unexpectedly") instead."""
     try:
-        row = rebuild_row(source)
+        row = {key: _own(array) for key, array in rebuild_row(source).items()}
         item = MicroBatch(step=step, micro_batch=micro_batch)
         item.update(to_tensors(row, writable=True))
         if tuple(item) != keys:  # pragma: no cover - one recipe makes both: a bug
@@ -208,6 +210,18 @@ def _rebuild(source: RowSource, keys: tuple[str, ...], step: int, micro_batch: i
     except Exception:
         return ExceptionWrapper(where="in the main process, making a DataLoader worker's item")
     return item
+
+
+def _own(array: np.ndarray) -> np.ndarray:
+    """`array` where NumPy made it for this row (a derived array), else a copy: a stored array
+    lies in the shard `rebuild_row` keeps for the rows after it, the next epoch's included,
+    which a write to this item's tensor (``mul_``, ``add_``: a trainer's in-place step) must not
+    reach (~25 us a row of ~27k tokens)."""
+    owner: Any = array
+    while isinstance(owner, np.ndarray) and owner.base is not None:
+        owner = owner.base  # up to the array that owns the memory, or a buffer (a map)
+    made = isinstance(owner, np.ndarray) and not getattr(owner, "copy_on_write", False)
+    return array if made else array.copy()  # (a `PrivateRead` owns its memory: a shard's)
 
 
 def _refuse_batching(batch: Any, *, collate_fn_map: Any = None) -> Any:

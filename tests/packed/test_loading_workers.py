@@ -226,6 +226,28 @@ def test_the_main_process_checks_the_file_it_maps(
     _assert_same([pickle.loads(sent)], [first])
 
 
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_a_write_to_a_rebuilt_item_never_reaches_a_later_rebuild(
+    packs: dict[str, Path], layout: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The main process keeps the shards it rebuilt rows from (the next epoch reads them
+    again): a consumer's in-place step on an item (``mul_``, ``add_``) must change that item
+    only, never the same row rebuilt later, as with no workers."""
+    ds = rolltool.open_packed(packs[layout])
+    for view in LAYOUTS[layout][2]:
+        item = _worker_item(ds, monkeypatch, **view)
+        want = torch_data.MicroBatch(
+            {k: v.clone() if torch.is_tensor(v) else v for k, v in item.items()}
+        )
+        sent = ForkingPickler.dumps(item)
+        first = pickle.loads(sent)
+        for value in first.values():
+            if torch.is_tensor(value) and value.numel():
+                value.add_(1) if value.dtype != torch.bool else value.logical_not_()
+        assert not torch.equal(first["input_ids"], want["input_ids"])
+        _assert_same([pickle.loads(sent)], [want])
+
+
 def test_an_item_changed_in_the_worker_crosses_with_its_changes(
     packs: dict[str, Path], monkeypatch: pytest.MonkeyPatch, rebuilt: list[int]
 ) -> None:
