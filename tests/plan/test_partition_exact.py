@@ -250,7 +250,7 @@ def test_kk_runs_equal_the_textbook_slot_for_slot(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(kk_module, "_insert_run", counted_singletons)
     rng = np.random.default_rng(23)
     for trial in range(240):
-        n, k = int(rng.integers(2, 400)), int(rng.choice([2, 3, 4, 8, 16, 64, 300]))
+        n, k = int(rng.integers(2, 400)), int(rng.choice([2, 3, 4, 8, 16, 64, 256, 257, 300]))
         shape = trial % 4
         if shape == 0:  # heavy tail, as token lengths
             w = np.minimum((rng.pareto(1.2, n) + 1) * 800, 32768).round()

@@ -340,7 +340,7 @@ def _merge_rest(
 ) -> tuple[tuple[int, ...], float]:
     """``_kk_free``'s merges once no singleton is left, until one partition is left (and the
     two sentinels): the loop's merge, written out again without the singletons' checks."""
-    pop, replace = heapq.heappop, heapq.heapreplace = heapq.heappop, heapq.heapreplace
+    pop, replace = heapq.heappop, heapq.heapreplace
     slots = range(k)
     while len(heap) > 3:
         _, _, na, ia = pop(heap)
