@@ -339,7 +339,11 @@ class RankRows(IterableDataset[MicroBatch]):
 
     def state_dict(self) -> dict[str, Any]:
         """Where this iterator (this worker's, in a DataLoader worker) goes on: the (step,
-        micro_batch) of the next row it yields, (num_steps, 0) at the end."""
+        micro_batch) of the next row it yields, (num_steps, 0) at the end; after
+        `load_state_dict` and before the ``iter()`` it applies to, the state loaded (where
+        that iterator will start), not the position of the pass before it."""
+        if self._loaded is not None:
+            return dict(self._loaded)
         step, micro_batch = self._position(self._next)
         return {
             "rank": self.rank,

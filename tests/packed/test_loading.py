@@ -164,6 +164,26 @@ def test_resume_from_state_dict_single_process(out: Path) -> None:
         assert _keys(fresh) == stream  # the loaded state applies to one pass only
 
 
+def test_state_dict_right_after_load_state_dict_is_the_state_loaded(out: Path) -> None:
+    """A checkpoint saved after restoring and before the next pass starts (a trainer that
+    saves on resume, or is stopped again before its first step) resumes where the loaded
+    state does: state_dict() between load_state_dict() and iter() named the dataset's start
+    (found in review: rows 0..k-1 served again after such a second resume)."""
+    ds = rolltool.open_packed(out)
+    stream = _stream(ds, 0)
+    for k in range(len(stream) + 1):
+        data = ds.torch_dataset(0)
+        it = iter(data)
+        seen = _keys(next(it) for _ in range(k))
+        restored = ds.torch_dataset(0)
+        restored.load_state_dict(json.loads(json.dumps(data.state_dict())))
+        saved_again = json.loads(json.dumps(restored.state_dict()))  # before any iter()
+        fresh = ds.torch_dataset(0)
+        fresh.load_state_dict(saved_again)
+        assert seen + _keys(fresh) == stream
+        assert seen + _keys(restored) == stream  # the restored one itself resumes there too
+
+
 def test_resume_from_worker_states(out: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """What StatefulDataLoader does: each worker's state_dict() after its last delivered item,
     loaded into that worker's copy of a fresh dataset; the round robin goes on at the next
