@@ -174,8 +174,11 @@ def _bytes_of(value: Any) -> _Bytes | None:
     development VM, taken when made and when sent): ~25 us to copy a row when it is made,
     ~80 us to copy and compare it when it is sent (`WorkerItem.unchanged`, timeit, warm).
     None too for a tensor NumPy cannot read (given a dtype NumPy lacks, such as bfloat16, in
-    place): every tensor made had an array, so it compares unequal, changed."""
+    place), and for one made to require grad (``requires_grad_()``, which no byte shows):
+    every tensor made had an array, so it compares unequal, changed."""
     if not isinstance(value, torch.Tensor):
+        return None
+    if value.requires_grad:  # made without it: rebuilt by reference, the flag would be lost
         return None
     try:
         array = value.detach().numpy()

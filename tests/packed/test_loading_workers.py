@@ -310,6 +310,22 @@ def test_an_item_changed_in_the_worker_crosses_with_its_changes(
     assert not rebuilt  # each went the plain way
 
 
+def test_an_item_made_to_require_grad_in_the_worker_keeps_it(
+    packs: dict[str, Path], monkeypatch: pytest.MonkeyPatch, rebuilt: list[int]
+) -> None:
+    """``requires_grad_()`` in the worker changes no byte: the item compared unchanged, went by
+    reference and the main process rebuilt it without the flag, unlike a 0-worker item (found
+    in review: a transform's ``mb["advantages"].requires_grad_()``, 0 workers True, 2 False)."""
+    ds = rolltool.open_packed(packs["cp2"])
+    item = _worker_item(ds, monkeypatch, cp_rank=0)
+    item["advantages"].requires_grad_()
+    assert not item.unchanged()
+    got = pickle.loads(ForkingPickler.dumps(item))
+    assert got["advantages"].requires_grad
+    assert torch.equal(got["advantages"].detach(), item["advantages"].detach())
+    assert not rebuilt  # it went the plain way
+
+
 def test_stateful_dataloader_resumes_two_workers_with_the_same_tensors(
     packs: dict[str, Path],
 ) -> None:
