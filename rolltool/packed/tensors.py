@@ -32,6 +32,21 @@ def _block(nbytes: int, *, pin: bool, shared: bool) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
 
 
+def memory_owner(a: np.ndarray) -> object:
+    """What holds `a`'s memory: up its ``base`` chain to the array that owns it, the first one
+    marked ``copy_on_write`` (a `rolltool.packed.core.PrivateRead`: a shard read whole), or the
+    buffer under the chain (a map: `rolltool.packed.core.PrivateMap` behind ``np.frombuffer``'s
+    memoryview)."""
+    owner: object = a
+    while (
+        isinstance(owner, np.ndarray)
+        and owner.base is not None
+        and not getattr(owner, "copy_on_write", False)
+    ):
+        owner = owner.base
+    return owner.obj if isinstance(owner, memoryview) else owner
+
+
 def _wrappable(a: np.ndarray) -> np.ndarray:
     """`a` itself when writable (a derived array), a writable view of it when it lies in a
     shard's bytes private to this process (`rolltool.packed.core.PrivateShard`: a copy-on-write
@@ -39,12 +54,7 @@ def _wrappable(a: np.ndarray) -> np.ndarray:
     write never reaches the file), else a copy (a read-only map, bytes read whole)."""
     if a.flags.writeable:
         return a
-    owner: object = a
-    while isinstance(owner, np.ndarray) and not getattr(owner, "copy_on_write", False):
-        owner = owner.base  # up to the map's memoryview, or a shard read whole (PrivateRead)
-    if isinstance(owner, memoryview):  # np.frombuffer's hold on the map
-        owner = owner.obj
-    if getattr(owner, "copy_on_write", False):
+    if getattr(memory_owner(a), "copy_on_write", False):
         view = a.view()
         view.flags.writeable = True
         return view

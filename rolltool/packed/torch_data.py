@@ -41,10 +41,11 @@ non_blocking=True)``; `prefetch` issues the next row's transfer while the curren
 worker maps and checks the shard and makes the item; the DataLoader's queue carries where its
 row lies (~0.5 kB); the main process reads or maps the same file itself (kept per process),
 refuses it if it is not the file the worker checked (device, inode, size, mtime) and makes the
-same tensors as a 0-worker read (`_rebuild`; the stored arrays copied out of the shard it keeps,
-so a write to an item never reaches the rows rebuilt after it, a later epoch's). No tensor goes through shared memory, whose
-fresh pages made two workers ~10x slower than none on the development VM; an item of a remote
-shard (read whole), or one changed in the worker, still does. A DataLoader's
+same tensors as a 0-worker read (`_rebuild`; the stored arrays copied out of the shard it
+keeps, so a write to an item never reaches the rows rebuilt after it, a later epoch's). No
+tensor goes through shared memory, whose fresh pages made two workers ~10x slower than none on
+the development VM; an item of a remote shard (read whole), or one changed in the worker,
+still does. A DataLoader's
 ``pin_memory=True`` copies each item once into pinned memory (in its pin-memory thread, which
 then also makes the rows). Two workers still read ~7x slower than none on the 2-core
 development VM, in wall and in CPU time (docs/performance.md, "loading"; ~10x before the
@@ -68,7 +69,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from rolltool.errors import RolltoolError
 from rolltool.packed.core import RowSource, rebuild_row
-from rolltool.packed.tensors import to_tensors
+from rolltool.packed.tensors import memory_owner, to_tensors
 
 if TYPE_CHECKING:
     from rolltool.packed.core import PackedReader
@@ -107,8 +108,7 @@ class WorkerItem(MicroBatch):
     (kept per process) and makes the row as a 0-worker read does (`_rebuild`): the same
     tensors, the stored arrays copied out of the kept shard (`_own`), the derived ones computed
     again (~0.05-0.2 ms a row; sent through the queue's pipe instead they cost the main process
-    ~1.5-2.7 ms). A shard
-    that is no longer the file the worker checked is refused there. An item changed in the
+    ~1.5-2.7 ms). A shard that is no longer the file the worker checked is refused there. An item changed in the
     worker after it was made (a key added or replaced, a tensor written by torch or through
     ``.numpy()``/``.data``, or given another dtype, shape or storage: each tensor's bytes are
     copied when the item is made and compared, with its dtype and shape, when it is sent,
@@ -122,15 +122,12 @@ class WorkerItem(MicroBatch):
 
     @classmethod
     def of(
-        cls,
-        step: int,
-        micro_batch: int,
-        tensors: dict[str, Any],
-        source: RowSource,
-        arrays: dict[str, np.ndarray],
+        cls, step: int, micro_batch: int, arrays: dict[str, np.ndarray], source: RowSource
     ) -> WorkerItem:
-        """The item of `tensors`, made by ``to_tensors(arrays)`` (each tensor shares its
-        array's memory, so each array's bytes are its tensor's, as made)."""
+        """The item of a row of a shard private to this process (`arrays`, writable
+        throughout): each tensor wraps its array, so each array's bytes are its tensor's, as
+        made."""
+        tensors = to_tensors(arrays, writable=True)
         item = cls(step=step, micro_batch=micro_batch)
         item.update(tensors)
         item.source = source
@@ -220,9 +217,7 @@ def _own(array: np.ndarray) -> np.ndarray:
     lies in the shard `rebuild_row` keeps for the rows after it, the next epoch's included,
     which a write to this item's tensor (``mul_``, ``add_``: a trainer's in-place step) must not
     reach (~25 us a row of ~27k tokens)."""
-    owner: Any = array
-    while isinstance(owner, np.ndarray) and owner.base is not None:
-        owner = owner.base  # up to the array that owns the memory, or a buffer (a map)
+    owner = memory_owner(array)
     made = isinstance(owner, np.ndarray) and not getattr(owner, "copy_on_write", False)
     return array if made else array.copy()  # (a `PrivateRead` owns its memory: a shard's)
 
@@ -325,8 +320,7 @@ class RankRows(IterableDataset[MicroBatch]):
             item: MicroBatch
             # a row of a shard private to this process (source) is writable throughout
             if shared and source is not None:
-                tensors = to_tensors(row, writable=True)
-                item = WorkerItem.of(ref.step, ref.micro_batch, tensors, source, row)
+                item = WorkerItem.of(ref.step, ref.micro_batch, row, source)
             else:
                 item = MicroBatch(step=ref.step, micro_batch=ref.micro_batch)
                 pin, mine = self.pin_memory, source is not None
