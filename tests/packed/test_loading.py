@@ -150,14 +150,20 @@ def test_start_and_state_errors(out: Path) -> None:
         iter(data)
 
 
+def _checkpoint_after(ds: Any, k: int) -> tuple[list[tuple[int, int]], dict[str, Any]]:
+    """The keys of rank 0's first k items and the state saved after them, as a checkpoint
+    holds it (plain JSON)."""
+    data = ds.torch_dataset(0)
+    it = iter(data)
+    seen = _keys(next(it) for _ in range(k))
+    return seen, json.loads(json.dumps(data.state_dict()))
+
+
 def test_resume_from_state_dict_single_process(out: Path) -> None:
     ds = rolltool.open_packed(out)
     stream = _stream(ds, 0)
     for k in range(len(stream) + 1):
-        data = ds.torch_dataset(0)
-        it = iter(data)
-        seen = _keys(next(it) for _ in range(k))
-        state = json.loads(json.dumps(data.state_dict()))  # a checkpoint is plain JSON
+        seen, state = _checkpoint_after(ds, k)
         fresh = ds.torch_dataset(0)
         fresh.load_state_dict(state)
         assert seen + _keys(fresh) == stream
@@ -172,11 +178,9 @@ def test_state_dict_right_after_load_state_dict_is_the_state_loaded(out: Path) -
     ds = rolltool.open_packed(out)
     stream = _stream(ds, 0)
     for k in range(len(stream) + 1):
-        data = ds.torch_dataset(0)
-        it = iter(data)
-        seen = _keys(next(it) for _ in range(k))
+        seen, state = _checkpoint_after(ds, k)
         restored = ds.torch_dataset(0)
-        restored.load_state_dict(json.loads(json.dumps(data.state_dict())))
+        restored.load_state_dict(state)
         saved_again = json.loads(json.dumps(restored.state_dict()))  # before any iter()
         fresh = ds.torch_dataset(0)
         fresh.load_state_dict(saved_again)
